@@ -1,0 +1,96 @@
+#include "common/config.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <sstream>
+#include <stdexcept>
+
+namespace fastcomm {
+namespace {
+
+const char* env(const char* name) {
+  const char* v = std::getenv(name);
+  return (v != nullptr && *v != '\0') ? v : nullptr;
+}
+
+std::string lower(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
+  return s;
+}
+
+// Accepts plain integers and K/M/G suffixes (powers of two).
+int64_t parseBytes(const char* name, const char* text) {
+  std::string s(text);
+  int64_t mult = 1;
+  if (!s.empty()) {
+    char last = static_cast<char>(std::toupper(static_cast<unsigned char>(s.back())));
+    if (last == 'K' || last == 'M' || last == 'G') {
+      mult = last == 'K' ? (1 << 10) : last == 'M' ? (1 << 20) : (1 << 30);
+      s.pop_back();
+    }
+  }
+  char* end = nullptr;
+  long long v = std::strtoll(s.c_str(), &end, 10);
+  if (end == s.c_str() || *end != '\0' || v < 0) {
+    throw std::invalid_argument(std::string("fastcomm: ") + name + "=" + text +
+                                " is not a byte count");
+  }
+  return static_cast<int64_t>(v) * mult;
+}
+
+std::string oneOf(const char* name, const char* text, std::initializer_list<const char*> allowed) {
+  std::string v = lower(text);
+  for (const char* a : allowed) {
+    if (v == a) return v;
+  }
+  std::string msg = std::string("fastcomm: ") + name + "=" + text + " is not one of";
+  for (const char* a : allowed) msg += std::string(" ") + a;
+  throw std::invalid_argument(msg);
+}
+
+bool flag(const char* name, bool dflt) {
+  const char* v = env(name);
+  if (v == nullptr) return dflt;
+  std::string s = lower(v);
+  return !(s == "0" || s == "false" || s == "off" || s == "no");
+}
+
+}  // namespace
+
+Config Config::fromEnv() {
+  Config c;
+  if (const char* v = env("FASTCOMM_HOST_ID")) c.hostIdOverride = v;
+  if (const char* v = env("FASTCOMM_TRANSPORT"))
+    c.transport = oneOf("FASTCOMM_TRANSPORT", v, {"auto", "ib", "tcp"});
+  if (const char* v = env("FASTCOMM_WIRE_DTYPE"))
+    c.wireDtype = oneOf("FASTCOMM_WIRE_DTYPE", v, {"none", "bf16", "fp16"});
+  if (const char* v = env("FASTCOMM_CHUNK_BYTES")) c.chunkBytes = parseBytes("FASTCOMM_CHUNK_BYTES", v);
+  if (const char* v = env("FASTCOMM_SHM_ONESHOT_BYTES"))
+    c.oneShotBytes = parseBytes("FASTCOMM_SHM_ONESHOT_BYTES", v);
+  if (const char* v = env("FASTCOMM_P2P_BYTES")) c.p2pBytes = parseBytes("FASTCOMM_P2P_BYTES", v);
+  if (const char* v = env("FASTCOMM_SPIN_US")) c.spinMicros = parseBytes("FASTCOMM_SPIN_US", v);
+  c.check = flag("FASTCOMM_CHECK", false);
+  c.blockingWait = flag("FASTCOMM_BLOCKING_WAIT", false);
+  c.cudaTiming = flag("FASTCOMM_CUDA_TIMING", true);
+  if (const char* v = env("FASTCOMM_LOG")) {
+    std::string l = oneOf("FASTCOMM_LOG", v, {"warn", "info", "debug"});
+    c.logLevel = l == "warn" ? LogLevel::Warn : l == "info" ? LogLevel::Info : LogLevel::Debug;
+  }
+  // Chunks below 4 KiB only add barriers; keep them page-sized and sane.
+  c.chunkBytes = std::max<int64_t>(4096, c.chunkBytes / 4096 * 4096);
+  c.p2pBytes = std::max<int64_t>(4096, c.p2pBytes / 4096 * 4096);
+  return c;
+}
+
+std::string Config::describe() const {
+  std::ostringstream os;
+  os << "host_id=" << (hostIdOverride.empty() ? "<auto>" : hostIdOverride)
+     << " transport=" << transport << " wire_dtype=" << wireDtype << " chunk_bytes=" << chunkBytes
+     << " oneshot_bytes=" << oneShotBytes << " p2p_bytes=" << p2pBytes
+     << " spin_us=" << spinMicros << " check=" << check << " blocking_wait=" << blockingWait
+     << " cuda_timing=" << cudaTiming;
+  return os.str();
+}
+
+}  // namespace fastcomm

@@ -1,0 +1,41 @@
+// Runtime configuration of fastcomm, read from the environment in one place.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace fastcomm {
+
+enum class LogLevel : int { Warn = 0, Info = 1, Debug = 2 };
+
+struct Config {
+  // FASTCOMM_HOST_ID: overrides the host identity (one machine acts as several).
+  std::string hostIdOverride;
+  // FASTCOMM_TRANSPORT: auto | ib | tcp (inter-node transport).
+  std::string transport = "auto";
+  // FASTCOMM_WIRE_DTYPE: none | bf16 | fp16 (inter-node compression).
+  std::string wireDtype = "none";
+  // FASTCOMM_CHUNK_BYTES: pipeline chunk; for shared memory, the bytes each
+  // rank owns per pipeline step.
+  int64_t chunkBytes = 1 << 20;
+  // FASTCOMM_SHM_ONESHOT_BYTES: all-reduces up to this size reduce the whole
+  // buffer on every rank after one exchange (one barrier instead of two).
+  int64_t oneShotBytes = 32 << 10;
+  // FASTCOMM_P2P_BYTES: ring buffer per directed pair for send/recv.
+  int64_t p2pBytes = 256 << 10;
+  // FASTCOMM_SPIN_US: how long a wait spins before sleeping on a futex.
+  int64_t spinMicros = -1;  // -1: chosen from the core count
+  // FASTCOMM_CHECK=1: verify shapes/dtypes agree across ranks per collective.
+  bool check = false;
+  // FASTCOMM_BLOCKING_WAIT=1: work.wait() on CUDA blocks the host until the
+  // collective completes (or fails), like TORCH_NCCL_BLOCKING_WAIT.
+  bool blockingWait = false;
+  // FASTCOMM_CUDA_TIMING=0 turns off GPU timing of collectives in stats.
+  bool cudaTiming = true;
+  LogLevel logLevel = LogLevel::Warn;
+
+  static Config fromEnv();
+  std::string describe() const;
+};
+
+}  // namespace fastcomm

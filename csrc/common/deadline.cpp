@@ -1,0 +1,16 @@
+#include "common/deadline.hpp"
+
+namespace fastcomm {
+
+std::string formatRanks(const std::vector<int>& ranks) {
+  std::string s = "[";
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(ranks[i]);
+  }
+  return s + "]";
+}
+
+void throwCommError(const std::string& message) { C10_THROW_ERROR(DistBackendError, message); }
+
+}  // namespace fastcomm

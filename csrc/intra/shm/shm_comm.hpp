@@ -1,0 +1,127 @@
+// Collectives among the ranks of one node through one POSIX shared-memory
+// segment.
+//
+// Protocol: the collective lane of every rank advances through numbered
+// *steps*. In step s a rank writes only into its own region of the buffer with
+// parity s % 2, arrives at barrier s, then reads any rank's region of that
+// parity. A region written in step s is rewritten no earlier than step s + 2,
+// which a rank enters only after everyone arrived at barrier s + 1, i.e. after
+// everyone finished reading it. So one barrier per step suffices, and a
+// pipelined all-reduce costs one barrier per chunk.
+//
+// Point-to-point messages use a separate ring buffer per directed pair.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/config.hpp"
+#include "common/deadline.hpp"
+#include "common/reduce.hpp"
+
+namespace fastcomm {
+
+struct ShmHeader;
+
+// What a rank is about to run; compared across ranks with FASTCOMM_CHECK=1.
+struct OpSignature {
+  char name[40] = {};
+  int32_t dtype = -1;
+  int32_t redop = -1;
+  int32_t root = -1;
+  int32_t pad = 0;
+  int64_t numel = 0;
+  int64_t aux = 0;  // e.g. output numel
+  bool operator==(const OpSignature& o) const;
+  std::string describe() const;
+};
+
+class ShmComm {
+ public:
+  // Collective over `groupRanks` (the group ranks of this node's members, in
+  // local order); `me` indexes into it. Uses `store` (already prefixed for the
+  // group) to find the segment. Blocks until every member mapped it or `ctx`
+  // expires.
+  ShmComm(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key,
+          std::vector<int> groupRanks, int me, const Config& cfg, const OpContext& ctx);
+  ~ShmComm();
+  ShmComm(const ShmComm&) = delete;
+  ShmComm& operator=(const ShmComm&) = delete;
+
+  int size() const { return size_; }
+  int index() const { return me_; }
+  int64_t segmentBytes() const { return mapBytes_; }
+
+  // Collectives: called from one thread (the group's collective lane) in the
+  // same order on every member. Buffers are contiguous host memory; roots are
+  // local indices.
+  void barrier(const OpContext& ctx);
+  void allreduce(void* data, int64_t count, at::ScalarType dt, RedOp op, const OpContext& ctx);
+  void reduce(void* data, int64_t count, at::ScalarType dt, RedOp op, int root,
+              const OpContext& ctx);
+  void broadcast(void* data, int64_t bytes, int root, const OpContext& ctx);
+  void allgather(const void* in, void* out, int64_t bytes, const OpContext& ctx);
+  void gather(const void* in, void* out, int64_t bytes, int root, const OpContext& ctx);
+  void scatter(const void* in, void* out, int64_t bytes, int root, const OpContext& ctx);
+  void reduceScatter(const void* in, void* out, int64_t count, at::ScalarType dt, RedOp op,
+                     const OpContext& ctx);
+  // sendBytes/sendOffsets index the input by destination, recvBytes/recvOffsets
+  // the output by source; the pairwise sizes are checked against each other.
+  void alltoall(const void* in, const std::vector<int64_t>& sendBytes,
+                const std::vector<int64_t>& sendOffsets, void* out,
+                const std::vector<int64_t>& recvBytes, const std::vector<int64_t>& recvOffsets,
+                const OpContext& ctx);
+  // Exchanges signatures and throws naming the ranks that differ from the
+  // majority (FASTCOMM_CHECK=1).
+  void checkSignatures(const OpSignature& mine, const OpContext& ctx);
+
+  // Point to point, callable from several threads (one per peer and
+  // direction). Messages from one peer arrive in order; the tag of the next
+  // message must match.
+  void send(const void* data, int64_t bytes, int peer, int tag, const OpContext& ctx);
+  void recv(void* data, int64_t bytes, int peer, int tag, const OpContext& ctx);
+  // Receives the first message with `tag` from any peer; returns its index.
+  int recvAny(void* data, int64_t bytes, int tag, const OpContext& ctx);
+
+ private:
+  struct Ring;
+
+  char* slot(int rank, uint64_t step) const;
+  // Ends the write phase of a step: publish arrival, wait for all members.
+  void arriveAndWait(const OpContext& ctx);
+  // Waits until `ready()`, sleeping on the segment's futex after a short spin;
+  // throws when ctx expires or a member process exits. `pending()` lists the
+  // local indices still awaited (for the error message).
+  template <typename Ready, typename Pending>
+  void waitFor(Ready ready, Pending pending, const OpContext& ctx, const char* phase);
+  void wake();
+  std::vector<int> deadMembers(const std::vector<int>& among) const;
+  [[noreturn]] void fail(const OpContext& ctx, const std::vector<int>& missing,
+                         const char* phase) const;
+
+  void ringWrite(int peer, const void* data, int64_t bytes, const OpContext& ctx);
+  void ringRead(int peer, void* data, int64_t bytes, const OpContext& ctx);
+  bool ringPeek(int peer, void* data, int64_t bytes) const;
+
+  std::vector<int> groupRanks_;
+  int size_;
+  int me_;
+  Config cfg_;
+  int64_t slotBytes_;
+  int64_t p2pBytes_;
+  int64_t spinIters_;
+  ShmHeader* hdr_ = nullptr;
+  char* base_ = nullptr;
+  int64_t mapBytes_ = 0;
+  uint64_t step_ = 0;
+  std::vector<std::mutex> sendLocks_;
+  std::vector<std::mutex> recvLocks_;
+};
+
+}  // namespace fastcomm

@@ -1,0 +1,64 @@
+// Python module torchext._C: the backend class and build facts.
+#include <pybind11/chrono.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/python.h>
+
+#include "backend/process_group.hpp"
+
+#ifdef FASTCOMM_WITH_CUDA
+#include <nccl.h>
+#endif
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "fastcomm: c10d backend and fused ops";
+  // The base class must be registered with pybind before we derive from it.
+  py::module_::import("torch.distributed");
+
+  py::class_<fastcomm::ProcessGroupFastComm, c10d::Backend,
+             c10::intrusive_ptr<fastcomm::ProcessGroupFastComm>>(m, "ProcessGroupFastComm")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                       std::chrono::milliseconds timeout, std::vector<uint64_t> globalRanks,
+                       std::string groupName) {
+             return c10::make_intrusive<fastcomm::ProcessGroupFastComm>(
+                 store, rank, size, timeout, std::move(globalRanks), std::move(groupName));
+           }),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
+           py::arg("global_ranks") = std::vector<uint64_t>{}, py::arg("group_name") = "",
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "stats",
+          [](fastcomm::ProcessGroupFastComm& pg) {
+            py::dict out;
+            for (const auto& [name, s] : pg.stats().snapshot()) {
+              py::dict d;
+              d["count"] = s.count;
+              d["bytes"] = s.bytes;
+              d["time_us"] = s.timeUs;
+              out[py::str(name)] = d;
+            }
+            return out;
+          },
+          "Per-collective {count, bytes, time_us} of this group.")
+      .def("reset_stats", [](fastcomm::ProcessGroupFastComm& pg) { pg.stats().reset(); })
+      .def("topology",
+           [](fastcomm::ProcessGroupFastComm& pg) { return pg.topology().describe(); })
+      .def("config", [](fastcomm::ProcessGroupFastComm& pg) { return pg.config().describe(); });
+
+  m.def("has_cuda", [] {
+#ifdef FASTCOMM_WITH_CUDA
+    return true;
+#else
+    return false;
+#endif
+  });
+  m.def("nccl_version", []() -> py::object {
+#ifdef FASTCOMM_WITH_CUDA
+    return py::make_tuple(NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH);
+#else
+    return py::none();
+#endif
+  });
+}

@@ -1,0 +1,40 @@
+// Which group ranks share a host: nodes, local ranks and rails.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "common/config.hpp"
+
+namespace fastcomm {
+
+// This process's host identity: FASTCOMM_HOST_ID if set, else hostname, boot
+// id and the pid/mount namespaces (ranks in different containers of one host
+// cannot share /dev/shm or see each other's pids, so they are different nodes).
+std::string localHostId(const Config& cfg);
+
+struct Topology {
+  int rank = 0;
+  int size = 1;
+  std::vector<std::string> hostOf;          // by group rank
+  std::vector<int> nodeOf;                  // node index by group rank
+  std::vector<std::vector<int>> nodeRanks;  // group ranks of each node, ascending
+  int myNode = 0;
+  int localRank = 0;  // index of `rank` in nodeRanks[myNode]
+  int localSize = 1;
+
+  int numNodes() const { return static_cast<int>(nodeRanks.size()); }
+  std::string describe() const;
+
+  // Publishes this rank's host id in `store` and reads everyone's; fails with
+  // the missing ranks named when they do not appear within `timeout`.
+  static Topology exchange(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                           const std::string& hostId, std::chrono::milliseconds timeout);
+  // Nodes are ordered by their lowest group rank.
+  static Topology fromHostIds(int rank, std::vector<std::string> hostOf);
+};
+
+}  // namespace fastcomm

@@ -1,0 +1,123 @@
+"""Build torchext._C against the torch that is installed.
+
+CUDA sources (kernels/*.cu and the NCCL path) build when torch was built with
+CUDA and nvcc is found; otherwise a CPU-only extension is built that still
+registers the backend and rejects CUDA tensors with a clear error.
+Set FASTCOMM_CPU_ONLY=1 to force the CPU-only build.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import shutil
+import sys
+
+import torch
+from setuptools import setup
+from torch.utils import cpp_extension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _log(msg: str) -> None:
+    print(f"[fastcomm setup] {msg}", file=sys.stderr)
+
+
+def _want_cuda() -> bool:
+    if os.environ.get("FASTCOMM_CPU_ONLY", "0") == "1":
+        return False
+    if torch.version.cuda is None:
+        _log("torch has no CUDA: CPU-only build")
+        return False
+    if cpp_extension.CUDA_HOME is None or shutil.which(
+        os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")
+    ) is None:
+        _log("nvcc not found: CPU-only build")
+        return False
+    return True
+
+
+def _nccl_paths() -> tuple[str, str]:
+    """Headers and library of the NCCL that torch itself loads.
+
+    torch wheels load libnccl.so.2 from the nvidia-nccl package, so we compile
+    against that package's nccl.h; the soname then resolves to the copy torch
+    already mapped. NCCL_HOME / CUDA_HOME are the fallback for source builds.
+    """
+    candidates = []
+    spec = importlib.util.find_spec("nvidia")
+    if spec is not None and spec.submodule_search_locations:
+        for base in spec.submodule_search_locations:
+            candidates.append(os.path.join(base, "nccl"))
+    for env in ("NCCL_HOME", "NCCL_ROOT"):
+        if os.environ.get(env):
+            candidates.append(os.environ[env])
+    candidates += [cpp_extension.CUDA_HOME or "", "/usr/local/cuda", "/usr"]
+    for base in candidates:
+        inc = os.path.join(base, "include")
+        if os.path.exists(os.path.join(inc, "nccl.h")):
+            for libdir in ("lib", "lib64", "lib/x86_64-linux-gnu"):
+                lib = os.path.join(base, libdir)
+                if glob.glob(os.path.join(lib, "libnccl.so*")):
+                    return inc, lib
+    raise RuntimeError(
+        "nccl.h not found: install nvidia-nccl (as torch does) or set NCCL_HOME, "
+        "or build with FASTCOMM_CPU_ONLY=1"
+    )
+
+
+def _sources(cuda: bool) -> list[str]:
+    cpp = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
+    if not cuda:
+        # Files under a cuda/ folder use the CUDA runtime or NCCL.
+        cpp = [s for s in cpp if f"{os.sep}cuda{os.sep}" not in s]
+        return cpp
+    return cpp + sorted(glob.glob(os.path.join("kernels", "**", "*.cu"), recursive=True))
+
+
+def _extension():
+    cuda = _want_cuda()
+    # The language standard follows torch (C++17 for 2.11, C++20 for newer headers);
+    # our sources are written to C++17.
+    cxx = ["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+    nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
+    define_macros = [("TORCH_EXTENSION_NAME", "_C")]
+    include_dirs = [os.path.join(ROOT, "csrc")]
+    library_dirs: list[str] = []
+    libraries: list[str] = []
+    extra_link = []
+    if cuda:
+        define_macros.append(("FASTCOMM_WITH_CUDA", "1"))
+        inc, lib = _nccl_paths()
+        _log(f"NCCL headers {inc}, library {lib}")
+        include_dirs.append(inc)
+        library_dirs.append(lib)
+        # The nvidia-nccl wheel ships only libnccl.so.2 (no dev symlink).
+        extra_link += [f"-l:{os.path.basename(sorted(glob.glob(os.path.join(lib, 'libnccl.so*')))[-1])}"]
+        extra_link += [f"-Wl,-rpath,{lib}"]
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+            # No GPU to detect (CI): build for Ampere and Hopper.
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0a"
+        ext_cls = cpp_extension.CUDAExtension
+        extra = {"cxx": cxx, "nvcc": nvcc}
+    else:
+        ext_cls = cpp_extension.CppExtension
+        extra = {"cxx": cxx}
+    return ext_cls(
+        name="torchext._C",
+        sources=_sources(cuda),
+        include_dirs=include_dirs,
+        define_macros=define_macros,
+        library_dirs=library_dirs,
+        libraries=libraries,
+        extra_compile_args=extra,
+        extra_link_args=extra_link + ["-lrt"],
+    )
+
+
+setup(
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+)

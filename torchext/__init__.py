@@ -1,0 +1,56 @@
+"""fastcomm: a torch.distributed backend ("fastcomm"), fused matmul ops and DDP hooks.
+
+``import torchext`` registers the c10d backend ``"fastcomm"`` for CPU and CUDA
+tensors; ``torch.distributed.init_process_group(backend="fastcomm")`` then works
+under torchrun.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch  # noqa: F401  (loads libtorch before our extension)
+import torch.distributed as dist
+
+from torchext import _C
+from torchext._registration import BACKEND_NAME, register
+
+__version__ = "0.1.0"
+__all__ = ["BACKEND_NAME", "register", "stats", "reset_stats", "has_cuda", "nccl_version"]
+
+register()
+
+
+def has_cuda() -> bool:
+    """True when the extension was built with CUDA (NCCL) support."""
+    return bool(_C.has_cuda())
+
+
+def nccl_version() -> Optional[tuple[int, int, int]]:
+    """(major, minor, patch) of the NCCL fastcomm was compiled against, or None."""
+    v = _C.nccl_version()
+    return None if v is None else tuple(v)  # type: ignore[return-value]
+
+
+def _backend(group: Optional[dist.ProcessGroup]) -> Any:
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    backend = pg._get_backend(torch.device("cpu"))
+    if not isinstance(backend, _C.ProcessGroupFastComm):
+        raise ValueError(f"group uses backend {type(backend).__name__}, not fastcomm")
+    return backend
+
+
+def stats(group: Optional[dist.ProcessGroup] = None) -> dict[str, dict[str, float]]:
+    """Per-collective statistics of a fastcomm group (default: the world group).
+
+    Returns ``{collective: {"count", "bytes", "time_us"}}`` where ``bytes`` is the
+    size of the local input per call, summed, and ``time_us`` the time the
+    collective spent running (host time on CPU, GPU time between its events on
+    CUDA, as far as completed).
+    """
+    return _backend(group).stats()
+
+
+def reset_stats(group: Optional[dist.ProcessGroup] = None) -> None:
+    """Zero the statistics of a fastcomm group (default: the world group)."""
+    _backend(group).reset_stats()

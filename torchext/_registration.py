@@ -1,0 +1,64 @@
+"""Registers the c10d backend "fastcomm" with torch.distributed.
+
+Entry points (see pyproject.toml) make ``init_process_group(backend="fastcomm")``
+work without ``import torchext``: torch >= 2.14 calls :func:`register` through
+the ``torch.distributed.backends`` group; older torch only offers the device
+autoload group ``torch.backends``, which calls :func:`autoload` at ``import torch``.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+BACKEND_NAME = "fastcomm"
+_registered = False
+
+
+def _create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
+    from torchext import _C
+
+    timeout = dist_backend_opts.timeout
+    if not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
+    global_ranks = list(getattr(dist_backend_opts, "global_ranks_in_group", []) or [])
+    group_id = str(getattr(dist_backend_opts, "group_id", "") or "")
+    return _C.ProcessGroupFastComm(
+        dist_backend_opts.store,
+        dist_backend_opts.group_rank,
+        dist_backend_opts.group_size,
+        timeout,
+        global_ranks,
+        group_id,
+    )
+
+
+def register() -> None:
+    """Register "fastcomm" for CPU and CUDA tensors (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise RuntimeError("torch.distributed is not available in this torch build")
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(
+            BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"]
+        )
+    _registered = True
+
+
+def autoload() -> None:
+    """Hook for torch's device-backend autoload (torch < 2.14).
+
+    Where torch resolves backends through the ``torch.distributed.backends``
+    group it calls :func:`register` on demand, so nothing is loaded here.
+    """
+    try:
+        from torch.distributed.distributed_c10d import Backend
+    except Exception:  # torch.distributed missing: nothing to register
+        return
+    if hasattr(Backend, "_ensure_backend_registered"):
+        return
+    register()
