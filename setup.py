@@ -81,7 +81,8 @@ def _extension():
     cuda = _want_cuda()
     # The language standard follows torch (C++17 for 2.11, C++20 for newer headers);
     # our sources are written to C++17.
-    cxx = ["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+    # -Wno-interference-size: c10/cuda/CUDAEvent.h trips it under GCC 12.
+    cxx = ["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-interference-size"]
     nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
     define_macros = [("TORCH_EXTENSION_NAME", "_C")]
     include_dirs = [os.path.join(ROOT, "csrc")]
@@ -117,7 +118,24 @@ def _extension():
     )
 
 
+def _entry_points() -> dict[str, list[str]]:
+    """How `init_process_group(backend="fastcomm")` finds us without an import.
+
+    torch >= 2.14 resolves unknown backends through the group
+    `torch.distributed.backends` on demand. Older torch only has the device
+    autoload group `torch.backends`, whose hooks run at every `import torch`;
+    we register there only when torch lacks the on-demand group, so newer
+    torch does not load fastcomm on every import.
+    """
+    from torch.distributed import distributed_c10d
+
+    if hasattr(distributed_c10d.Backend, "_ensure_backend_registered"):
+        return {"torch.distributed.backends": ["fastcomm = torchext._registration:register"]}
+    return {"torch.backends": ["fastcomm = torchext._registration:autoload"]}
+
+
 setup(
+    entry_points=_entry_points(),
     ext_modules=[_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
 )

@@ -13,10 +13,20 @@ import torch  # noqa: F401  (loads libtorch before our extension)
 import torch.distributed as dist
 
 from torchext import _C
+from torchext import nn, ops  # noqa: F401  (ops.py registers fake kernels and autograd)
 from torchext._registration import BACKEND_NAME, register
 
 __version__ = "0.1.0"
-__all__ = ["BACKEND_NAME", "register", "stats", "reset_stats", "has_cuda", "nccl_version"]
+__all__ = [
+    "BACKEND_NAME",
+    "register",
+    "stats",
+    "reset_stats",
+    "has_cuda",
+    "nccl_version",
+    "ops",
+    "nn",
+]
 
 register()
 

@@ -1,9 +1,10 @@
 """Registers the c10d backend "fastcomm" with torch.distributed.
 
-Entry points (see pyproject.toml) make ``init_process_group(backend="fastcomm")``
-work without ``import torchext``: torch >= 2.14 calls :func:`register` through
-the ``torch.distributed.backends`` group; older torch only offers the device
-autoload group ``torch.backends``, which calls :func:`autoload` at ``import torch``.
+Entry points (chosen by setup.py for the torch it builds against) make
+``init_process_group(backend="fastcomm")`` work without ``import torchext``:
+torch >= 2.14 calls :func:`register` through the ``torch.distributed.backends``
+group when the name is first used; older torch only offers the device autoload
+group ``torch.backends``, which calls :func:`autoload` at ``import torch``.
 """
 
 from __future__ import annotations
@@ -50,15 +51,5 @@ def register() -> None:
 
 
 def autoload() -> None:
-    """Hook for torch's device-backend autoload (torch < 2.14).
-
-    Where torch resolves backends through the ``torch.distributed.backends``
-    group it calls :func:`register` on demand, so nothing is loaded here.
-    """
-    try:
-        from torch.distributed.distributed_c10d import Backend
-    except Exception:  # torch.distributed missing: nothing to register
-        return
-    if hasattr(Backend, "_ensure_backend_registered"):
-        return
+    """Hook for torch's device-backend autoload (torch < 2.14): registers now."""
     register()

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <algorithm>
 #include <cstring>
@@ -106,6 +107,15 @@ OpSignature signature(const char* name, const at::Tensor& t, int root = -1, int 
   return s;
 }
 
+// torch reuses group names (and, with env://, the store) after a destroy and
+// re-init, so every key of one initialisation lives under its own epoch:
+// each rank takes a ticket, and the size tickets of one init share an epoch.
+c10::intrusive_ptr<c10d::Store> epochStore(const c10::intrusive_ptr<c10d::Store>& store, int size) {
+  const int64_t ticket = store->add("fastcomm/init_tickets", 1);
+  const int64_t epoch = (ticket - 1) / size;
+  return c10::make_intrusive<c10d::PrefixStore>("fastcomm/" + std::to_string(epoch), store);
+}
+
 }  // namespace
 
 ProcessGroupFastComm::ProcessGroupFastComm(const c10::intrusive_ptr<c10d::Store>& store, int rank,
@@ -113,7 +123,7 @@ ProcessGroupFastComm::ProcessGroupFastComm(const c10::intrusive_ptr<c10d::Store>
                                            std::vector<uint64_t> globalRanks,
                                            std::string groupName)
     : Backend(rank, size),
-      store_(store),
+      store_(epochStore(store, size)),
       timeout_(timeout),
       globalRanks_(std::move(globalRanks)),
       groupName_(std::move(groupName)),
@@ -274,7 +284,7 @@ c10::intrusive_ptr<HostWork> ProcessGroupFastComm::runP2P(
       done.get();
     }
   }
-  lane.submit([this, work, ctx, body = std::move(body)] {
+  auto job = [this, work, ctx, body = std::move(body)] {
     try {
       checkUsable();
       const auto t0 = Clock::now();
@@ -286,9 +296,37 @@ c10::intrusive_ptr<HostWork> ProcessGroupFastComm::runP2P(
       markBroken(error);
       work->fail(error);
     }
-  });
-  remember(work);
+  };
+  {
+    std::lock_guard<std::mutex> lock(coalesceMu_);
+    if (coalescing_) {
+      coalescedJobs_.emplace_back(&lane, std::move(job));
+      coalesced_.push_back(work);
+      return work;
+    }
+  }
+  lane.submit(std::move(job));
   return work;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::deferErrorInBlock(
+    const std::function<c10::intrusive_ptr<c10d::Work>()>& op) {
+  bool inBlock;
+  {
+    std::lock_guard<std::mutex> lock(coalesceMu_);
+    inBlock = coalescing_;
+  }
+  if (!inBlock) return op();
+  try {
+    return op();
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(coalesceMu_);
+    if (!coalesceError_) coalesceError_ = std::current_exception();
+    auto work = c10::make_intrusive<HostWork>(rank_, c10d::OpType::UNKNOWN, nullptr, 0, timeout_,
+                                              std::vector<at::Tensor>{}, std::vector<at::Tensor>{});
+    work->fail(coalesceError_);
+    return work;
+  }
 }
 
 CudaCollectives& ProcessGroupFastComm::cuda(const at::Tensor& sample) {
@@ -298,6 +336,11 @@ CudaCollectives& ProcessGroupFastComm::cuda(const at::Tensor& sample) {
   if (!cuda_) {
     cuda_ = std::make_unique<CudaCollectives>(store_, rank_, size_, timeout_, cfg_, stats_,
                                               sample.device());
+    std::lock_guard<std::mutex> coalesceLock(coalesceMu_);
+    if (coalescing_) {  // the first CUDA op of the group came inside a block
+      coalescingCuda_ = true;
+      cuda_->startCoalescing();
+    }
   }
   TORCH_CHECK(cuda_->device() == sample.device(), "fastcomm: this process group uses ",
               cuda_->device(), " but got a tensor on ", sample.device(),
@@ -849,6 +892,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::alltoall(std::vector<at::Te
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::send(std::vector<at::Tensor>& tensors,
                                                           int dstRank, int tag) {
+  return deferErrorInBlock([&] { return sendNow(tensors, dstRank, tag); });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::sendNow(std::vector<at::Tensor>& tensors,
+                                                             int dstRank, int tag) {
   const at::Tensor& t = single(tensors, kSend);
   TORCH_CHECK(dstRank >= 0 && dstRank < size_ && dstRank != rank_, "fastcomm: send: invalid "
               "destination ", dstRank, " (group of ", size_, ", this is rank ", rank_, ")");
@@ -870,6 +918,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::send(std::vector<at::Tensor
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::recv(std::vector<at::Tensor>& tensors,
                                                           int srcRank, int tag) {
+  return deferErrorInBlock([&] { return recvNow(tensors, srcRank, tag); });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::recvNow(std::vector<at::Tensor>& tensors,
+                                                             int srcRank, int tag) {
   const at::Tensor& t = single(tensors, kRecv);
   TORCH_CHECK(srcRank >= 0 && srcRank < size_ && srcRank != rank_, "fastcomm: recv: invalid "
               "source ", srcRank, " (group of ", size_, ", this is rank ", rank_, ")");
@@ -915,13 +968,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::barrier(const c10d::Barrier
 }
 
 void ProcessGroupFastComm::startCoalescing() {
+#ifdef FASTCOMM_WITH_CUDA
+  std::lock_guard<std::mutex> cudaLock(cudaMu_);  // lock order: cudaMu_, then coalesceMu_
+#endif
   std::lock_guard<std::mutex> lock(coalesceMu_);
-  TORCH_CHECK(!coalescing_, "fastcomm: startCoalescing called twice without endCoalescing");
+  // torch leaves a block open when an op inside it raised; start afresh.
   coalescing_ = true;
   coalesced_.clear();
+  coalescedJobs_.clear();
+  coalesceError_ = nullptr;
 #ifdef FASTCOMM_WITH_CUDA
   // CUDA ops of the block are issued as one NCCL group at endCoalescing.
-  std::lock_guard<std::mutex> cudaLock(cudaMu_);
   coalescingCuda_ = cuda_ != nullptr;
   if (coalescingCuda_) cuda_->startCoalescing();
 #endif
@@ -929,15 +986,26 @@ void ProcessGroupFastComm::startCoalescing() {
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::endCoalescing() {
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::vector<std::pair<SerialLane*, std::function<void()>>> jobs;
+  std::exception_ptr error;
   {
     std::lock_guard<std::mutex> lock(coalesceMu_);
     TORCH_CHECK(coalescing_, "fastcomm: endCoalescing without startCoalescing");
     coalescing_ = false;
     works.swap(coalesced_);
+    jobs.swap(coalescedJobs_);
+    std::swap(error, coalesceError_);
   }
 #ifdef FASTCOMM_WITH_CUDA
-  if (coalescingCuda_) {
-    coalescingCuda_ = false;
+  const bool cudaBlock = coalescingCuda_;
+  coalescingCuda_ = false;
+  if (cudaBlock && error) cuda_->cancelCoalescing();
+#endif
+  // An invalid op in the block: nothing of the block was issued; raise now.
+  if (error) std::rethrow_exception(error);
+  for (auto& [lane, job] : jobs) lane->submit(std::move(job));
+#ifdef FASTCOMM_WITH_CUDA
+  if (cudaBlock) {
     CudaOpInfo info{kCoalesced, kCoalescedTitle, c10d::OpType::COALESCED, seq_.load(), timeout_, 0};
     auto cudaWork = cuda_->endCoalescing(info);
     // The CUDA parts complete with the group's work; host parts on their own.

@@ -114,12 +114,18 @@ class ProcessGroupFastComm : public c10d::Backend {
   c10::intrusive_ptr<HostWork> runP2P(const char* name, const char* title, c10d::OpType type,
                                       SerialLane& lane, const at::Tensor& tensor,
                                       std::function<void(ShmComm&, const OpContext&, HostWork&)> body);
+  c10::intrusive_ptr<c10d::Work> sendNow(std::vector<at::Tensor>& tensors, int dstRank, int tag);
+  c10::intrusive_ptr<c10d::Work> recvNow(std::vector<at::Tensor>& tensors, int srcRank, int tag);
   ShmComm& shm(const OpContext& ctx);  // created on first use, on the host lane
   SerialLane& p2pLane(int peer, bool sending);
   CudaCollectives& cuda(const at::Tensor& sample);
   void checkUsable() const;
   void markBroken(std::exception_ptr error);
   c10::intrusive_ptr<c10d::Work> remember(c10::intrusive_ptr<c10d::Work> work);
+  // Inside a coalescing block a validation error of a point-to-point op is
+  // kept for endCoalescing: torch leaves its own coalescing state broken when
+  // an op inside the block raises.
+  c10::intrusive_ptr<c10d::Work> deferErrorInBlock(const std::function<c10::intrusive_ptr<c10d::Work>()>& op);
   std::chrono::milliseconds opTimeout(std::chrono::milliseconds requested) const;
 
   c10::intrusive_ptr<c10d::Store> store_;
@@ -143,6 +149,10 @@ class ProcessGroupFastComm : public c10d::Backend {
   bool coalescing_ = false;
   bool coalescingCuda_ = false;
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
+  // Point-to-point jobs of an open block run only at endCoalescing, so an
+  // invalid op in the block (raised there) leaves nothing half sent.
+  std::vector<std::pair<SerialLane*, std::function<void()>>> coalescedJobs_;
+  std::exception_ptr coalesceError_;
 
   std::mutex lanesMu_;
   std::map<std::pair<int, bool>, std::unique_ptr<SerialLane>> p2pLanes_;

@@ -24,7 +24,6 @@ class HostWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   int sourceRank() const override;
   uint64_t getSequencenumber() const override { return seq_; }
-  std::chrono::milliseconds getTimeout() const override { return timeout_; }
 
   void complete();
   void fail(std::exception_ptr error);

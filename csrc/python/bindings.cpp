@@ -42,6 +42,11 @@ PYBIND11_MODULE(_C, m) {
             return out;
           },
           "Per-collective {count, bytes, time_us} of this group.")
+      // torch calls this on non-members of a new group when the parent is
+      // bound to a device (ProcessGroupNCCL splits its communicator there).
+      // fastcomm creates each group's communicator from its own store
+      // rendezvous, so a non-member has nothing to do.
+      .def("perform_nocolor_split", [](fastcomm::ProcessGroupFastComm&, const py::object&) {})
       .def("reset_stats", [](fastcomm::ProcessGroupFastComm& pg) { pg.stats().reset(); })
       .def("topology",
            [](fastcomm::ProcessGroupFastComm& pg) { return pg.topology().describe(); })

@@ -65,12 +65,14 @@ class CudaCollectives {
   // Collectives between start and end are issued as one NCCL group.
   void startCoalescing();
   WorkPtr endCoalescing(const CudaOpInfo& info);
+  void cancelCoalescing();  // drops the block's ops unissued
 
   void shutdown();
   void abort();
 
+  class Impl;  // public so the work type in the .cpp can name it
+
  private:
-  class Impl;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -1,6 +1,7 @@
 #include "intra/shm/shm_comm.hpp"
 
 #include <c10/util/Exception.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <signal.h>
@@ -32,6 +33,10 @@ constexpr auto kLivenessPeriod = std::chrono::milliseconds(100);
 struct alignas(128) MemberCtl {
   std::atomic<uint64_t> arrived{0};  // the last barrier step this member reached
   std::atomic<int32_t> pid{0};
+  // Threads of this member blocked in a fastcomm wait: such a member is a
+  // victim of whoever it waits for, not the culprit of a timeout.
+  std::atomic<uint32_t> waiting{0};
+  std::atomic<uint32_t> failed{0};  // gave up on a collective; the group is broken
   OpSignature sig[2];  // by step parity, for FASTCOMM_CHECK
 };
 
@@ -66,13 +71,33 @@ inline void cpuRelax() {
 #endif
 }
 
+// Segment names carry the pid namespace and pid of their creator, so a later
+// creator can remove segments whose creator died before unlinking them.
+std::string pidNamespace() {
+  struct stat st {};
+  return stat("/proc/self/ns/pid", &st) == 0 ? std::to_string(st.st_ino) : std::string("0");
+}
+
 std::string uniqueName() {
   static std::atomic<uint64_t> counter{0};
   std::random_device rd;
-  char buf[96];
-  std::snprintf(buf, sizeof(buf), "/fastcomm-%d-%llu-%08x", static_cast<int>(getpid()),
-                static_cast<unsigned long long>(counter++), rd());
+  char buf[128];
+  std::snprintf(buf, sizeof(buf), "/fastcomm-%s-%d-%llu-%08x", pidNamespace().c_str(),
+                static_cast<int>(getpid()), static_cast<unsigned long long>(counter++), rd());
   return buf;
+}
+
+void removeStaleSegments() {
+  const std::string prefix = "fastcomm-" + pidNamespace() + "-";
+  DIR* dir = opendir("/dev/shm");
+  if (dir == nullptr) return;
+  while (dirent* e = readdir(dir)) {
+    const std::string name = e->d_name;
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    const int pid = std::atoi(name.c_str() + prefix.size());
+    if (pid > 0 && kill(pid, 0) != 0 && errno == ESRCH) shm_unlink(("/" + name).c_str());
+  }
+  closedir(dir);
 }
 
 std::string errnoText(int err) { return std::string(std::strerror(err)); }
@@ -88,7 +113,13 @@ struct ShmHeader {
   alignas(64) std::atomic<uint32_t> bell{0};      // futex word, bumped on every event
   alignas(64) std::atomic<uint32_t> sleepers{0};  // waiters inside futexWait
   alignas(64) std::atomic<uint32_t> attached{0};  // followers that mapped the segment
+  // Members a failed member named as the cause, so the others name them too.
+  std::atomic<uint64_t> blame[4] = {};
 };
+
+namespace {
+constexpr int kMaxMembers = 256;  // 4 x 64 blame bits
+}
 
 namespace {
 
@@ -130,6 +161,7 @@ ShmComm::ShmComm(const c10::intrusive_ptr<c10d::Store>& store, const std::string
       p2pBytes_(cfg.p2pBytes),
       sendLocks_(groupRanks_.size()),
       recvLocks_(groupRanks_.size()) {
+  TORCH_CHECK(size_ <= kMaxMembers, "fastcomm: at most ", kMaxMembers, " ranks per node");
   int64_t spinUs = cfg.spinMicros;
   if (spinUs < 0) {
     // Spinning only pays when every member has a core of its own.
@@ -142,6 +174,7 @@ ShmComm::ShmComm(const c10::intrusive_ptr<c10d::Store>& store, const std::string
   std::string name;
   int fd = -1;
   if (me_ == 0) {
+    removeStaleSegments();
     name = uniqueName();
     struct statvfs vfs {};
     if (statvfs("/dev/shm", &vfs) == 0) {
@@ -258,9 +291,33 @@ std::vector<int> ShmComm::deadMembers(const std::vector<int>& among) const {
 }
 
 void ShmComm::fail(const OpContext& ctx, const std::vector<int>& missing, const char* phase) const {
+  std::vector<int> culprits;
+  std::vector<int> dead;
+  if (base_ != nullptr) {
+    const Layout layout(size_, slotBytes_, p2pBytes_);
+    auto* ctl = reinterpret_cast<MemberCtl*>(base_ + layout.ctl);
+    dead = deadMembers(missing);
+    if (!dead.empty()) {
+      culprits = dead;
+    } else {
+      // Members stuck in a fastcomm wait of their own, or that already failed,
+      // are waiting for the same culprits; name those instead.
+      for (int i : missing)
+        if (ctl[i].waiting.load() == 0 && ctl[i].failed.load() == 0) culprits.push_back(i);
+      if (culprits.empty()) {
+        for (int i = 0; i < size_; ++i)
+          if (hdr_->blame[i / 64].load() & (uint64_t{1} << (i % 64))) culprits.push_back(i);
+      }
+    }
+    if (culprits.empty()) culprits = missing;
+    for (int i : culprits) hdr_->blame[i / 64].fetch_or(uint64_t{1} << (i % 64));
+    ctl[me_].failed.store(1);
+    const_cast<ShmComm*>(this)->wake();
+  } else {
+    culprits = missing;
+  }
   std::vector<int> ranks;
-  std::vector<int> dead = base_ != nullptr ? deadMembers(missing) : std::vector<int>{};
-  for (int i : (dead.empty() ? missing : dead)) ranks.push_back(groupRanks_[i]);
+  for (int i : culprits) ranks.push_back(groupRanks_[i]);
   std::string msg = "fastcomm: " + ctx.describe() + " failed on group rank " +
                     std::to_string(groupRanks_[me_]) + ": ";
   if (!dead.empty()) {
@@ -279,6 +336,13 @@ void ShmComm::waitFor(Ready ready, Pending pending, const OpContext& ctx, const 
     if (ready()) return;
     cpuRelax();
   }
+  const Layout layout(size_, slotBytes_, p2pBytes_);
+  auto* ctl = reinterpret_cast<MemberCtl*>(base_ + layout.ctl);
+  struct Waiting {
+    std::atomic<uint32_t>& n;
+    explicit Waiting(std::atomic<uint32_t>& c) : n(c) { n.fetch_add(1); }
+    ~Waiting() { n.fetch_sub(1); }
+  } waiting(ctl[me_].waiting);
   auto nextLiveness = Clock::now() + kLivenessPeriod;
   while (true) {
     const uint32_t bell = hdr_->bell.load();
@@ -298,8 +362,14 @@ void ShmComm::waitFor(Ready ready, Pending pending, const OpContext& ctx, const 
     futexWait(&hdr_->bell, bell, &ts);
     hdr_->sleepers.fetch_sub(1);
     if (ready()) return;
+    // A member we wait for gave up: it will never arrive, so neither fail nor
+    // wait out the timeout; name the members it blamed.
+    const auto waitingFor = pending();
+    for (int i : waitingFor) {
+      if (ctl[i].failed.load() != 0) fail(ctx, waitingFor, phase);
+    }
     if (Clock::now() >= nextLiveness) {
-      if (!deadMembers(pending()).empty()) fail(ctx, pending(), phase);
+      if (!deadMembers(waitingFor).empty()) fail(ctx, waitingFor, phase);
       nextLiveness = Clock::now() + kLivenessPeriod;
     }
   }

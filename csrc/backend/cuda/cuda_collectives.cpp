@@ -1,0 +1,815 @@
+#include "backend/cuda/cuda_collectives.hpp"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <nccl.h>
+
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <numeric>
+#include <sstream>
+#include <thread>
+
+#include "common/deadline.hpp"
+#include "common/logging.hpp"
+
+namespace fastcomm {
+
+namespace {
+
+using Tensors = std::vector<at::Tensor>;
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+using Body = std::function<void(ncclComm_t, cudaStream_t)>;
+
+constexpr auto kWatchdogPeriod = std::chrono::milliseconds(100);
+constexpr auto kHeartbeatPeriod = std::chrono::milliseconds(1000);
+constexpr int64_t kStaleHeartbeatMs = 3000;
+
+void ncclCheck(ncclResult_t r, ncclComm_t comm, const char* what) {
+  if (r == ncclSuccess || r == ncclInProgress) return;
+  std::string msg = std::string("fastcomm: ") + what + ": NCCL error: " + ncclGetErrorString(r);
+  if (comm != nullptr) {
+    const char* last = ncclGetLastError(comm);
+    if (last != nullptr && *last) msg += std::string(" (") + last + ")";
+  }
+  throwCommError(msg);
+}
+
+ncclDataType_t ncclType(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return ncclFloat32;
+    case at::kDouble: return ncclFloat64;
+    case at::kHalf: return ncclFloat16;
+    case at::kBFloat16: return ncclBfloat16;
+    case at::kChar: return ncclInt8;
+    case at::kByte: return ncclUint8;
+    case at::kBool: return ncclUint8;
+    case at::kInt: return ncclInt32;
+    case at::kLong: return ncclInt64;
+    default:
+      TORCH_CHECK(false, "fastcomm: dtype ", t, " is not supported for CUDA tensors (NCCL types: "
+                  "float32, float64, float16, bfloat16, int8, uint8, bool, int32, int64)");
+  }
+}
+
+// Data movement needs no arithmetic: any dtype moves as bytes.
+ncclDataType_t moveType(const at::Tensor& t, int64_t& count) {
+  count = t.numel() * static_cast<int64_t>(t.element_size());
+  return ncclUint8;
+}
+
+// NCCL has no bitwise reductions; bool XOR is parity. These reduce locally
+// after gathering every rank's contribution.
+bool needsLocalReduce(RedOp op, at::ScalarType t) {
+  if (op == RedOp::BAnd || op == RedOp::BOr || op == RedOp::BXor) {
+    return !(t == at::kBool && op != RedOp::BXor);
+  }
+  return false;
+}
+
+ncclRedOp_t ncclOp(RedOp op, at::ScalarType t) {
+  if (t == at::kBool) {
+    // bool travels as uint8 0/1: OR is MAX, AND is MIN.
+    switch (op) {
+      case RedOp::Sum: case RedOp::Max: case RedOp::BOr: return ncclMax;
+      case RedOp::Product: case RedOp::Min: case RedOp::BAnd: return ncclMin;
+      default: break;
+    }
+    TORCH_CHECK(false, "fastcomm: internal: no NCCL op for bool ", redOpName(op));
+  }
+  switch (op) {
+    case RedOp::Sum: return ncclSum;
+    case RedOp::Avg: return ncclAvg;
+    case RedOp::Product: return ncclProd;
+    case RedOp::Min: return ncclMin;
+    case RedOp::Max: return ncclMax;
+    default: break;
+  }
+  TORCH_CHECK(false, "fastcomm: internal: no NCCL op for ", redOpName(op));
+}
+
+// rows: [n, ...] gathered contributions; returns their reduction over dim 0.
+at::Tensor reduceRows(const at::Tensor& rows, RedOp op) {
+  if (rows.scalar_type() == at::kBool) {  // only BXOR gets here
+    return rows.to(at::kInt).sum(0).remainder(2).to(at::kBool);
+  }
+  at::Tensor acc = rows[0].clone();
+  for (int64_t i = 1; i < rows.size(0); ++i) {
+    if (op == RedOp::BAnd) acc.bitwise_and_(rows[i]);
+    else if (op == RedOp::BOr) acc.bitwise_or_(rows[i]);
+    else acc.bitwise_xor_(rows[i]);
+  }
+  return acc;
+}
+
+bool isCapturing(cudaStream_t s) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(s, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+int64_t unixMillis() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+class CudaWork;
+
+}  // namespace
+
+class CudaCollectives::Impl {
+ public:
+  Impl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+       std::chrono::milliseconds timeout, const Config& cfg, Stats& stats, at::Device device);
+  ~Impl();
+
+  WorkPtr launch(const CudaOpInfo& info, const Tensors& inputs, const Tensors& outputs, Body body);
+  void startCoalescing();
+  WorkPtr endCoalescing(const CudaOpInfo& info);
+  void cancelCoalescing() {
+    std::lock_guard<std::mutex> lock(issueMu_);
+    coalescing_ = false;
+    deferred_.clear();
+  }
+  void shutdown();
+  void abort(const std::string& why);
+  void checkHealthy();
+  std::exception_ptr error();
+
+  at::Device device_;
+  int rank_, size_;
+  Config cfg_;
+
+ private:
+  struct Deferred {
+    Body body;
+    c10::intrusive_ptr<CudaWork> work;
+  };
+  void watchdogLoop();
+  std::string missingRanks(uint64_t seq);
+  void issue(const std::vector<Deferred>& items, const CudaOpInfo& info, bool capturing);
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::chrono::milliseconds timeout_;
+  Stats& stats_;
+  ncclComm_t comm_ = nullptr;
+  std::optional<at::cuda::CUDAStream> stream_;
+  at::cuda::CUDAEvent syncEvent_{cudaEventDisableTiming};
+
+  std::mutex issueMu_;  // orders NCCL calls; abort takes it too
+  bool coalescing_ = false;
+  std::vector<Deferred> deferred_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<c10::intrusive_ptr<CudaWork>> inflight_;
+  std::exception_ptr error_;
+  bool stop_ = false;
+  std::atomic<uint64_t> lastSeq_{0};
+  std::thread watchdog_;
+};
+
+namespace {
+
+class CudaWork : public c10d::Work {
+ public:
+  CudaWork(int rank, const CudaOpInfo& info, const Tensors& inputs, Tensors outputs,
+           at::Device device, CudaCollectives::Impl* owner, bool timing)
+      : Work(rank, info.type, info.title, std::optional<Tensors>(inputs)),
+        name_(info.name),
+        seq_(info.seq),
+        bytes_(info.bytes),
+        timeout_(info.timeout),
+        device_(device),
+        owner_(owner),
+        inputs_(inputs),
+        outputs_(std::move(outputs)),
+        future_(c10::make_intrusive<c10::ivalue::Future>(
+            c10::ListType::create(c10::TensorType::get()), std::vector<c10::Device>{device})),
+        start_(timing ? std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault) : nullptr),
+        end_(std::make_shared<at::cuda::CUDAEvent>(timing ? cudaEventDefault
+                                                          : cudaEventDisableTiming)) {}
+
+  bool isCompleted() override {
+    if (exception()) return true;
+    return end_->query();
+  }
+  bool isSuccess() const override { return !exception(); }
+  std::exception_ptr exception() const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return exception_;
+  }
+  void synchronize() override {
+    auto current = at::cuda::getCurrentCUDAStream(device_.index());
+    end_->block(current);
+  }
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (auto e = exception()) std::rethrow_exception(e);
+    synchronize();
+    // A positive `timeout` (work.wait(timeout=...)) also blocks the host.
+    if (owner_->cfg_.blockingWait || timeout.count() > 0) {
+      const auto limit = timeout.count() > 0 ? timeout : timeout_;
+      const auto until = Clock::now() + limit + std::chrono::seconds(5);
+      while (!end_->query()) {
+        if (auto e = exception()) std::rethrow_exception(e);
+        TORCH_CHECK(Clock::now() < until, "fastcomm: ", name_, " (seq ", seq_,
+                    ") did not complete within ", limit.count(), " ms");
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
+    if (auto e = exception()) std::rethrow_exception(e);
+    return true;
+  }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  uint64_t getSequencenumber() const override { return seq_; }
+
+  void fail(std::exception_ptr e) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (exception_) return;
+      exception_ = e;
+    }
+    if (recordFunctionEndCallback_) {
+      recordFunctionEndCallback_();
+      recordFunctionEndCallback_ = nullptr;
+    }
+  }
+  void endProfiling() {
+    if (recordFunctionEndCallback_) {
+      recordFunctionEndCallback_();
+      recordFunctionEndCallback_ = nullptr;
+    }
+  }
+
+  std::string name_;
+  uint64_t seq_;
+  int64_t bytes_;
+  std::chrono::milliseconds timeout_;
+  at::Device device_;
+  CudaCollectives::Impl* owner_;
+  Tensors inputs_;
+  Tensors outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::shared_ptr<at::cuda::CUDAEvent> start_;
+  std::shared_ptr<at::cuda::CUDAEvent> end_;
+  Clock::time_point enqueued_ = Clock::now();
+};
+
+}  // namespace
+
+CudaCollectives::Impl::Impl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                            std::chrono::milliseconds timeout, const Config& cfg, Stats& stats,
+                            at::Device device)
+    : device_(device), rank_(rank), size_(size), cfg_(cfg), store_(store), timeout_(timeout),
+      stats_(stats) {
+  c10::cuda::CUDAGuard guard(device_);
+  const auto ctx = OpContext::start("NCCL communicator setup", 0, timeout_);
+  const std::string uidKey = "fastcomm/nccl/uid";
+  ncclUniqueId id;
+  if (rank_ == 0) {
+    ncclCheck(ncclGetUniqueId(&id), nullptr, "ncclGetUniqueId");
+    const auto* p = reinterpret_cast<const uint8_t*>(&id);
+    store_->set(uidKey, std::vector<uint8_t>(p, p + sizeof(id)));
+  }
+  // Every rank must be here before the blocking ncclCommInitRank, so a rank
+  // that never comes is named instead of hanging the others.
+  const std::string readyPrefix = "fastcomm/nccl/ready/";
+  store_->set(readyPrefix + std::to_string(rank_), std::vector<uint8_t>{1});
+  std::vector<std::string> keys{uidKey};
+  for (int r = 0; r < size_; ++r) keys.push_back(readyPrefix + std::to_string(r));
+  try {
+    store_->wait(keys, ctx.remaining());
+  } catch (const std::exception&) {
+    std::vector<int> missing;
+    for (int r = 0; r < size_; ++r)
+      if (!store_->check({readyPrefix + std::to_string(r)})) missing.push_back(r);
+    throwCommError("fastcomm: NCCL communicator setup failed on group rank " +
+                   std::to_string(rank_) + ": timeout after " + std::to_string(timeout_.count()) +
+                   " ms waiting for group rank(s) " + formatRanks(missing));
+  }
+  if (rank_ != 0) {
+    auto v = store_->get(uidKey);
+    TORCH_CHECK(v.size() == sizeof(id), "fastcomm: bad NCCL unique id in the store");
+    std::memcpy(&id, v.data(), sizeof(id));
+  }
+  ncclCheck(ncclCommInitRank(&comm_, size_, id, rank_), nullptr, "ncclCommInitRank");
+  stream_ = at::cuda::getStreamFromPool(/*isHighPriority=*/true, device_.index());
+  int version = 0;
+  ncclGetVersion(&version);
+  if (rank_ == 0) {
+    FASTCOMM_LOG(Info, "NCCL communicator of " << size_ << " ranks on " << device_
+                                                << ": NCCL runtime " << version << ", headers "
+                                                << NCCL_VERSION_CODE);
+  }
+  watchdog_ = std::thread([this] { watchdogLoop(); });
+}
+
+CudaCollectives::Impl::~Impl() { shutdown(); }
+
+void CudaCollectives::Impl::shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) return;
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
+  c10::cuda::CUDAGuard guard(device_);
+  std::lock_guard<std::mutex> lock(issueMu_);
+  if (comm_ != nullptr) {
+    if (error_) {
+      ncclCommAbort(comm_);
+    } else {
+      // Let queued collectives finish, then release the communicator.
+      C10_CUDA_CHECK_WARN(cudaStreamSynchronize(stream_->stream()));
+      ncclCommDestroy(comm_);
+    }
+    comm_ = nullptr;
+  }
+}
+
+std::exception_ptr CudaCollectives::Impl::error() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return error_;
+}
+
+void CudaCollectives::Impl::checkHealthy() {
+  if (auto e = error()) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& ex) {
+      throwCommError(std::string("fastcomm: the NCCL communicator of this group was aborted "
+                                 "after an earlier failure: ") + ex.what());
+    }
+  }
+}
+
+WorkPtr CudaCollectives::Impl::launch(const CudaOpInfo& info, const Tensors& inputs,
+                                      const Tensors& outputs, Body body) {
+  checkHealthy();
+  c10::cuda::CUDAGuard guard(device_);
+  auto current = at::cuda::getCurrentCUDAStream(device_.index());
+  const bool capturing = isCapturing(current.stream());
+  auto work = c10::make_intrusive<CudaWork>(rank_, info, inputs, outputs, device_, this,
+                                            cfg_.cudaTiming && !capturing);
+  std::lock_guard<std::mutex> lock(issueMu_);
+  if (coalescing_) {
+    deferred_.push_back({std::move(body), work});
+    return work;
+  }
+  issue({{std::move(body), work}}, info, capturing);
+  return work;
+}
+
+void CudaCollectives::Impl::issue(const std::vector<Deferred>& items, const CudaOpInfo& info,
+                                  bool capturing) {
+  auto current = at::cuda::getCurrentCUDAStream(device_.index());
+  at::cuda::CUDAStream comm = *stream_;
+  // The internal stream starts after everything the caller queued so far.
+  syncEvent_.record(current);
+  syncEvent_.block(comm);
+  auto& first = items.front().work;
+  if (first->start_) first->start_->record(comm);
+  {
+    at::cuda::CUDAStreamGuard streamGuard(comm);  // temporaries belong to the comm stream
+    if (items.size() > 1) ncclCheck(ncclGroupStart(), comm_, info.name);
+    for (const auto& item : items) item.body(comm_, comm.stream());
+    if (items.size() > 1) ncclCheck(ncclGroupEnd(), comm_, info.name);
+  }
+  first->end_->record(comm);
+  lastSeq_.store(std::max(lastSeq_.load(), info.seq));
+  for (const auto& item : items) {
+    auto& w = item.work;
+    w->end_ = first->end_;
+    // One NCCL group, one interval: its time is booked to the first op only.
+    if (w != first) w->start_ = nullptr;
+    // The caching allocator must not hand these blocks out again before the
+    // comm stream is done with them.
+    for (const auto* list : {&w->inputs_, &w->outputs_})
+      for (const auto& t : *list)
+        if (t.defined() && t.numel() > 0 && t.is_cuda())
+          c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), comm);
+    {
+      c10::cuda::CUDAMultiStreamGuard futureGuard(comm);
+      w->future_->markCompleted(c10::IValue(w->outputs_));
+    }
+    stats_.addCall(w->name_, static_cast<uint64_t>(w->bytes_));
+  }
+  if (capturing) {
+    for (const auto& item : items) item.work->endProfiling();
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& item : items) inflight_.push_back(item.work);
+  }
+  cv_.notify_one();
+}
+
+void CudaCollectives::Impl::startCoalescing() {
+  std::lock_guard<std::mutex> lock(issueMu_);
+  coalescing_ = true;
+  deferred_.clear();
+}
+
+WorkPtr CudaCollectives::Impl::endCoalescing(const CudaOpInfo& info) {
+  c10::cuda::CUDAGuard guard(device_);
+  std::lock_guard<std::mutex> lock(issueMu_);
+  coalescing_ = false;
+  std::vector<Deferred> items;
+  items.swap(deferred_);
+  if (items.empty()) {
+    // Nothing on CUDA: an already complete work.
+    auto f = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+    f->markCompleted(c10::IValue(std::vector<at::Tensor>{}));
+    return c10d::Work::create_from_future(f);
+  }
+  auto current = at::cuda::getCurrentCUDAStream(device_.index());
+  issue(items, info, isCapturing(current.stream()));
+  // The group's work: every part shares the same end event, so the last one
+  // stands for all; its outputs are everyone's.
+  auto last = items.back().work;
+  for (const auto& item : items)
+    if (item.work != last)
+      for (const auto& t : item.work->outputs_) last->outputs_.push_back(t);
+  return last;
+}
+
+std::string CudaCollectives::Impl::missingRanks(uint64_t seq) {
+  // Ranks that did not issue collective `seq`, or whose heartbeat stopped
+  // (the process died or hangs outside fastcomm).
+  std::vector<int> missing;
+  const int64_t now = unixMillis();
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    const std::string key = "fastcomm/cuda_hb/" + std::to_string(r);
+    if (!store_->check({key})) {
+      missing.push_back(r);
+      continue;
+    }
+    auto v = store_->get(key);
+    std::istringstream is(std::string(v.begin(), v.end()));
+    uint64_t theirSeq = 0;
+    int64_t at = 0;
+    is >> theirSeq >> at;
+    if (theirSeq < seq || now - at > kStaleHeartbeatMs) missing.push_back(r);
+  }
+  return missing.empty() ? std::string("(unknown: all ranks issued it)") : formatRanks(missing);
+}
+
+void CudaCollectives::Impl::watchdogLoop() {
+  // Event queries and, above all, ncclCommAbort must run on the
+  // communicator's device, not on this thread's default device 0.
+  c10::cuda::CUDAGuard deviceGuard(device_);
+  auto nextHeartbeat = Clock::now();
+  while (true) {
+    c10::intrusive_ptr<CudaWork> expired;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_for(lock, kWatchdogPeriod, [&] { return stop_; });
+      if (stop_) return;
+    }
+    try {
+      if (Clock::now() >= nextHeartbeat) {
+        // "<last issued collective seq> <unix ms>": lets peers tell a rank
+        // that is behind or gone from one that is merely slow.
+        const std::string v = std::to_string(lastSeq_.load()) + " " + std::to_string(unixMillis());
+        store_->set("fastcomm/cuda_hb/" + std::to_string(rank_),
+                    std::vector<uint8_t>(v.begin(), v.end()));
+        nextHeartbeat = Clock::now() + kHeartbeatPeriod;
+      }
+    } catch (const std::exception& e) {
+      FASTCOMM_LOG(Debug, "heartbeat to the store failed: " << e.what());
+    }
+    std::deque<c10::intrusive_ptr<CudaWork>> works;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      works.swap(inflight_);
+    }
+    std::deque<c10::intrusive_ptr<CudaWork>> pending;
+    for (auto& w : works) {
+      if (w->end_->query()) {
+        try {
+          if (w->start_) stats_.addTime(w->name_, 1000.0 * w->start_->elapsed_time(*w->end_));
+        } catch (const std::exception& e) {
+          FASTCOMM_LOG(Debug, "no GPU time for " << w->name_ << ": " << e.what());
+        }
+        w->endProfiling();
+      } else if (!expired && Clock::now() - w->enqueued_ > w->timeout_) {
+        expired = w;
+        pending.push_back(w);
+      } else {
+        pending.push_back(w);
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto it = pending.rbegin(); it != pending.rend(); ++it) inflight_.push_front(*it);
+    }
+    if (expired) {
+      const std::string why = "fastcomm: " + expired->name_ + " (seq " +
+                              std::to_string(expired->seq_) + ") failed on group rank " +
+                              std::to_string(rank_) + ": timeout after " +
+                              std::to_string(expired->timeout_.count()) +
+                              " ms waiting for group rank(s) " + missingRanks(expired->seq_) +
+                              "; the NCCL communicator was aborted";
+      FASTCOMM_LOG(Warn, why);
+      abort(why);
+    }
+  }
+}
+
+void CudaCollectives::Impl::abort(const std::string& why) {
+  std::exception_ptr e;
+  try {
+    throwCommError(why);
+  } catch (...) {
+    e = std::current_exception();
+  }
+  std::deque<c10::intrusive_ptr<CudaWork>> works;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!error_) error_ = e;
+    works.swap(inflight_);
+  }
+  {
+    c10::cuda::CUDAGuard guard(device_);
+    std::lock_guard<std::mutex> lock(issueMu_);
+    // Aborting makes NCCL kernels stuck on the dead peer return.
+    if (comm_ != nullptr) ncclCommAbort(comm_);
+    comm_ = nullptr;
+  }
+  for (auto& w : works) w->fail(e);
+}
+
+// ---- public API ----------------------------------------------------------------
+
+CudaCollectives::CudaCollectives(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                 std::chrono::milliseconds timeout, const Config& cfg,
+                                 Stats& stats, at::Device device)
+    : impl_(std::make_unique<Impl>(store, rank, size, timeout, cfg, stats, device)) {}
+
+CudaCollectives::~CudaCollectives() = default;
+
+at::Device CudaCollectives::device() const { return impl_->device_; }
+void CudaCollectives::startCoalescing() { impl_->startCoalescing(); }
+WorkPtr CudaCollectives::endCoalescing(const CudaOpInfo& info) {
+  return impl_->endCoalescing(info);
+}
+void CudaCollectives::cancelCoalescing() { impl_->cancelCoalescing(); }
+void CudaCollectives::shutdown() { impl_->shutdown(); }
+void CudaCollectives::abort() { impl_->abort("fastcomm: process group aborted"); }
+
+namespace {
+// A contiguous stand-in for `t`, copied back on the comm stream by finish().
+struct DeviceContig {
+  at::Tensor orig, work;
+  explicit DeviceContig(const at::Tensor& t)
+      : orig(t), work(t.is_contiguous() ? t : at::empty_like(t, at::MemoryFormat::Contiguous)) {}
+  void load() const {
+    if (!work.is_same(orig)) work.copy_(orig);
+  }
+  void finish() const {
+    if (!work.is_same(orig)) orig.copy_(work);
+  }
+};
+}  // namespace
+
+WorkPtr CudaCollectives::allreduce(Tensors tensors, RedOp op, const CudaOpInfo& info) {
+  const int size = impl_->size_;
+  return impl_->launch(info, tensors, tensors, [tensors, op, size](ncclComm_t comm, cudaStream_t s) {
+    for (const auto& t : tensors) {
+      DeviceContig c(t);
+      c.load();
+      if (needsLocalReduce(op, t.scalar_type())) {
+        at::Tensor rows = at::empty({size, t.numel()}, t.options());
+        int64_t n;
+        auto type = moveType(c.work, n);
+        ncclCheck(ncclAllGather(c.work.data_ptr(), rows.data_ptr(), n, type, comm, s), comm,
+                  "all_reduce");
+        c.work.view({-1}).copy_(reduceRows(rows, op));
+      } else if (t.numel() > 0) {
+        ncclCheck(ncclAllReduce(c.work.data_ptr(), c.work.data_ptr(), t.numel(),
+                                ncclType(t.scalar_type()), ncclOp(op, t.scalar_type()), comm, s),
+                  comm, "all_reduce");
+      }
+      c.finish();
+    }
+  });
+}
+
+WorkPtr CudaCollectives::broadcast(at::Tensor tensor, int root, const CudaOpInfo& info) {
+  return impl_->launch(info, {tensor}, {tensor}, [tensor, root](ncclComm_t comm, cudaStream_t s) {
+    DeviceContig c(tensor);
+    c.load();
+    int64_t n;
+    auto type = moveType(c.work, n);
+    ncclCheck(ncclBroadcast(c.work.data_ptr(), c.work.data_ptr(), n, type, root, comm, s), comm,
+              "broadcast");
+    c.finish();
+  });
+}
+
+WorkPtr CudaCollectives::reduce(at::Tensor tensor, RedOp op, int root, const CudaOpInfo& info) {
+  const int size = impl_->size_;
+  const int me = impl_->rank_;
+  return impl_->launch(info, {tensor}, {tensor},
+                       [tensor, op, root, size, me](ncclComm_t comm, cudaStream_t s) {
+    DeviceContig c(tensor);
+    c.load();
+    if (needsLocalReduce(op, tensor.scalar_type())) {
+      at::Tensor rows = at::empty({size, tensor.numel()}, tensor.options());
+      int64_t n;
+      auto type = moveType(c.work, n);
+      ncclCheck(ncclAllGather(c.work.data_ptr(), rows.data_ptr(), n, type, comm, s), comm, "reduce");
+      if (me == root) c.work.view({-1}).copy_(reduceRows(rows, op));
+    } else if (tensor.numel() > 0) {
+      ncclCheck(ncclReduce(c.work.data_ptr(), c.work.data_ptr(), tensor.numel(),
+                           ncclType(tensor.scalar_type()), ncclOp(op, tensor.scalar_type()), root,
+                           comm, s),
+                comm, "reduce");
+    }
+    if (me == root) c.finish();
+  });
+}
+
+WorkPtr CudaCollectives::allgather(Tensors outputs, at::Tensor input, const CudaOpInfo& info) {
+  const int size = impl_->size_;
+  return impl_->launch(info, {input}, outputs, [outputs, input, size](ncclComm_t comm, cudaStream_t s) {
+    at::Tensor src = input.contiguous();
+    const bool flat = outputs.size() == 1 && outputs[0].is_contiguous();
+    at::Tensor dst = flat ? outputs[0] : at::empty({size, input.numel()}, input.options());
+    int64_t n;
+    auto type = moveType(src, n);
+    ncclCheck(ncclAllGather(src.data_ptr(), dst.data_ptr(), n, type, comm, s), comm, "all_gather");
+    if (!flat) {
+      if (outputs.size() == 1) {
+        outputs[0].copy_(dst.view(outputs[0].sizes()));
+      } else {
+        for (int i = 0; i < size; ++i) outputs[i].copy_(dst[i].view(outputs[i].sizes()));
+      }
+    }
+  });
+}
+
+WorkPtr CudaCollectives::gather(Tensors outputs, at::Tensor input, int root, const CudaOpInfo& info) {
+  const int size = impl_->size_;
+  const int me = impl_->rank_;
+  return impl_->launch(info, {input}, outputs,
+                       [outputs, input, root, size, me](ncclComm_t comm, cudaStream_t s) {
+    at::Tensor src = input.contiguous();
+    int64_t n;
+    auto type = moveType(src, n);
+    std::vector<DeviceContig> dsts;
+    for (const auto& o : outputs) dsts.emplace_back(o);
+    ncclCheck(ncclGroupStart(), comm, "gather");
+    if (me == root) {
+      for (int i = 0; i < size; ++i) {
+        if (i == me) {
+          C10_CUDA_CHECK(cudaMemcpyAsync(dsts[i].work.data_ptr(), src.data_ptr(), n,
+                                         cudaMemcpyDeviceToDevice, s));
+        } else {
+          ncclCheck(ncclRecv(dsts[i].work.data_ptr(), n, type, i, comm, s), comm, "gather");
+        }
+      }
+    } else {
+      ncclCheck(ncclSend(src.data_ptr(), n, type, root, comm, s), comm, "gather");
+    }
+    ncclCheck(ncclGroupEnd(), comm, "gather");
+    for (const auto& d : dsts) d.finish();
+  });
+}
+
+WorkPtr CudaCollectives::scatter(at::Tensor output, Tensors inputs, int root, const CudaOpInfo& info) {
+  const int size = impl_->size_;
+  const int me = impl_->rank_;
+  return impl_->launch(info, inputs, {output},
+                       [output, inputs, root, size, me](ncclComm_t comm, cudaStream_t s) {
+    DeviceContig dst(output);
+    int64_t n;
+    auto type = moveType(dst.work, n);
+    ncclCheck(ncclGroupStart(), comm, "scatter");
+    std::vector<at::Tensor> srcs;
+    if (me == root) {
+      for (int i = 0; i < size; ++i) {
+        srcs.push_back(inputs[i].contiguous());
+        if (i == me) {
+          C10_CUDA_CHECK(cudaMemcpyAsync(dst.work.data_ptr(), srcs[i].data_ptr(), n,
+                                         cudaMemcpyDeviceToDevice, s));
+        } else {
+          ncclCheck(ncclSend(srcs[i].data_ptr(), n, type, i, comm, s), comm, "scatter");
+        }
+      }
+    } else {
+      ncclCheck(ncclRecv(dst.work.data_ptr(), n, type, root, comm, s), comm, "scatter");
+    }
+    ncclCheck(ncclGroupEnd(), comm, "scatter");
+    dst.finish();
+  });
+}
+
+WorkPtr CudaCollectives::reduceScatter(at::Tensor output, Tensors inputs, RedOp op,
+                                       const CudaOpInfo& info) {
+  const int size = impl_->size_;
+  return impl_->launch(info, inputs, {output}, [output, inputs, op, size](ncclComm_t comm, cudaStream_t s) {
+    at::Tensor src;
+    if (inputs.size() == 1) {
+      src = inputs[0].contiguous();
+    } else {
+      std::vector<at::Tensor> flats;
+      for (const auto& i : inputs) flats.push_back(i.reshape({-1}));
+      src = at::cat(flats);
+    }
+    DeviceContig dst(output);
+    const int64_t count = output.numel();
+    if (needsLocalReduce(op, output.scalar_type())) {
+      // Every rank's block for me, then a local reduction.
+      at::Tensor rows = at::empty({size, count}, output.options());
+      const int64_t n = count * static_cast<int64_t>(output.element_size());
+      ncclCheck(ncclGroupStart(), comm, "reduce_scatter");
+      for (int i = 0; i < size; ++i) {
+        ncclCheck(ncclSend(static_cast<char*>(src.data_ptr()) + i * n, n, ncclUint8, i, comm, s),
+                  comm, "reduce_scatter");
+        ncclCheck(ncclRecv(rows[i].data_ptr(), n, ncclUint8, i, comm, s), comm, "reduce_scatter");
+      }
+      ncclCheck(ncclGroupEnd(), comm, "reduce_scatter");
+      dst.work.view({-1}).copy_(reduceRows(rows, op));
+    } else if (count > 0) {
+      ncclCheck(ncclReduceScatter(src.data_ptr(), dst.work.data_ptr(), count,
+                                  ncclType(output.scalar_type()), ncclOp(op, output.scalar_type()),
+                                  comm, s),
+                comm, "reduce_scatter");
+    }
+    dst.finish();
+  });
+}
+
+WorkPtr CudaCollectives::alltoall(Tensors outputs, Tensors inputs, std::vector<int64_t> sendCounts,
+                                  std::vector<int64_t> recvCounts, const CudaOpInfo& info) {
+  const int size = impl_->size_;
+  return impl_->launch(info, inputs, outputs,
+                       [=](ncclComm_t comm, cudaStream_t s) {
+    const int64_t es = static_cast<int64_t>(inputs[0].element_size());
+    at::Tensor src;
+    if (inputs.size() == 1) {
+      src = inputs[0].contiguous();
+    } else {
+      std::vector<at::Tensor> flats;
+      for (const auto& i : inputs) flats.push_back(i.reshape({-1}));
+      src = at::cat(flats);
+    }
+    const int64_t recvTotal = std::accumulate(recvCounts.begin(), recvCounts.end(), int64_t{0});
+    const bool flatOut = outputs.size() == 1 && outputs[0].is_contiguous();
+    at::Tensor dst = flatOut ? outputs[0] : at::empty({recvTotal}, inputs[0].options());
+    ncclCheck(ncclGroupStart(), comm, "all_to_all");
+    int64_t so = 0, ro = 0;
+    for (int i = 0; i < size; ++i) {
+      if (sendCounts[i] > 0)
+        ncclCheck(ncclSend(static_cast<char*>(src.data_ptr()) + so * es, sendCounts[i] * es,
+                           ncclUint8, i, comm, s), comm, "all_to_all");
+      if (recvCounts[i] > 0)
+        ncclCheck(ncclRecv(static_cast<char*>(dst.data_ptr()) + ro * es, recvCounts[i] * es,
+                           ncclUint8, i, comm, s), comm, "all_to_all");
+      so += sendCounts[i];
+      ro += recvCounts[i];
+    }
+    ncclCheck(ncclGroupEnd(), comm, "all_to_all");
+    if (!flatOut) {
+      if (outputs.size() == 1) {
+        outputs[0].copy_(dst.view(outputs[0].sizes()));
+      } else {
+        int64_t off = 0;
+        for (int i = 0; i < size; ++i) {
+          outputs[i].copy_(dst.narrow(0, off, recvCounts[i]).view(outputs[i].sizes()));
+          off += recvCounts[i];
+        }
+      }
+    }
+  });
+}
+
+WorkPtr CudaCollectives::send(at::Tensor tensor, int peer, const CudaOpInfo& info) {
+  return impl_->launch(info, {tensor}, {tensor}, [tensor, peer](ncclComm_t comm, cudaStream_t s) {
+    at::Tensor src = tensor.contiguous();
+    int64_t n;
+    auto type = moveType(src, n);
+    ncclCheck(ncclSend(src.data_ptr(), n, type, peer, comm, s), comm, "send");
+  });
+}
+
+WorkPtr CudaCollectives::recv(at::Tensor tensor, int peer, const CudaOpInfo& info) {
+  return impl_->launch(info, {tensor}, {tensor}, [tensor, peer](ncclComm_t comm, cudaStream_t s) {
+    DeviceContig dst(tensor);
+    int64_t n;
+    auto type = moveType(dst.work, n);
+    ncclCheck(ncclRecv(dst.work.data_ptr(), n, type, peer, comm, s), comm, "recv");
+    dst.finish();
+  });
+}
+
+}  // namespace fastcomm
