@@ -1,0 +1,489 @@
+#!/usr/bin/env python
+"""Benchmark of fastcomm's fused matmul ops on one GPU, in one run.
+
+Compares, for square sizes (default 1024..8192) and LLM-like shapes
+(M=8192, N=4096/11008/14336, K=4096):
+
+* ``matmul``: ``torch.ops.fastcomm.matmul(a, b)`` vs ``torch.matmul`` (cuBLAS),
+  a [M, K] and b [K, N] row-major;
+* ``linear+bias+gelu``: ``torch.ops.fastcomm.linear(x, w, b, act)`` vs
+  ``F.gelu(F.linear(x, w, b))`` (the unfused pair), ``torch._addmm_activation``
+  (cuBLASLt's fused GELU epilogue) and ``torch.compile`` of the unfused code;
+  x [M, K], w [N, K].  ``--gelu tanh`` (default) uses the tanh approximation
+  everywhere, which is what ``_addmm_activation(use_gelu=True)`` computes on
+  CUDA, so that all methods compute the same function; ``--gelu erf`` uses the
+  exact GELU (then ``_addmm_activation`` still uses tanh).
+
+Each fastcomm kernel path listed in ``--variants`` is timed separately
+(``auto`` = the default dispatch, ``mma`` = the mma.sync kernel, ``wgmma`` =
+the Hopper TMA/wgmma kernel, ``wgmma_c2`` = the same on CTA pairs with TMA
+multicast; forced through the FASTCOMM_MATMUL_* variables).
+
+Timing: CUDA events around every call, median of ``--reps`` calls after a
+warm-up, inputs rotated over enough copies to exceed twice the L2 cache,
+random normal data (never zeros). Every method's output is checked against a
+float32 reference first (relative Frobenius error, reported in the table).
+
+Also measured on the same GPU: the memory-bandwidth ceiling (a large
+device-to-device copy, bytes read + written) and the tensor-core ceiling
+(cuBLAS on 8192^3), used for the roofline figure.
+
+Outputs: a table on stdout (TFLOP/s and ratio columns), ``--json`` (all
+numbers + device, torch version, command line), ``--plot`` (TFLOP/s bars) and
+``--roofline`` (each kernel placed under the two ceilings).
+
+Example::
+
+    python benchmarks/bench_matmul.py --dtype bf16 --variants mma,wgmma,wgmma_c2 \\
+        --json benchmarks/results/matmul_h200.json \\
+        --plot benchmarks/results/matmul_h200.png \\
+        --roofline benchmarks/results/roofline_h200.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--sizes", default="1024,2048,4096,8192", help="square sizes M=N=K (comma list)")
+    p.add_argument("--llm", default="8192x4096x4096,8192x11008x4096,8192x14336x4096",
+                   help="MxNxK shapes (comma list); empty for none")
+    p.add_argument("--variants", default="auto",
+                   help="fastcomm kernel paths to time: auto, mma, simt, wgmma, wgmma_c2 (comma list)")
+    p.add_argument("--ops", default="matmul,linear", help="which comparisons: matmul, linear")
+    p.add_argument("--gelu", default="tanh", choices=["tanh", "erf"])
+    p.add_argument("--reps", type=int, default=50, help="timed calls per measurement (median reported)")
+    p.add_argument("--warmup-ms", type=float, default=100.0)
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    p.add_argument("--quick", action="store_true", help="small sizes, few reps (smoke test)")
+    p.add_argument("--json", help="write all results to this JSON file")
+    p.add_argument("--plot", help="write a TFLOP/s bar chart (PNG)")
+    p.add_argument("--roofline", help="write a roofline figure (PNG)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.sizes, args.llm, args.reps, args.warmup_ms = "512,1024", "1024x1536x512", 10, 20.0
+    return args
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def _l2_bytes() -> int:
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return int(getattr(props, "L2_cache_size", 50 << 20) or (50 << 20))
+
+
+def time_calls(fn: Callable[[int], object], reps: int, warmup_ms: float) -> dict:
+    """Median / 20th / 80th percentile of per-call GPU time in ms. fn(i) runs call i."""
+    torch.cuda.synchronize()
+    # warm-up for at least warmup_ms and 3 calls
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    i = 0
+    while True:
+        fn(i)
+        i += 1
+        if i >= 3:
+            end.record()
+            end.synchronize()
+            if start.elapsed_time(end) >= warmup_ms or i >= 10_000:
+                break
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for r in range(reps):
+        starts[r].record()
+        fn(r)
+        ends[r].record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+    q = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
+    return {"ms": statistics.median(times), "p20_ms": q(0.2), "p80_ms": q(0.8)}
+
+
+def measure_bandwidth(reps: int = 20) -> float:
+    """Device-to-device copy of 2 GiB: (bytes read + bytes written) / time, in GB/s."""
+    n = (2 << 30) // 4
+    src = torch.randn(n, device="cuda")
+    dst = torch.empty_like(src)
+    t = time_calls(lambda i: dst.copy_(src), reps, 50.0)["ms"]
+    del src, dst
+    return 2 * n * 4 / (t * 1e-3) / 1e9
+
+
+def measure_mm_peak(dtype: torch.dtype, reps: int) -> float:
+    """cuBLAS on 8192^3 random data, TFLOP/s."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, n, device="cuda", dtype=dtype)
+    t = time_calls(lambda i: torch.matmul(a, b), reps, 200.0)["ms"]
+    return 2 * n**3 / (t * 1e-3) / 1e12
+
+
+# ----------------------------------------------------------------------------- methods
+
+
+class Variant:
+    """Sets the FASTCOMM_MATMUL_* knobs of a kernel path while a fastcomm method runs.
+
+    auto: the default dispatch; mma / simt: those kernels; wgmma: the Hopper
+    kernel; wgmma_c2: the Hopper kernel on CTA pairs with TMA multicast."""
+
+    ENV = {
+        "auto": {"FASTCOMM_MATMUL_IMPL": "auto"},
+        "mma": {"FASTCOMM_MATMUL_IMPL": "mma"},
+        "simt": {"FASTCOMM_MATMUL_IMPL": "simt"},
+        "wgmma": {"FASTCOMM_MATMUL_IMPL": "wgmma", "FASTCOMM_MATMUL_WGMMA": "1", "FASTCOMM_MATMUL_CLUSTER": "1"},
+        "wgmma_c2": {"FASTCOMM_MATMUL_IMPL": "wgmma", "FASTCOMM_MATMUL_WGMMA": "1", "FASTCOMM_MATMUL_CLUSTER": "2"},
+    }
+
+    def __init__(self, name: str):
+        if name not in self.ENV:
+            raise ValueError(f"unknown variant {name!r}; known: {sorted(self.ENV)}")
+        self.name = name
+        self.saved: dict[str, Optional[str]] = {}
+
+    def __enter__(self):
+        env = self.ENV[self.name]
+        for k, v in env.items():
+            self.saved[k] = os.environ.get(k)
+            os.environ[k] = v
+        return self
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out = out.float()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def make_inputs(m: int, n: int, k: int, dtype: torch.dtype, with_b_kn: bool) -> list[dict]:
+    """Enough independent input sets that the rotation exceeds twice the L2 cache."""
+    elt = torch.finfo(dtype).bits // 8
+    set_bytes = (m * k + k * n + n + m * n) * elt
+    n_sets = max(1, min(16, math.ceil(2 * _l2_bytes() / set_bytes)))
+    sets = []
+    for _ in range(n_sets):
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        w = torch.randn(n, k, device="cuda", dtype=dtype) / math.sqrt(k)
+        s = {"x": x, "w": w, "bias": torch.randn(n, device="cuda", dtype=dtype)}
+        if with_b_kn:
+            s["b"] = w.t().contiguous()  # [K, N] row-major, as torch.matmul users hold it
+        sets.append(s)
+    return sets
+
+
+def run_shape(m: int, n: int, k: int, args, dtype, compiled_cache: dict) -> list[dict]:
+    ops_wanted = set(args.ops.split(","))
+    variants = [v for v in args.variants.split(",") if v]
+    sets = make_inputs(m, n, k, dtype, "matmul" in ops_wanted)
+    flops = 2.0 * m * n * k
+    elt = torch.finfo(dtype).bits // 8
+    rows = []
+    approx = "tanh" if args.gelu == "tanh" else "none"
+    act = "gelu_tanh" if args.gelu == "tanh" else "gelu"
+
+    def record(op, method, fn, ref, min_bytes):
+        try:
+            with torch.no_grad():
+                err = rel_err(fn(0), ref)
+                t = time_calls(fn, args.reps, args.warmup_ms)
+        except Exception as e:  # keep going: one failing method must not lose the run
+            rows.append({"M": m, "N": n, "K": k, "op": op, "method": method, "error": repr(e)[:300]})
+            print(f"  {op:8s} {method:18s} FAILED: {e!r}"[:200], flush=True)
+            return
+        tflops = flops / (t["ms"] * 1e-3) / 1e12
+        rows.append({"M": m, "N": n, "K": k, "op": op, "method": method, "ms": t["ms"], "p20_ms": t["p20_ms"],
+                     "p80_ms": t["p80_ms"], "tflops": tflops, "rel_err": err, "ok": err < TOL[dtype],
+                     "flops": flops, "min_bytes": min_bytes, "intensity": flops / min_bytes})
+
+    s0 = sets[0]
+    if "matmul" in ops_wanted:
+        ref = s0["x"].float() @ s0["b"].float()
+        mb = (m * k + k * n + m * n) * elt
+        record("matmul", "cublas", lambda i: torch.matmul(sets[i % len(sets)]["x"], sets[i % len(sets)]["b"]), ref, mb)
+        for v in variants:
+            def fc(i, v=v):
+                s = sets[i % len(sets)]
+                with Variant(v):
+                    return torch.ops.fastcomm.matmul(s["x"], s["b"])
+            record("matmul", f"fastcomm[{v}]", fc, ref, mb)
+        del ref
+    if "linear" in ops_wanted:
+        ref = F.gelu(F.linear(s0["x"].float(), s0["w"].float(), s0["bias"].float()), approximate=approx)
+        mb = (m * k + k * n + n + m * n) * elt
+        for v in variants:
+            def fl(i, v=v):
+                s = sets[i % len(sets)]
+                with Variant(v):
+                    return torch.ops.fastcomm.linear(s["x"], s["w"], s["bias"], act)
+            record("linear_gelu", f"fastcomm[{v}]", fl, ref, mb)
+
+        def unfused(i):
+            s = sets[i % len(sets)]
+            return F.gelu(F.linear(s["x"], s["w"], s["bias"]), approximate=approx)
+
+        record("linear_gelu", "unfused", unfused, ref, mb)
+
+        def addmm(i):
+            s = sets[i % len(sets)]
+            return torch._addmm_activation(s["bias"], s["x"], s["w"].t(), use_gelu=True)
+
+        record("linear_gelu", "addmm_activation", addmm, ref, mb)
+        if not args.no_compile:
+            if "fn" not in compiled_cache:
+                compiled_cache["fn"] = torch.compile(
+                    lambda x, w, b: F.gelu(F.linear(x, w, b), approximate=approx), dynamic=False)
+            cfn = compiled_cache["fn"]
+
+            def comp(i):
+                s = sets[i % len(sets)]
+                return cfn(s["x"], s["w"], s["bias"])
+
+            record("linear_gelu", "torch.compile", comp, ref, mb)
+        del ref
+    del sets
+    torch.cuda.empty_cache()
+    return rows
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def shape_label(r: dict) -> str:
+    return f"{r['M']}x{r['N']}x{r['K']}"
+
+
+def best_fastcomm(rows: list[dict], op: str, label: str) -> Optional[dict]:
+    cands = [r for r in rows if r["op"] == op and shape_label(r) == label and r["method"].startswith("fastcomm")
+             and "tflops" in r and r["ok"]]
+    return max(cands, key=lambda r: r["tflops"]) if cands else None
+
+
+def find(rows, op, label, method):
+    for r in rows:
+        if r["op"] == op and shape_label(r) == label and r["method"] == method and "tflops" in r:
+            return r
+    return None
+
+
+def print_table(rows: list[dict]) -> None:
+    labels = list(dict.fromkeys(shape_label(r) for r in rows))
+    print()
+    print(f"{'M x N x K':>20s}  {'op':11s} {'method':18s} {'ms':>8s} {'TFLOP/s':>8s} "
+          f"{'vs cuBLAS/addmm':>15s} {'vs unfused':>10s} {'rel err':>8s}")
+    for lab in labels:
+        for op in ("matmul", "linear_gelu"):
+            base = find(rows, op, lab, "cublas" if op == "matmul" else "addmm_activation")
+            unf = find(rows, op, lab, "unfused")
+            for r in rows:
+                if shape_label(r) != lab or r["op"] != op:
+                    continue
+                if "tflops" not in r:
+                    print(f"{lab:>20s}  {op:11s} {r['method']:18s} FAILED {r.get('error', '')[:60]}")
+                    continue
+                vb = f"{r['tflops'] / base['tflops']:.2f}x" if base and r is not base else ""
+                vu = f"{r['tflops'] / unf['tflops']:.2f}x" if unf and op != "matmul" and r is not unf else ""
+                flag = "" if r["ok"] else " WRONG"
+                print(f"{lab:>20s}  {op:11s} {r['method']:18s} {r['ms']:8.3f} {r['tflops']:8.1f} "
+                      f"{vb:>15s} {vu:>10s} {r['rel_err']:8.1e}{flag}")
+
+
+def evaluate_targets(rows: list[dict]) -> list[dict]:
+    """The issue's targets: matmul >= 0.9x cuBLAS at 4096, 8192 and the LLM shapes;
+    linear+bias+gelu >= 1.0x _addmm_activation and >= 1.1x the unfused pair."""
+    out = []
+    labels = list(dict.fromkeys(shape_label(r) for r in rows))
+    for lab in labels:
+        m, n, k = (int(v) for v in lab.split("x"))
+        if not ((m == n == k and m in (4096, 8192)) or (m == 8192 and k == 4096 and n in (4096, 11008, 14336))):
+            continue
+        fm = best_fastcomm(rows, "matmul", lab)
+        cb = find(rows, "matmul", lab, "cublas")
+        if fm and cb:
+            ratio = fm["tflops"] / cb["tflops"]
+            out.append({"shape": lab, "target": "matmul >= 0.9x cuBLAS", "method": fm["method"],
+                        "ratio": ratio, "pass": ratio >= 0.9})
+        fl = best_fastcomm(rows, "linear_gelu", lab)
+        ad = find(rows, "linear_gelu", lab, "addmm_activation")
+        un = find(rows, "linear_gelu", lab, "unfused")
+        if fl and ad:
+            ratio = fl["tflops"] / ad["tflops"]
+            out.append({"shape": lab, "target": "linear+gelu >= 1.0x addmm_activation", "method": fl["method"],
+                        "ratio": ratio, "pass": ratio >= 1.0})
+        if fl and un:
+            ratio = fl["tflops"] / un["tflops"]
+            out.append({"shape": lab, "target": "linear+gelu >= 1.1x unfused", "method": fl["method"],
+                        "ratio": ratio, "pass": ratio >= 1.1})
+    return out
+
+
+def plot_bars(rows: list[dict], path: str, meta: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = [op for op in ("matmul", "linear_gelu") if any(r["op"] == op for r in rows)]
+    fig, axes = plt.subplots(len(ops), 1, figsize=(12, 4.2 * len(ops)), squeeze=False)
+    for ax, op in zip(axes[:, 0], ops):
+        sub = [r for r in rows if r["op"] == op and "tflops" in r]
+        labels = list(dict.fromkeys(shape_label(r) for r in sub))
+        methods = list(dict.fromkeys(r["method"] for r in sub))
+        width = 0.8 / max(1, len(methods))
+        for j, meth in enumerate(methods):
+            ys = [next((r["tflops"] for r in sub if shape_label(r) == lab and r["method"] == meth), 0.0)
+                  for lab in labels]
+            xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(labels))]
+            ax.bar(xs, ys, width, label=meth)
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels, rotation=20, fontsize=8)
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(f"{'matmul' if op == 'matmul' else 'linear + bias + gelu'} ({meta['dtype']}, {meta['device']})")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_roofline(rows: list[dict], path: str, meta: dict, ceilings: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bw = ceilings["bandwidth_GBps"] * 1e9  # bytes/s
+    peak = ceilings["matmul_peak_tflops"] * 1e12
+    sub = [r for r in rows if "tflops" in r]
+    if not sub:
+        return
+    ai = [r["intensity"] for r in sub]
+    lo, hi = min(ai + [peak / bw]) / 4, max(ai) * 4
+    xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    fig, ax = plt.subplots(figsize=(12, 6))
+    ax.loglog(xs, [min(peak, bw * x) / 1e12 for x in xs], "k-", lw=2,
+              label=f"ceilings: {ceilings['bandwidth_GBps']:.0f} GB/s copy, "
+                    f"{ceilings['matmul_peak_tflops']:.0f} TFLOP/s cuBLAS 8192^3")
+    ax.axvline(peak / bw, color="gray", ls=":", lw=1)
+    methods = list(dict.fromkeys(r["method"] for r in sub))
+    markers = {"matmul": "o", "linear_gelu": "s"}
+    cmap = plt.get_cmap("tab10")
+    for j, meth in enumerate(methods):
+        for op, mk in markers.items():
+            pts = [r for r in sub if r["method"] == meth and r["op"] == op]
+            if pts:
+                ax.scatter([r["intensity"] for r in pts], [r["tflops"] for r in pts], marker=mk, color=cmap(j % 10),
+                           label=f"{meth} ({'matmul' if op == 'matmul' else 'linear+gelu'})", s=36, alpha=0.85)
+    for lab in dict.fromkeys(shape_label(r) for r in sub):
+        r = next(r for r in sub if shape_label(r) == lab)
+        ax.annotate(lab, xy=(r["intensity"], 0.01), xycoords=("data", "axes fraction"), fontsize=6, rotation=90,
+                    ha="center", va="bottom", alpha=0.7)
+    ax.set_xlabel("arithmetic intensity (FLOP / byte, each operand moved once)")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(f"Roofline, {meta['dtype']}, {meta['device']}")
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_matmul: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import torchext  # noqa: F401  (registers torch.ops.fastcomm)
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    for name in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    torch.manual_seed(0)
+    dtype = DTYPES[args.dtype]
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    meta = {
+        "device": props.name,
+        "capability": f"{props.major}.{props.minor}",
+        "multiprocessors": props.multi_processor_count,
+        "l2_bytes": _l2_bytes(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "command": " ".join([sys.executable] + sys.argv),
+        "env": {k: v for k, v in os.environ.items() if k.startswith("FASTCOMM_")},
+        "dtype": args.dtype,
+        "gelu": args.gelu,
+        "reps": args.reps,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    print(f"# {meta['device']} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs), "
+          f"torch {meta['torch']}, CUDA {meta['cuda']}, {args.dtype}", flush=True)
+    ceilings = {"bandwidth_GBps": measure_bandwidth(), "matmul_peak_tflops": measure_mm_peak(dtype, args.reps)}
+    print(f"# ceilings: copy {ceilings['bandwidth_GBps']:.0f} GB/s (read + write), "
+          f"cuBLAS 8192^3 {ceilings['matmul_peak_tflops']:.0f} TFLOP/s", flush=True)
+
+    shapes = [(s, s, s) for s in (int(v) for v in args.sizes.split(",") if v)]
+    for spec in (v for v in args.llm.split(",") if v):
+        m, n, k = (int(t) for t in spec.lower().split("x"))
+        shapes.append((m, n, k))
+    rows: list[dict] = []
+    compiled_cache: dict = {}
+    for m, n, k in shapes:
+        print(f"# {m}x{n}x{k}", flush=True)
+        rows += run_shape(m, n, k, args, dtype, compiled_cache)
+
+    print_table(rows)
+    targets = evaluate_targets(rows)
+    if targets:
+        print("\ntargets (best correct fastcomm variant):")
+        for t in targets:
+            print(f"  {t['shape']:>16s}  {t['target']:38s} {t['ratio']:.2f}x  {'PASS' if t['pass'] else 'MISS'}"
+                  f"  ({t['method']})")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "ceilings": ceilings, "results": rows, "targets": targets}, f, indent=1)
+    for path, fn in ((args.plot, lambda p: plot_bars(rows, p, meta)),
+                     (args.roofline, lambda p: plot_roofline(rows, p, meta, ceilings))):
+        if path:
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                fn(path)
+            except ImportError as e:
+                print(f"# cannot plot {path}: {e}", file=sys.stderr)
+    bad = [r for r in rows if r.get("ok") is False or "error" in r]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+// Host interface between the CUDA operator code (csrc/ops/cuda/matmul_cuda.cpp,
+// compiled by the host compiler) and the kernels (kernels/matmul_*.cu,
+// compiled by nvcc). Plain C++: no torch and no device code, so both sides
+// include it.
+//
+// Every launcher computes C[M, N] = act(A[M, K] @ B[K, N] + bias[N]) with
+// float32 accumulation (float64 for double), writing C row-major with leading
+// dimension ldc, on the given stream, and returns the launch status.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace fastcomm {
+namespace ops {
+namespace cuda {
+
+enum class DType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kF64 = 3 };
+
+// Same values as fastcomm::ops::Activation (csrc/ops/matmul_common.h).
+enum class Act : int { kNone = 0, kRelu = 1, kGelu = 2, kGeluTanh = 3, kSilu = 4 };
+
+struct GemmArgs {
+  // A[m][k] = a[m * sam + k * sak]; B[k][n] = b[k * sbk + n * sbn] (elements).
+  const void* a = nullptr;
+  int64_t sam = 0, sak = 0;
+  const void* b = nullptr;
+  int64_t sbk = 0, sbn = 0;
+  const void* bias = nullptr;  // [N], contiguous, dtype of A; may be null
+  void* c = nullptr;           // C[m][n] = c[m * ldc + n]
+  int64_t ldc = 0;
+  int64_t M = 0, N = 0, K = 0;  // each below 2^31
+  DType dtype = DType::kF32;
+  Act act = Act::kNone;
+};
+
+// Tile-size choice: kAuto lets the launcher's heuristic decide.
+enum class Tile : int { kAuto = 0, kLarge = 1, kSmall = 2 };
+
+// Generic tiled kernel (CUDA cores, any strides, any dtype, any arch).
+cudaError_t launch_gemm_simt(const GemmArgs& args, cudaStream_t stream);
+
+// Tensor-core kernel with mma.sync (sm_80+), float16 / bfloat16 only.
+// Requirements (the caller copies operands that miss them):
+//   each of A and B has a unit stride in one dimension: A K-major (sak == 1)
+//   or M-major (sam == 1), B K-major (sbk == 1) or N-major (sbn == 1); the
+//   other stride is a multiple of 8 elements; both base pointers are 16-byte
+//   aligned; K >= 1.
+bool gemm_mma_supported(const GemmArgs& args);
+cudaError_t launch_gemm_mma_sm80(const GemmArgs& args, int num_sms, Tile tile, cudaStream_t stream);
+
+// Hopper kernel: TMA loads, wgmma, warp-specialised producer / consumers,
+// persistent tile loop (sm_90a only; see kernels/matmul_sm90.cu).
+// Same operand requirements as the mma.sync kernel, plus the TMA ones
+// (leading dimension >= the contiguous extent and below 2^31 elements).
+// allow_mn_major = false makes gemm_wgmma_supported reject M-/N-major
+// operands (the caller then copies them to K-major).
+bool gemm_wgmma_supported(const GemmArgs& args, bool allow_mn_major);
+// True when the loaded module carries the sm_90a kernel for the current device.
+bool gemm_wgmma_compiled();
+// cluster = 1, or 2 for CTA pairs sharing the B tile through TMA multicast.
+cudaError_t launch_gemm_wgmma_sm90(const GemmArgs& args, int num_sms, Tile tile, int cluster, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace ops
+}  // namespace fastcomm

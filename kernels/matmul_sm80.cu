@@ -1,0 +1,335 @@
+// Tensor-core GEMM for float16 / bfloat16 on sm_80 and later (mma.sync).
+//
+// The tiled fallback of the fastcomm matmul: it runs on every GPU from Ampere
+// on (and on Hopper unless the wgmma kernel is enabled).
+//
+//  * Block tile BM x BN x BK (128x128x32 with 8 warps, or 64x64x32 with 4
+//    warps for problems too small to fill the GPU with large tiles); each
+//    warp owns a (BM/WARPS_M) x (BN/WARPS_N) piece of C in registers as
+//    m16n8k16 accumulators (float32).
+//  * A STAGES-deep shared-memory ring filled with 16-byte cp.async copies;
+//    the copy of K-slice kb+STAGES-1 is in flight while slice kb is
+//    multiplied.
+//  * Operands may be K-major or M/N-major (template flags A_K / B_K): the
+//    tile is stored in shared memory as it lies in global memory and the
+//    fragments are read with ldmatrix (.trans for M/N-major). Rows are
+//    padded by 16 bytes, which keeps both ldmatrix and the copies free of
+//    bank conflicts.
+//  * Edges: 16-byte chunks that lie wholly inside the matrix are copied with
+//    cp.async, chunks that straddle its end are copied element by element,
+//    chunks outside are zero-filled; so any M, N, K works.
+//  * Epilogue: bias + activation + cast fused into the register -> global
+//    store (paired 4-byte stores).
+#include <climits>
+#include <type_traits>
+
+#include "matmul_device.cuh"
+
+namespace fastcomm {
+namespace ops {
+namespace cuda {
+namespace {
+
+using namespace detail;
+
+// ---- PTX wrappers (sm_80+) ---------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+template <bool TRANS>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                            uint32_t& r3) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (TRANS) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+  }
+#endif
+}
+
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+#endif
+}
+
+// ---- configuration -------------------------------------------------------------
+
+template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_, bool A_K_, bool B_K_>
+struct MmaConfig {
+  static constexpr int BM = BM_, BN = BN_, BK = BK_;
+  static constexpr int WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, STAGES = STAGES_;
+  static constexpr bool A_K = A_K_, B_K = B_K_;
+  static constexpr int THREADS = WARPS_M * WARPS_N * 32;
+  static constexpr int PAD = 8;  // elements (16 bytes) of padding per shared-memory row
+  // Shared tiles as they lie in global memory: [rows][cols + PAD].
+  static constexpr int A_ROWS = A_K ? BM : BK;
+  static constexpr int A_COLS = A_K ? BK : BM;
+  static constexpr int A_LD = A_COLS + PAD;
+  static constexpr int B_ROWS = B_K ? BN : BK;
+  static constexpr int B_COLS = B_K ? BK : BN;
+  static constexpr int B_LD = B_COLS + PAD;
+  static constexpr int A_STAGE = A_ROWS * A_LD;  // elements
+  static constexpr int B_STAGE = B_ROWS * B_LD;
+  static constexpr int SMEM_BYTES = STAGES * (A_STAGE + B_STAGE) * 2;
+  static constexpr int WTM = BM / WARPS_M;  // warp tile
+  static constexpr int WTN = BN / WARPS_N;
+  static constexpr int MT = WTM / 16;  // m16 fragments per warp
+  static constexpr int NT = WTN / 8;   // n8 fragments per warp
+  static_assert(BK % 16 == 0 && WTM % 16 == 0 && WTN % 16 == 0, "bad tile");
+  static_assert((A_ROWS * A_COLS / 8) % THREADS == 0 && (B_ROWS * B_COLS / 8) % THREADS == 0,
+                "tile copies must split evenly over the threads");
+};
+
+// Copies the ROWS x COLS tile whose element (r, c) is g[(row0 + r) * ld + col0 + c]
+// into shared memory s[r * LD + c]; elements with row0 + r >= row_lim or
+// col0 + c >= col_lim become zero.
+template <typename T, int ROWS, int COLS, int LD, int THREADS>
+__device__ __forceinline__ void load_tile(T* s, const T* __restrict__ g, int64_t ld, int row0, int row_lim, int col0,
+                                          int col_lim, int tid) {
+  constexpr int CHUNKS_PER_ROW = COLS / 8;
+  constexpr int ITERS = ROWS * CHUNKS_PER_ROW / THREADS;
+#pragma unroll
+  for (int i = 0; i < ITERS; ++i) {
+    const int chunk = tid + i * THREADS;
+    const int r = chunk / CHUNKS_PER_ROW;
+    const int c = (chunk % CHUNKS_PER_ROW) * 8;
+    const int gr = row0 + r, gc = col0 + c;
+    T* dst = s + r * LD + c;
+    if (gr < row_lim && gc + 8 <= col_lim) {
+      cp_async_16(smem_addr(dst), g + static_cast<int64_t>(gr) * ld + gc);
+    } else if (gr < row_lim && gc < col_lim) {
+      // Copy the raw 16-bit patterns (0 is +0.0 for both half types).
+      const uint16_t* src = reinterpret_cast<const uint16_t*>(g + static_cast<int64_t>(gr) * ld + gc);
+      uint16_t* d16 = reinterpret_cast<uint16_t*>(dst);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) d16[e] = (gc + e < col_lim) ? src[e] : static_cast<uint16_t>(0);
+    } else {
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+}
+
+// Epilogue: accumulator (mt, nt, e) sits at row lane/4 (+8 for e >= 2),
+// column 2 * (lane % 4) + (e & 1) of its 16x8 fragment.
+template <typename T, Act ACT, int MT, int NT>
+__device__ __forceinline__ void mma_epilogue(const GemmArgs& p, const float (&acc)[MT][NT][4], int row0, int col0,
+                                             int lane, bool pair_ok) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int row = row0 + mt * 16 + (lane >> 2);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int col = col0 + nt * 8 + (lane & 3) * 2;
+      epilogue_pair<T, ACT>(p, row, col, acc[mt][nt][0], acc[mt][nt][1], pair_ok);
+      epilogue_pair<T, ACT>(p, row + 8, col, acc[mt][nt][2], acc[mt][nt][3], pair_ok);
+    }
+  }
+}
+
+template <typename T, typename Cfg>
+__global__ void __launch_bounds__(Cfg::THREADS, (Cfg::THREADS == 256 ? 2 : 3))
+    gemm_mma_kernel(const GemmArgs p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, STAGES = Cfg::STAGES;
+  constexpr int MT = Cfg::MT, NT = Cfg::NT;
+  constexpr bool A_K = Cfg::A_K, B_K = Cfg::B_K;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sA = reinterpret_cast<T*>(smem_raw);
+  T* sB = sA + STAGES * Cfg::A_STAGE;
+
+  const T* __restrict__ A = static_cast<const T*>(p.a);
+  const T* __restrict__ B = static_cast<const T*>(p.b);
+  const int M = static_cast<int>(p.M), N = static_cast<int>(p.N), K = static_cast<int>(p.K);
+  const int64_t lda = A_K ? p.sam : p.sak;
+  const int64_t ldb = B_K ? p.sbn : p.sbk;
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  const int wm0 = (warp / Cfg::WARPS_N) * Cfg::WTM;
+  const int wn0 = (warp % Cfg::WARPS_N) * Cfg::WTN;
+
+  const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
+  int tm, tn;
+  grouped_tile<8>(blockIdx.x, tiles_m, tiles_n, tm, tn);
+  const int m0 = tm * BM, n0 = tn * BN;
+
+  auto load_stage = [&](int stage, int kb) {
+    const int k0 = kb * BK;
+    T* a_dst = sA + stage * Cfg::A_STAGE;
+    T* b_dst = sB + stage * Cfg::B_STAGE;
+    if constexpr (A_K) {
+      load_tile<T, BM, BK, Cfg::A_LD, Cfg::THREADS>(a_dst, A, lda, m0, M, k0, K, tid);
+    } else {
+      load_tile<T, BK, BM, Cfg::A_LD, Cfg::THREADS>(a_dst, A, lda, k0, K, m0, M, tid);
+    }
+    if constexpr (B_K) {
+      load_tile<T, BN, BK, Cfg::B_LD, Cfg::THREADS>(b_dst, B, ldb, n0, N, k0, K, tid);
+    } else {
+      load_tile<T, BK, BN, Cfg::B_LD, Cfg::THREADS>(b_dst, B, ldb, k0, K, n0, N, tid);
+    }
+  };
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+  const int num_kb = (K + BK - 1) / BK;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < num_kb) load_stage(s, s);
+    cp_async_commit();
+  }
+
+  const int li = lane & 7, lj = lane >> 3;  // ldmatrix: row within a matrix, matrix index
+  for (int kb = 0; kb < num_kb; ++kb) {
+    cp_async_wait<STAGES - 2>();  // slice kb has landed (this thread's copies)
+    __syncthreads();              // ... everyone's; and slice kb-1 is no longer read
+    {
+      const int next = kb + STAGES - 1;
+      if (next < num_kb) load_stage(next % STAGES, next);
+      cp_async_commit();
+    }
+    const T* a_s = sA + (kb % STAGES) * Cfg::A_STAGE;
+    const T* b_s = sB + (kb % STAGES) * Cfg::B_STAGE;
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 16) {
+      uint32_t af[MT][4];
+      uint32_t bf[NT][2];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const T* addr;
+        if constexpr (A_K) {  // [m][k]: matrices (m 0-7|8-15) x (k 0-7|8-15), m fastest
+          addr = a_s + (wm0 + mt * 16 + (lane & 15)) * Cfg::A_LD + kk + (lane >> 4) * 8;
+        } else {  // [k][m], transposed on load
+          addr = a_s + (kk + li + (lj >> 1) * 8) * Cfg::A_LD + wm0 + mt * 16 + (lj & 1) * 8;
+        }
+        ldmatrix_x4<!A_K>(smem_addr(addr), af[mt][0], af[mt][1], af[mt][2], af[mt][3]);
+      }
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        const T* addr;
+        if constexpr (B_K) {  // [n][k]: (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
+          addr = b_s + (wn0 + np * 16 + li + (lj >> 1) * 8) * Cfg::B_LD + kk + (lj & 1) * 8;
+        } else {  // [k][n], transposed on load, same matrix order
+          addr = b_s + (kk + li + (lj & 1) * 8) * Cfg::B_LD + wn0 + np * 16 + (lj >> 1) * 8;
+        }
+        ldmatrix_x4<!B_K>(smem_addr(addr), bf[2 * np][0], bf[2 * np][1], bf[2 * np + 1][0], bf[2 * np + 1][1]);
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mma_16816<T>(acc[mt][nt], af[mt], bf[nt]);
+    }
+  }
+  cp_async_wait<0>();
+
+  const bool pair_ok = (p.ldc % 2 == 0) && ((reinterpret_cast<uintptr_t>(p.c) & 3) == 0);
+  FASTCOMM_DISPATCH_ACT(p.act, (mma_epilogue<T, kAct, MT, NT>(p, acc, m0 + wm0, n0 + wn0, lane, pair_ok)));
+#endif
+}
+
+template <typename T, typename Cfg>
+cudaError_t launch_cfg(const GemmArgs& p, cudaStream_t stream) {
+  const int64_t tiles = ((p.M + Cfg::BM - 1) / Cfg::BM) * ((p.N + Cfg::BN - 1) / Cfg::BN);
+  if (tiles > INT_MAX) return cudaErrorInvalidValue;
+  auto kernel = gemm_mma_kernel<T, Cfg>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM_BYTES);
+  if (err != cudaSuccess) return err;
+  kernel<<<static_cast<unsigned>(tiles), Cfg::THREADS, Cfg::SMEM_BYTES, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T, bool A_K, bool B_K>
+cudaError_t launch_layout(const GemmArgs& p, bool large, cudaStream_t stream) {
+  if (large) {
+    return launch_cfg<T, MmaConfig<128, 128, 32, 2, 4, 4, A_K, B_K>>(p, stream);
+  }
+  return launch_cfg<T, MmaConfig<64, 64, 32, 2, 2, 4, A_K, B_K>>(p, stream);
+}
+
+template <typename T>
+cudaError_t launch_type(const GemmArgs& p, bool large, cudaStream_t stream) {
+  const bool a_k = p.sak == 1;
+  const bool b_k = p.sbk == 1;
+  if (a_k && b_k) return launch_layout<T, true, true>(p, large, stream);
+  if (a_k) return launch_layout<T, true, false>(p, large, stream);
+  if (b_k) return launch_layout<T, false, true>(p, large, stream);
+  return launch_layout<T, false, false>(p, large, stream);
+}
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+
+}  // namespace
+
+bool gemm_mma_supported(const GemmArgs& p) {
+  if (p.dtype != DType::kF16 && p.dtype != DType::kBF16) return false;
+  if (p.M <= 0 || p.N <= 0 || p.K <= 0 || p.M > INT_MAX || p.N > INT_MAX || p.K > INT_MAX) return false;
+  if (!aligned16(p.a) || !aligned16(p.b)) return false;
+  const bool a_ok = (p.sak == 1 && p.sam % 8 == 0) || (p.sam == 1 && p.sak % 8 == 0);
+  const bool b_ok = (p.sbk == 1 && p.sbn % 8 == 0) || (p.sbn == 1 && p.sbk % 8 == 0);
+  return a_ok && b_ok;
+}
+
+cudaError_t launch_gemm_mma_sm80(const GemmArgs& p, int num_sms, Tile tile, cudaStream_t stream) {
+  if (!gemm_mma_supported(p)) return cudaErrorInvalidValue;
+  // Large 128x128 tiles once they fill the GPU (two blocks per SM fit),
+  // 64x64 tiles otherwise so that more SMs get work.
+  bool large;
+  if (tile == Tile::kAuto) {
+    const int64_t tiles_large = ((p.M + 127) / 128) * ((p.N + 127) / 128);
+    large = tiles_large >= static_cast<int64_t>(num_sms);
+  } else {
+    large = tile == Tile::kLarge;
+  }
+  if (p.dtype == DType::kBF16) return launch_type<__nv_bfloat16>(p, large, stream);
+  return launch_type<__half>(p, large, stream);
+}
+
+}  // namespace cuda
+}  // namespace ops
+}  // namespace fastcomm

@@ -1,0 +1,518 @@
+"""Tests of torch.ops.fastcomm.matmul / linear, torchext.ops and torchext.nn.FusedLinear.
+
+CPU tests run in CI; the same tests run on CUDA when a GPU is present
+(marked ``cuda``), plus CUDA-only tests of each kernel path (forced with
+FASTCOMM_MATMUL_IMPL) and of the Hopper wgmma kernel (sm_90 only).
+
+Accuracy is judged by ||out - ref|| / ||ref|| against a float64 reference
+computed from the same (rounded) inputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchext  # noqa: F401  (loads the extension and registers the ops)
+from torchext import ops
+from torchext.nn import FusedLinear
+
+HAS_CUDA = torch.cuda.is_available()
+_skip_no_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, _skip_no_cuda])]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+ACTS = ["none", "relu", "gelu", "gelu_tanh", "silu"]
+
+# Bounds on the relative Frobenius error against float64.
+RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2, torch.float64: 1e-12}
+
+# (M, N, K): odd sizes, sizes below/above one tile, K not a multiple of 8.
+SHAPES = [(1, 1, 1), (7, 13, 5), (33, 65, 17), (64, 128, 96), (129, 257, 200)]
+# Larger shapes exercised on CUDA only (several tiles, several pipeline stages).
+CUDA_SHAPES = [(300, 520, 1000), (1024, 768, 512), (17, 1000, 4096)]
+
+
+def _ref_act(t: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "none":
+        return t
+    if act == "relu":
+        return F.relu(t)
+    if act == "gelu":
+        return F.gelu(t)
+    if act == "gelu_tanh":
+        return F.gelu(t, approximate="tanh")
+    if act == "silu":
+        return F.silu(t)
+    raise ValueError(act)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out = out.double()
+    ref = ref.double()
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert torch.isfinite(out).all(), "non-finite values in the output"
+    den = ref.norm().item()
+    num = (out - ref).norm().item()
+    return num / den if den > 0 else num
+
+
+def _poison_cuda_cache(device: str) -> None:
+    """Leave NaN-filled blocks in the caching allocator, so that an output
+    element the kernel fails to write shows up as NaN."""
+    if device == "cuda":
+        bufs = [
+            torch.full((n,), float("nan"), device=device)
+            for n in (1 << 12, 1 << 16, 1 << 20, 1 << 23)
+        ]
+        del bufs
+
+
+def _rand(*shape, dtype, device, gen=None):
+    return torch.randn(*shape, dtype=torch.float32, device="cpu", generator=gen).to(
+        dtype=dtype, device=device
+    )
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(1234)
+
+
+# ---------------------------------------------------------------- numerics
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matmul_matches_float64(device, dtype, shape):
+    m, n, k = shape
+    a = _rand(m, k, dtype=dtype, device=device)
+    b = _rand(k, n, dtype=dtype, device=device)
+    _poison_cuda_cache(device)
+    out = ops.matmul(a, b)
+    assert out.dtype == dtype and out.device == a.device and out.shape == (m, n)
+    assert out.is_contiguous()
+    assert _rel_err(out, a.double() @ b.double()) < RTOL[dtype]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_linear_matches_float64(device, dtype, act, with_bias):
+    for m, n, k in [(7, 13, 5), (129, 257, 200)]:
+        x = _rand(m, k, dtype=dtype, device=device)
+        w = _rand(n, k, dtype=dtype, device=device)
+        b = _rand(n, dtype=dtype, device=device) if with_bias else None
+        _poison_cuda_cache(device)
+        out = ops.linear(x, w, b, act)
+        pre = x.double() @ w.double().t()
+        if b is not None:
+            pre = pre + b.double()
+        assert out.dtype == dtype and out.shape == (m, n)
+        assert _rel_err(out, _ref_act(pre, act)) < RTOL[dtype], (m, n, k)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batched_and_1d_inputs(device, dtype):
+    a = _rand(2, 3, 9, 20, dtype=dtype, device=device)
+    b = _rand(20, 11, dtype=dtype, device=device)
+    out = ops.matmul(a, b)
+    assert out.shape == (2, 3, 9, 11)
+    assert _rel_err(out, a.double() @ b.double()) < RTOL[dtype]
+
+    x = _rand(4, 5, 6, 24, dtype=dtype, device=device)
+    w = _rand(10, 24, dtype=dtype, device=device)
+    bias = _rand(10, dtype=dtype, device=device)
+    y = ops.linear(x, w, bias, "silu")
+    assert y.shape == (4, 5, 6, 10)
+    assert _rel_err(y, F.silu(x.double() @ w.double().t() + bias.double())) < RTOL[dtype]
+
+    x1 = _rand(24, dtype=dtype, device=device)  # 1-D input, as F.linear allows
+    y1 = ops.linear(x1, w, bias)
+    assert y1.shape == (10,)
+    assert _rel_err(y1, x1.double() @ w.double().t() + bias.double()) < RTOL[dtype]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_noncontiguous_and_transposed_inputs(device, dtype):
+    m, n, k = 37, 45, 52
+    variants_a = {
+        "contiguous": _rand(m, k, dtype=dtype, device=device),
+        "transposed": _rand(k, m, dtype=dtype, device=device).t(),
+        "sliced": _rand(m, 2 * k, dtype=dtype, device=device)[:, ::2],
+        "row_slice": _rand(m, k + 8, dtype=dtype, device=device)[:, 3 : 3 + k],
+        "expanded": _rand(1, k, dtype=dtype, device=device).expand(m, k),
+        "misaligned": _rand(m * k + 1, dtype=dtype, device=device)[1:].view(m, k),
+    }
+    variants_b = {
+        "contiguous": _rand(k, n, dtype=dtype, device=device),
+        "transposed": _rand(n, k, dtype=dtype, device=device).t(),
+        "sliced": _rand(2 * k, n, dtype=dtype, device=device)[::2],
+        "expanded": _rand(k, 1, dtype=dtype, device=device).expand(k, n),
+    }
+    for na, a in variants_a.items():
+        for nb, b in variants_b.items():
+            out = ops.matmul(a, b)
+            assert _rel_err(out, a.double() @ b.double()) < RTOL[dtype], (na, nb)
+    # linear with a transposed weight view and a strided bias
+    x = _rand(3, m, k, dtype=dtype, device=device).transpose(0, 1)  # [m, 3, k], not contiguous
+    w = _rand(k, n, dtype=dtype, device=device).t()  # [n, k] with strides (1, n)
+    bias = _rand(2 * n, dtype=dtype, device=device)[::2]
+    y = ops.linear(x, w, bias, "gelu")
+    assert y.shape == (m, 3, n)
+    assert _rel_err(y, F.gelu(x.double() @ w.double().t() + bias.double())) < RTOL[dtype]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_dimensions(device):
+    dt = torch.float32
+    assert ops.matmul(torch.empty(0, 5, device=device), torch.randn(5, 3, device=device)).shape == (
+        0,
+        3,
+    )
+    assert ops.matmul(torch.randn(4, 5, device=device), torch.empty(5, 0, device=device)).shape == (
+        4,
+        0,
+    )
+    out = ops.matmul(torch.randn(4, 0, device=device), torch.randn(0, 3, device=device))
+    assert out.shape == (4, 3) and (out == 0).all()
+    # K == 0: the epilogue still applies bias and activation
+    bias = torch.tensor([-1.0, 0.5, 2.0], dtype=dt, device=device)
+    y = ops.linear(torch.randn(4, 0, device=device), torch.randn(3, 0, device=device), bias, "relu")
+    assert torch.equal(y, F.relu(bias).expand(4, 3))
+    for half in (torch.float16, torch.bfloat16):
+        y = ops.linear(
+            torch.randn(2, 0, device=device, dtype=half),
+            torch.randn(3, 0, device=device, dtype=half),
+            bias.to(half),
+            "none",
+        )
+        assert torch.equal(y, bias.to(half).expand(2, 3))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_errors(device):
+    a = torch.randn(4, 5, device=device)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        ops.matmul(a, torch.randn(6, 3, device=device))
+    with pytest.raises(RuntimeError, match="same dtype"):
+        ops.matmul(a, torch.randn(5, 3, device=device, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="b must be 2-D"):
+        ops.matmul(a, torch.randn(2, 5, 3, device=device))
+    with pytest.raises(RuntimeError, match="at least 2 dimensions"):
+        ops.matmul(torch.randn(5, device=device), torch.randn(5, 3, device=device))
+    with pytest.raises(RuntimeError, match="supported dtypes"):
+        ops.matmul(a.int(), torch.randn(5, 3, device=device).int())
+    w = torch.randn(3, 5, device=device)
+    with pytest.raises(RuntimeError, match="features"):
+        ops.linear(torch.randn(4, 6, device=device), w)
+    with pytest.raises(RuntimeError, match="bias must be 1-D"):
+        ops.linear(a, w, torch.randn(4, device=device))
+    with pytest.raises(ValueError, match="activation"):
+        ops.linear(a, w, None, "tanh")
+    with pytest.raises(RuntimeError, match="unknown activation"):
+        torch.ops.fastcomm.linear(a, w, None, "tanh")
+    if device == "cuda":
+        with pytest.raises(RuntimeError, match="same device"):
+            ops.matmul(a, torch.randn(5, 3))
+
+
+# --------------------------------------------------------------- gradients
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_linear_gradients_match_torch(device, act, with_bias):
+    torch.manual_seed(0)
+    x = torch.randn(2, 9, 23, device=device, requires_grad=True)
+    w = torch.randn(17, 23, device=device, requires_grad=True)
+    b = torch.randn(17, device=device, requires_grad=True) if with_bias else None
+    gy = torch.randn(2, 9, 17, device=device)
+
+    y = ops.linear(x, w, b, act)
+    grads = torch.autograd.grad(y, [x, w] + ([b] if with_bias else []), gy)
+
+    x2, w2 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    b2 = b.detach().double().requires_grad_() if with_bias else None
+    y2 = _ref_act(F.linear(x2, w2, b2), act)
+    refs = torch.autograd.grad(y2, [x2, w2] + ([b2] if with_bias else []), gy.double())
+    assert _rel_err(y, y2) < 1e-5
+    for g, r in zip(grads, refs):
+        assert g.dtype == torch.float32
+        assert _rel_err(g, r) < 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_linear_gradients_half(device, dtype):
+    x = _rand(33, 40, dtype=dtype, device=device).requires_grad_()
+    w = _rand(24, 40, dtype=dtype, device=device).requires_grad_()
+    b = _rand(24, dtype=dtype, device=device).requires_grad_()
+    gy = _rand(33, 24, dtype=dtype, device=device)
+    grads = torch.autograd.grad(ops.linear(x, w, b, "gelu_tanh"), [x, w, b], gy)
+    x2, w2, b2 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    refs = torch.autograd.grad(
+        F.gelu(F.linear(x2, w2, b2), approximate="tanh"), [x2, w2, b2], gy.double()
+    )
+    for g, r in zip(grads, refs):
+        assert g.dtype == dtype
+        assert _rel_err(g, r) < 4 * RTOL[dtype]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_matmul_gradients_match_torch(device):
+    a = torch.randn(3, 11, 19, device=device, requires_grad=True)
+    b = torch.randn(19, 7, device=device, requires_grad=True)
+    gy = torch.randn(3, 11, 7, device=device)
+    ga, gb = torch.autograd.grad(ops.matmul(a, b), [a, b], gy)
+    a2, b2 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    ra, rb = torch.autograd.grad(torch.matmul(a2, b2), [a2, b2], gy.double())
+    assert _rel_err(ga, ra) < 1e-5 and _rel_err(gb, rb) < 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradcheck_float64(device):
+    kw = dict(dtype=torch.float64, device=device, requires_grad=True)
+    a, b = torch.randn(2, 5, 4, **kw), torch.randn(4, 3, **kw)
+    assert torch.autograd.gradcheck(ops.matmul, (a, b))
+    x, w, bias = torch.randn(6, 4, **kw), torch.randn(5, 4, **kw), torch.randn(5, **kw)
+    for act in ("none", "gelu", "gelu_tanh", "silu"):
+        assert torch.autograd.gradcheck(
+            lambda x, w, bias: ops.linear(x, w, bias, act), (x, w, bias)
+        )
+    # relu: keep pre-activations away from the kink
+    x = (torch.rand(6, 4, dtype=torch.float64, device=device) + 0.5).requires_grad_()
+    w = (
+        torch.rand(5, 4, dtype=torch.float64, device=device)
+        * torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0], dtype=torch.float64, device=device)[:, None]
+    ).requires_grad_()
+    assert torch.autograd.gradcheck(lambda x, w: ops.linear(x, w, None, "relu"), (x, w))
+
+
+# ----------------------------------------------------------------- opcheck
+
+
+def _opcheck_samples(device):
+    def t(*s, rg=False, dtype=torch.float32):
+        return torch.randn(*s, device=device, dtype=dtype, requires_grad=rg)
+
+    mm = [
+        (t(5, 7), t(7, 3)),
+        (t(2, 5, 7, rg=True), t(7, 3, rg=True)),
+        (t(7, 5).t(), t(3, 7, rg=True).t()),
+        (t(6, 8, dtype=torch.bfloat16), t(8, 4, dtype=torch.bfloat16)),
+    ]
+    lin = [
+        (t(5, 7), t(3, 7), None, "none"),
+        (t(2, 5, 7, rg=True), t(3, 7, rg=True), t(3, rg=True), "gelu"),
+        (t(4, 7, rg=True), t(3, 7, rg=True), t(3, rg=True), "relu"),
+        (t(4, 7, rg=True), t(3, 7, rg=True), None, "silu"),
+        (
+            t(4, 8, dtype=torch.float16),
+            t(3, 8, dtype=torch.float16),
+            t(3, dtype=torch.float16),
+            "gelu_tanh",
+        ),
+    ]
+    return mm, lin
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    mm, lin = _opcheck_samples(device)
+    for args in mm:
+        torch.library.opcheck(torch.ops.fastcomm.matmul.default, args)
+    for args in lin:
+        torch.library.opcheck(torch.ops.fastcomm.linear.default, args)
+
+
+# ---------------------------------------------------------- module, compile
+
+
+def test_fused_linear_module_matches_nn_linear():
+    torch.manual_seed(3)
+    ref = torch.nn.Linear(12, 7)
+    torch.manual_seed(3)
+    mod = FusedLinear(12, 7, activation="gelu")
+    assert torch.equal(ref.weight, mod.weight) and torch.equal(ref.bias, mod.bias)
+    assert set(mod.state_dict()) == set(ref.state_dict())
+    x = torch.randn(4, 12)
+    torch.testing.assert_close(mod(x), F.gelu(ref(x)), rtol=1e-5, atol=1e-6)
+    assert "activation='gelu'" in repr(mod) and "in_features=12" in repr(mod)
+    nob = FusedLinear(12, 7, bias=False, dtype=torch.bfloat16)
+    assert nob.bias is None and nob.weight.dtype == torch.bfloat16
+    assert "bias=False" in repr(nob)
+    shared = FusedLinear.from_linear(ref, activation="relu")
+    torch.testing.assert_close(shared(x), F.relu(ref(x)), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError):
+        FusedLinear(3, 4, activation="tanh")
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, device, dtype=torch.float32):
+        super().__init__()
+        self.fc1 = FusedLinear(16, 32, activation="gelu", device=device, dtype=dtype)
+        self.fc2 = FusedLinear(32, 32, activation="silu", device=device, dtype=dtype)
+        self.fc3 = FusedLinear(32, 8, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x):
+        return self.fc3(self.fc2(self.fc1(x)) + 1.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_fullgraph(device):
+    torch._dynamo.reset()
+    model = _MLP(device)
+    x = torch.randn(4, 5, 16, device=device)
+    eager = model(x)
+    eager.sum().backward()
+    eager_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    compiled = torch.compile(model, fullgraph=True)
+    out = compiled(x)
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+    out.sum().backward()
+    for p, g in zip(model.parameters(), eager_grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------ CUDA kernel paths
+
+
+def _cuda_cc():
+    return torch.cuda.get_device_capability() if HAS_CUDA else (0, 0)
+
+
+def _check_all_layouts(device, dtype, shapes, acts=("none", "gelu")):
+    for m, n, k in shapes:
+        a = _rand(m, k, dtype=dtype, device=device)
+        at = _rand(k, m, dtype=dtype, device=device).t()
+        b = _rand(k, n, dtype=dtype, device=device)
+        bt = _rand(n, k, dtype=dtype, device=device).t()
+        for name_a, aa in (("a", a), ("a^T", at)):
+            for name_b, bb in (("b", b), ("b^T", bt)):
+                _poison_cuda_cache(device)
+                out = ops.matmul(aa, bb)
+                err = _rel_err(out, aa.double() @ bb.double())
+                assert err < RTOL[dtype], (m, n, k, name_a, name_b, err)
+        w = bt.t()  # [n, k] contiguous
+        bias = _rand(n, dtype=dtype, device=device)
+        for act in acts:
+            _poison_cuda_cache(device)
+            y = ops.linear(a, w, bias, act)
+            err = _rel_err(y, _ref_act(a.double() @ w.double().t() + bias.double(), act))
+            assert err < RTOL[dtype], (m, n, k, act, err)
+
+
+@pytest.mark.cuda
+@_skip_no_cuda
+@pytest.mark.parametrize("impl", ["auto", "mma", "simt"])
+@pytest.mark.parametrize("tile", ["auto", "large", "small"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_kernel_paths(monkeypatch, impl, tile, dtype):
+    """Each CUDA path on all operand layouts, odd and multi-tile shapes."""
+    if impl == "mma" and _cuda_cc()[0] < 8:
+        pytest.skip("mma.sync kernel needs sm_80+")
+    monkeypatch.setenv("FASTCOMM_MATMUL_IMPL", impl)
+    monkeypatch.setenv("FASTCOMM_MATMUL_TILE", tile)
+    shapes = SHAPES + CUDA_SHAPES
+    _check_all_layouts("cuda", dtype, shapes)
+
+
+@pytest.mark.cuda
+@_skip_no_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cuda_fp32_fp64_paths(monkeypatch, dtype):
+    _check_all_layouts("cuda", dtype, SHAPES + CUDA_SHAPES[:2])
+
+
+@pytest.mark.cuda
+@_skip_no_cuda
+def test_cuda_runs_on_current_stream():
+    a = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(384, 256, device="cuda", dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(20_000_000)  # keep the side stream busy
+        y = ops.linear(a, w, None, "relu")
+        y2 = y * 1  # same stream: must see the finished result
+    torch.cuda.current_stream().wait_stream(s)
+    assert _rel_err(y2, F.relu(a.double() @ w.double().t())) < RTOL[torch.bfloat16]
+
+
+@pytest.mark.cuda
+@_skip_no_cuda
+def test_cuda_graph_capture():
+    a = torch.randn(256, 128, device="cuda", dtype=torch.float16)
+    w = torch.randn(192, 128, device="cuda", dtype=torch.float16)
+    b = torch.randn(192, device="cuda", dtype=torch.float16)
+    ops.linear(a, w, b, "silu")  # warm-up outside capture
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g):
+            y = ops.linear(a, w, b, "silu")
+    torch.cuda.current_stream().wait_stream(s)
+    a.copy_(torch.randn_like(a))
+    g.replay()
+    torch.cuda.synchronize()
+    assert _rel_err(y, F.silu(a.double() @ w.double().t() + b.double())) < RTOL[torch.float16]
+
+
+_is_sm90 = HAS_CUDA and _cuda_cc() == (9, 0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("cluster", ["1", "2"])
+@pytest.mark.parametrize("tile", ["large", "small"])
+@pytest.mark.parametrize("mn_major", ["1", "0"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_wgmma_kernel(monkeypatch, cluster, tile, mn_major, dtype):
+    """The Hopper kernel, forced (FASTCOMM_MATMUL_IMPL=wgmma raises if it cannot run);
+    mn_major=0 copies M/N-major operands to K-major first; cluster=2 uses CTA pairs
+    with TMA multicast."""
+    monkeypatch.setenv("FASTCOMM_MATMUL_WGMMA", "1")
+    monkeypatch.setenv("FASTCOMM_MATMUL_IMPL", "wgmma")
+    monkeypatch.setenv("FASTCOMM_MATMUL_TILE", tile)
+    monkeypatch.setenv("FASTCOMM_MATMUL_WGMMA_MN", mn_major)
+    monkeypatch.setenv("FASTCOMM_MATMUL_CLUSTER", cluster)
+    shapes = [
+        (128, 256, 64),
+        (1, 1, 1),
+        (7, 13, 5),
+        (129, 257, 200),
+        (1000, 1500, 700),
+        (4096, 4096, 512),
+        (257, 1024, 4096),
+    ]
+    _check_all_layouts("cuda", dtype, shapes, acts=ACTS)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
+def test_cuda_wgmma_auto_selection(monkeypatch):
+    """FASTCOMM_MATMUL_WGMMA=1 alone switches the default path; results agree with mma.sync."""
+    a = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(3072, 1024, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(3072, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setenv("FASTCOMM_MATMUL_IMPL", "mma")
+    y_mma = ops.linear(a, w, b, "gelu").float()
+    monkeypatch.setenv("FASTCOMM_MATMUL_IMPL", "auto")
+    monkeypatch.setenv("FASTCOMM_MATMUL_WGMMA", "1")
+    y_wg = ops.linear(a, w, b, "gelu").float()
+    ref = F.gelu(a.double() @ w.double().t() + b.double())
+    assert _rel_err(y_wg, ref) < RTOL[torch.bfloat16]
+    # both round the same float32 sums to bf16: nearly all elements agree exactly
+    assert (y_wg != y_mma).float().mean().item() < 0.05
+    assert math.isfinite(y_wg.sum().item())

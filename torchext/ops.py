@@ -1,0 +1,197 @@
+"""Fused tiled-matmul operators: ``torch.ops.fastcomm.matmul`` and ``torch.ops.fastcomm.linear``.
+
+The operators are defined schema-first in C++ (``csrc/ops/matmul_schema.cpp``)
+with CPU and CUDA kernels; this module adds what torch needs around them, in
+the style of pytorch/extension-cpp:
+
+* fake (meta) kernels through :func:`torch.library.register_fake`, so that the
+  ops trace under ``torch.compile`` / ``torch.export`` and run on FakeTensors;
+* autograd formulas through :func:`torch.library.register_autograd`, whose
+  backward runs on the same kernels (``dX = dY' @ W``, ``dW = dY'^T @ X``,
+  ``dbias = sum(dY')``, ``dY' = dY * act'(pre-activation)``);
+* typed Python wrappers :func:`matmul` and :func:`linear`.
+
+The C++ library declares ``torchext.ops`` as the home of its fake kernels
+(``m.set_python_module``), so torch imports this module on demand.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from torchext import _C  # noqa: F401  (loads the library that defines torch.ops.fastcomm)
+
+__all__ = ["ACTIVATIONS", "matmul", "linear"]
+
+#: Activations that :func:`linear` fuses into the matmul epilogue.
+ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` on fastcomm's tiled kernels.
+
+    Args:
+        a: ``[..., M, K]`` (at least 2-D; leading dimensions are batch).
+        b: ``[K, N]``.
+
+    Both float32, float16 or bfloat16 (float64 also works), on the same device;
+    any strides (transposed or sliced inputs are handled, or copied where a
+    kernel needs it). Half types accumulate in float32.
+
+    Returns:
+        ``[..., M, N]``, contiguous, dtype of the inputs.
+    """
+    return torch.ops.fastcomm.matmul.default(a, b)
+
+
+def linear(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: str = "none"
+) -> Tensor:
+    """``activation(x @ weight.T + bias)`` with bias and activation fused into the matmul.
+
+    Args:
+        x: ``[..., in_features]``.
+        weight: ``[out_features, in_features]``, as for :func:`torch.nn.functional.linear`.
+        bias: ``[out_features]`` or None.
+        activation: one of ``"none"``, ``"relu"``, ``"gelu"`` (erf),
+            ``"gelu_tanh"`` (tanh approximation), ``"silu"``.
+
+    Returns:
+        ``[..., out_features]``, contiguous, dtype of ``x``.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    return torch.ops.fastcomm.linear.default(x, weight, bias, activation)
+
+
+# --------------------------------------------------------------------------
+# Fake kernels: output metadata only (shape, dtype, device; always contiguous).
+# --------------------------------------------------------------------------
+
+
+def _check_dtype(op: str, name: str, t: Tensor) -> None:
+    torch._check(
+        t.dtype in _DTYPES,
+        lambda: f"fastcomm.{op}: {name} has dtype {t.dtype}; supported dtypes are "
+        "float32, float16, bfloat16 (and float64)",
+    )
+
+
+@torch.library.register_fake("fastcomm::matmul")
+def _matmul_fake(a: Tensor, b: Tensor) -> Tensor:
+    torch._check(a.dim() >= 2, lambda: f"fastcomm.matmul: a must be at least 2-D, got {a.dim()}-D")
+    torch._check(b.dim() == 2, lambda: f"fastcomm.matmul: b must be 2-D [K, N], got {b.dim()}-D")
+    _check_dtype("matmul", "a", a)
+    torch._check(a.dtype == b.dtype, lambda: f"fastcomm.matmul: dtypes differ ({a.dtype}, {b.dtype})")
+    torch._check(a.device == b.device, lambda: "fastcomm.matmul: a and b are on different devices")
+    torch._check(
+        a.shape[-1] == b.shape[0],
+        lambda: f"fastcomm.matmul: shapes {tuple(a.shape)} and {tuple(b.shape)} cannot be multiplied",
+    )
+    return a.new_empty((*a.shape[:-1], b.shape[1]))
+
+
+@torch.library.register_fake("fastcomm::linear")
+def _linear_fake(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: str = "none"
+) -> Tensor:
+    torch._check(x.dim() >= 1, lambda: "fastcomm.linear: x must be at least 1-D")
+    torch._check(weight.dim() == 2, lambda: "fastcomm.linear: weight must be 2-D [out, in]")
+    _check_dtype("linear", "x", x)
+    torch._check(x.dtype == weight.dtype, lambda: "fastcomm.linear: x and weight dtypes differ")
+    torch._check(x.device == weight.device, lambda: "fastcomm.linear: x and weight devices differ")
+    torch._check(
+        x.shape[-1] == weight.shape[1],
+        lambda: f"fastcomm.linear: x has {x.shape[-1]} features but weight expects {weight.shape[1]}",
+    )
+    if bias is not None:
+        torch._check(
+            bias.dim() == 1 and bias.shape[0] == weight.shape[0],
+            lambda: "fastcomm.linear: bias must be 1-D of size out_features",
+        )
+        torch._check(bias.dtype == x.dtype, lambda: "fastcomm.linear: bias dtype differs from x")
+    torch._check(activation in ACTIVATIONS, lambda: f"fastcomm.linear: unknown activation {activation!r}")
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# --------------------------------------------------------------------------
+# Autograd: the backward runs on the same fastcomm kernels.
+# --------------------------------------------------------------------------
+
+
+def _matmul_setup_context(ctx, inputs, output) -> None:
+    a, b = inputs
+    ctx.save_for_backward(a, b)
+
+
+def _matmul_backward(ctx, grad: Tensor):
+    a, b = ctx.saved_tensors
+    grad_a = grad_b = None
+    if ctx.needs_input_grad[0]:
+        # dA[..., M, K] = dC[..., M, N] @ B^T[N, K]
+        grad_a = torch.ops.fastcomm.matmul.default(grad, b.t())
+    if ctx.needs_input_grad[1]:
+        # dB[K, N] = A^T[K, M'] @ dC[M', N], batch folded into M'
+        k, n = a.shape[-1], grad.shape[-1]
+        grad_b = torch.ops.fastcomm.matmul.default(a.reshape(-1, k).t(), grad.reshape(-1, n))
+    return grad_a, grad_b
+
+
+def _activation_backward(grad: Tensor, activation: str, pre: Optional[Tensor], out: Tensor) -> Tensor:
+    """dY' = dY * act'(pre), through aten's own derivative kernels."""
+    if activation == "none":
+        return grad
+    if activation == "relu":
+        # relu'(pre) = [pre > 0] = [out > 0]: no need for the pre-activation.
+        return torch.ops.aten.threshold_backward.default(grad, out, 0)
+    assert pre is not None
+    if activation == "gelu":
+        return torch.ops.aten.gelu_backward.default(grad, pre, approximate="none")
+    if activation == "gelu_tanh":
+        return torch.ops.aten.gelu_backward.default(grad, pre, approximate="tanh")
+    if activation == "silu":
+        return torch.ops.aten.silu_backward.default(grad, pre)
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+def _linear_setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, activation = inputs
+    ctx.activation = activation
+    # relu's derivative is read off the output; gelu / silu recompute the
+    # pre-activation in backward (one extra matmul) rather than keep an
+    # output-sized tensor alive between forward and backward.
+    ctx.save_for_backward(x, weight, bias, output if activation == "relu" else None)
+
+
+def _linear_backward(ctx, grad: Tensor):
+    x, weight, bias, out = ctx.saved_tensors
+    activation = ctx.activation
+    pre = None
+    if activation in ("gelu", "gelu_tanh", "silu"):
+        pre = torch.ops.fastcomm.linear.default(x, weight, bias, "none")
+    g = _activation_backward(grad, activation, pre, out)
+    n, k = weight.shape
+    g2 = g.reshape(-1, n)
+    grad_x = grad_w = grad_b = None
+    if ctx.needs_input_grad[0]:
+        # dX[M, K] = dY'[M, N] @ W[N, K]
+        grad_x = torch.ops.fastcomm.matmul.default(g2, weight).reshape(x.shape)
+    if ctx.needs_input_grad[1]:
+        # dW[N, K] = dY'^T[N, M] @ X[M, K]
+        grad_w = torch.ops.fastcomm.matmul.default(g2.t(), x.reshape(-1, k))
+    if bias is not None and ctx.needs_input_grad[2]:
+        grad_b = g2.sum(0)
+    return grad_x, grad_w, grad_b, None
+
+
+torch.library.register_autograd(
+    "fastcomm::matmul", _matmul_backward, setup_context=_matmul_setup_context
+)
+torch.library.register_autograd(
+    "fastcomm::linear", _linear_backward, setup_context=_linear_setup_context
+)
