@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Runs on a lent GPU machine (torch preinstalled, no network), from the repo
+# root: builds the extension, runs the GPU tests and the benchmarks, and
+# leaves logs and JSON in $OUT (at most 8 files come back).
+#   scripts/device_check.sh build tests bench cpubench ops   (any subset, in order)
+set -uo pipefail
+OUT="${OUT:-$PWD/out}"
+mkdir -p "$OUT"
+LOG="$OUT/device.log"
+# Never use NVLink multicast on the shared machines.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0a PYTHONUNBUFFERED=1
+export FASTCOMM_PYTHON="${FASTCOMM_PYTHON:-python3}"
+PY="$FASTCOMM_PYTHON"
+NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+stages=("$@")
+[[ ${#stages[@]} -eq 0 ]] && stages=(build tests bench)
+
+say() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
+versions() {
+  "$PY" - <<'PY'
+import torch, platform
+print("torch", torch.__version__, "cuda", torch.version.cuda,
+      "nccl", ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "-")
+for i in range(torch.cuda.device_count()):
+    print("gpu", i, torch.cuda.get_device_name(i))
+print("python", platform.python_version())
+PY
+}
+
+for stage in "${stages[@]}"; do
+  case "$stage" in
+    build)
+      say "build"
+      versions 2>&1 | tee -a "$LOG"
+      nvidia-smi topo -m >> "$LOG" 2>&1 || true
+      start=$(date +%s)
+      if ! "$PY" -m pip install --no-build-isolation --no-deps --no-index -e . > "$OUT/build.log" 2>&1; then
+        tail -n 80 "$OUT/build.log" | tee -a "$LOG"
+        say "build FAILED"
+        exit 1
+      fi
+      say "build ok in $(( $(date +%s) - start )) s"
+      ;;
+    tests)
+      # The matmul ops run in their own process (stage ops): a crash there must
+      # not hide the collective results. Full log comes back as a file.
+      say "GPU collective tests on $NGPU GPUs"
+      "$PY" -m pytest -q -ra -m cuda tests --ignore=tests/test_ops.py ${PYTEST_ARGS:-} \
+        > "$OUT/tests_cuda.log" 2>&1
+      tail -n 40 "$OUT/tests_cuda.log" | tee -a "$LOG"
+      ;;
+    bench)
+      say "collectives benchmark, $NGPU GPUs, fastcomm vs nccl"
+      "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
+        benchmarks/bench_collectives.py --device cuda --backends fastcomm,nccl \
+        --ops all_reduce,all_gather,reduce_scatter,broadcast --min-bytes 1K --max-bytes 1G \
+        --json "$OUT/bench_cuda_${NGPU}gpu.json" --plot "$OUT/bench_cuda_${NGPU}gpu.png" \
+        --label "device_check bench" ${BENCH_ARGS:-} 2>&1 | grep -v "^W1" | tee -a "$LOG"
+      ;;
+    cpubench)
+      say "collectives benchmark, 4 CPU ranks, fastcomm vs gloo"
+      OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc_per_node=4 \
+        benchmarks/bench_collectives.py --device cpu --backends fastcomm,gloo \
+        --ops all_reduce --min-bytes 1K --max-bytes 256M \
+        --json "$OUT/bench_cpu_4rank.json" --plot "$OUT/bench_cpu_4rank.png" \
+        --label "device_check cpubench" 2>&1 | grep -v "^W1" | tee -a "$LOG"
+      ;;
+    ops)
+      say "matmul ops"
+      bash scripts/gpu_ops_check.sh 2>&1 | tail -n 80 | tee -a "$LOG"
+      ;;
+    *) echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+done
+say "done"

@@ -1,0 +1,5 @@
+#!/usr/bin/env bash
+# The test command: sets up .venv (torch + fastcomm) and runs the test suite.
+# Extra arguments go to pytest, e.g. `scripts/test.sh -k all_reduce`.
+source "$(dirname "$0")/env.sh"
+"$PY" -m pytest -q -ra tests "$@"
