@@ -578,6 +578,15 @@ struct DeviceContig {
     if (!work.is_same(orig)) orig.copy_(work);
   }
 };
+
+// One contiguous buffer holding `inputs` back to back (the tensor itself when
+// there is one), made on the comm stream.
+at::Tensor flatInput(const Tensors& inputs) {
+  if (inputs.size() == 1) return inputs[0].contiguous();
+  std::vector<at::Tensor> flats;
+  for (const auto& i : inputs) flats.push_back(i.reshape({-1}));
+  return at::cat(flats);
+}
 }  // namespace
 
 WorkPtr CudaCollectives::allreduce(Tensors tensors, RedOp op, const CudaOpInfo& info) {
@@ -717,14 +726,7 @@ WorkPtr CudaCollectives::reduceScatter(at::Tensor output, Tensors inputs, RedOp 
                                        const CudaOpInfo& info) {
   const int size = impl_->size_;
   return impl_->launch(info, inputs, {output}, [output, inputs, op, size](ncclComm_t comm, cudaStream_t s) {
-    at::Tensor src;
-    if (inputs.size() == 1) {
-      src = inputs[0].contiguous();
-    } else {
-      std::vector<at::Tensor> flats;
-      for (const auto& i : inputs) flats.push_back(i.reshape({-1}));
-      src = at::cat(flats);
-    }
+    at::Tensor src = flatInput(inputs);
     DeviceContig dst(output);
     const int64_t count = output.numel();
     if (needsLocalReduce(op, output.scalar_type())) {
@@ -755,14 +757,7 @@ WorkPtr CudaCollectives::alltoall(Tensors outputs, Tensors inputs, std::vector<i
   return impl_->launch(info, inputs, outputs,
                        [=](ncclComm_t comm, cudaStream_t s) {
     const int64_t es = static_cast<int64_t>(inputs[0].element_size());
-    at::Tensor src;
-    if (inputs.size() == 1) {
-      src = inputs[0].contiguous();
-    } else {
-      std::vector<at::Tensor> flats;
-      for (const auto& i : inputs) flats.push_back(i.reshape({-1}));
-      src = at::cat(flats);
-    }
+    at::Tensor src = flatInput(inputs);
     const int64_t recvTotal = std::accumulate(recvCounts.begin(), recvCounts.end(), int64_t{0});
     const bool flatOut = outputs.size() == 1 && outputs[0].is_contiguous();
     at::Tensor dst = flatOut ? outputs[0] : at::empty({recvTotal}, inputs[0].options());
