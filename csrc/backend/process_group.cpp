@@ -95,6 +95,13 @@ struct Contig {
   }
 };
 
+// The tensors back to back in one new contiguous 1-D tensor.
+at::Tensor catFlat(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> flats;
+  for (const auto& t : tensors) flats.push_back(t.reshape({-1}));
+  return at::cat(flats);
+}
+
 OpSignature signature(const char* name, const at::Tensor& t, int root = -1, int redop = -1,
                       int64_t aux = 0) {
   OpSignature s;
@@ -432,9 +439,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allreduce_coalesced(
 #endif
   }
   // One flat buffer: one pipelined all-reduce instead of one per tensor.
-  std::vector<at::Tensor> flats;
-  for (const auto& r : reals) flats.push_back(r.reshape({-1}));
-  at::Tensor flat = at::cat(flats);
+  at::Tensor flat = catFlat(reals);
   return runHost(kAllReduceCoalesced, kAllReduceCoalescedTitle, c10d::OpType::ALLREDUCE_COALESCED,
                  tensors, tensors, bytes, signature(kAllReduceCoalesced, flat, -1, static_cast<int>(op)),
                  [flat, reals, op](ShmComm& comm, const OpContext& ctx) {
@@ -652,9 +657,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::scatter(
   }
   at::Tensor flat;
   if (rank_ == root) {
-    std::vector<at::Tensor> flats;
-    for (const auto& i : ins) flats.push_back(i.reshape({-1}));
-    flat = at::cat(flats);
+    flat = catFlat(ins);
   }
   Contig c(out);
   return runHost(kScatter, kScatterTitle, c10d::OpType::SCATTER, ins, outputs, nbytes(out),
@@ -690,9 +693,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::reduce_scatter(
     cuda(out);
 #endif
   }
-  std::vector<at::Tensor> flats;
-  for (const auto& i : realIns) flats.push_back(i.reshape({-1}));
-  at::Tensor flat = at::cat(flats);
+  at::Tensor flat = catFlat(realIns);
   Contig c(realOut);
   return runHost(kReduceScatter, kReduceScatterTitle, c10d::OpType::REDUCE_SCATTER, inputs[0],
                  outputs, nbytes(flat), signature(kReduceScatter, realOut, -1, static_cast<int>(op)),
@@ -868,9 +869,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::alltoall(std::vector<at::Te
 #endif
   }
   const int64_t es = inputs[0].element_size();
-  std::vector<at::Tensor> flats;
-  for (const auto& t : inputs) flats.push_back(t.reshape({-1}));
-  at::Tensor src = at::cat(flats);
+  at::Tensor src = catFlat(inputs);
   int64_t recvTotal = std::accumulate(recvCounts.begin(), recvCounts.end(), int64_t{0});
   at::Tensor dst = at::empty({recvTotal}, inputs[0].options());
   std::vector<int64_t> sendBytes(size_), sendOffs(size_), recvBytes(size_), recvOffs(size_);

@@ -30,21 +30,6 @@ constexpr uint64_t kMagic = 0x66617374636f6d6dULL;  // "fastcomm"
 constexpr uint32_t kMsgMagic = 0xfc0dd00d;
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(100);
 
-struct alignas(128) MemberCtl {
-  std::atomic<uint64_t> arrived{0};  // the last barrier step this member reached
-  std::atomic<int32_t> pid{0};
-  // Threads of this member blocked in a fastcomm wait: such a member is a
-  // victim of whoever it waits for, not the culprit of a timeout.
-  std::atomic<uint32_t> waiting{0};
-  std::atomic<uint32_t> failed{0};  // gave up on a collective; the group is broken
-  OpSignature sig[2];  // by step parity, for FASTCOMM_CHECK
-};
-
-struct RingCtl {
-  alignas(64) std::atomic<uint64_t> head{0};  // bytes produced by the sender
-  alignas(64) std::atomic<uint64_t> tail{0};  // bytes consumed by the receiver
-};
-
 struct MsgHeader {
   uint64_t bytes;
   int32_t tag;
@@ -103,6 +88,21 @@ void removeStaleSegments() {
 std::string errnoText(int err) { return std::string(std::strerror(err)); }
 
 }  // namespace
+
+struct alignas(128) MemberCtl {
+  std::atomic<uint64_t> arrived{0};  // the last barrier step this member reached
+  std::atomic<int32_t> pid{0};
+  // Threads of this member blocked in a fastcomm wait: such a member is a
+  // victim of whoever it waits for, not the culprit of a timeout.
+  std::atomic<uint32_t> waiting{0};
+  std::atomic<uint32_t> failed{0};  // gave up on a collective; the group is broken
+  OpSignature sig[2];  // by step parity, for FASTCOMM_CHECK
+};
+
+struct RingCtl {
+  alignas(64) std::atomic<uint64_t> head{0};  // bytes produced by the sender
+  alignas(64) std::atomic<uint64_t> tail{0};  // bytes consumed by the receiver
+};
 
 struct ShmHeader {
   std::atomic<uint64_t> magic{0};
@@ -223,18 +223,20 @@ ShmComm::ShmComm(const c10::intrusive_ptr<c10d::Store>& store, const std::string
   }
   base_ = static_cast<char*>(p);
   hdr_ = reinterpret_cast<ShmHeader*>(base_);
-  auto* ctl = reinterpret_cast<MemberCtl*>(base_ + layout.ctl);
+  ctl_ = reinterpret_cast<MemberCtl*>(base_ + layout.ctl);
+  rings_ = reinterpret_cast<RingCtl*>(base_ + layout.rings);
+  slots_ = base_ + layout.slots;
+  p2p_ = base_ + layout.p2p;
   if (me_ == 0) {
     new (hdr_) ShmHeader();
     hdr_->members = static_cast<uint32_t>(size_);
     hdr_->slotBytes = slotBytes_;
     hdr_->p2pBytes = p2pBytes_;
-    for (int i = 0; i < size_; ++i) new (&ctl[i]) MemberCtl();
-    auto* rings = reinterpret_cast<RingCtl*>(base_ + layout.rings);
-    for (int i = 0; i < size_ * size_; ++i) new (&rings[i]) RingCtl();
+    for (int i = 0; i < size_; ++i) new (&ctl_[i]) MemberCtl();
+    for (int i = 0; i < size_ * size_; ++i) new (&rings_[i]) RingCtl();
     hdr_->magic.store(kMagic);
     store->set(key, std::vector<uint8_t>(name.begin(), name.end()));
-    ctl[0].pid.store(getpid());
+    ctl_[0].pid.store(getpid());
     // The name is removed as soon as everyone mapped it, so nothing is left in
     // /dev/shm however the processes end later.
     try {
@@ -242,7 +244,7 @@ ShmComm::ShmComm(const c10::intrusive_ptr<c10d::Store>& store, const std::string
               [&] {
                 std::vector<int> missing;
                 for (int i = 1; i < size_; ++i)
-                  if (ctl[i].pid.load() == 0) missing.push_back(i);
+                  if (ctl_[i].pid.load() == 0) missing.push_back(i);
                 return missing;
               },
               ctx, "shared-memory setup");
@@ -256,7 +258,7 @@ ShmComm::ShmComm(const c10::intrusive_ptr<c10d::Store>& store, const std::string
   } else {
     TORCH_CHECK(hdr_->magic.load() == kMagic && hdr_->members == static_cast<uint32_t>(size_),
                 "fastcomm: shared memory segment ", name, " is not ours or has another size");
-    ctl[me_].pid.store(getpid());
+    ctl_[me_].pid.store(getpid());
     hdr_->attached.fetch_add(1);
     wake();
   }
@@ -269,8 +271,7 @@ ShmComm::~ShmComm() {
 }
 
 char* ShmComm::slot(int rank, uint64_t step) const {
-  const Layout layout(size_, slotBytes_, p2pBytes_);
-  return base_ + layout.slots + (static_cast<int64_t>(rank) * 2 + static_cast<int64_t>(step & 1)) *
+  return slots_ + (static_cast<int64_t>(rank) * 2 + static_cast<int64_t>(step & 1)) *
                                     slotBytes_;
 }
 
@@ -280,11 +281,9 @@ void ShmComm::wake() {
 }
 
 std::vector<int> ShmComm::deadMembers(const std::vector<int>& among) const {
-  const Layout layout(size_, slotBytes_, p2pBytes_);
-  auto* ctl = reinterpret_cast<MemberCtl*>(base_ + layout.ctl);
   std::vector<int> dead;
   for (int i : among) {
-    const int pid = ctl[i].pid.load();
+    const int pid = ctl_[i].pid.load();
     if (pid > 0 && kill(pid, 0) != 0 && errno == ESRCH) dead.push_back(i);
   }
   return dead;
@@ -294,8 +293,6 @@ void ShmComm::fail(const OpContext& ctx, const std::vector<int>& missing, const 
   std::vector<int> culprits;
   std::vector<int> dead;
   if (base_ != nullptr) {
-    const Layout layout(size_, slotBytes_, p2pBytes_);
-    auto* ctl = reinterpret_cast<MemberCtl*>(base_ + layout.ctl);
     dead = deadMembers(missing);
     if (!dead.empty()) {
       culprits = dead;
@@ -303,7 +300,7 @@ void ShmComm::fail(const OpContext& ctx, const std::vector<int>& missing, const 
       // Members stuck in a fastcomm wait of their own, or that already failed,
       // are waiting for the same culprits; name those instead.
       for (int i : missing)
-        if (ctl[i].waiting.load() == 0 && ctl[i].failed.load() == 0) culprits.push_back(i);
+        if (ctl_[i].waiting.load() == 0 && ctl_[i].failed.load() == 0) culprits.push_back(i);
       if (culprits.empty()) {
         for (int i = 0; i < size_; ++i)
           if (hdr_->blame[i / 64].load() & (uint64_t{1} << (i % 64))) culprits.push_back(i);
@@ -311,7 +308,7 @@ void ShmComm::fail(const OpContext& ctx, const std::vector<int>& missing, const 
     }
     if (culprits.empty()) culprits = missing;
     for (int i : culprits) hdr_->blame[i / 64].fetch_or(uint64_t{1} << (i % 64));
-    ctl[me_].failed.store(1);
+    ctl_[me_].failed.store(1);
     const_cast<ShmComm*>(this)->wake();
   } else {
     culprits = missing;
@@ -336,13 +333,11 @@ void ShmComm::waitFor(Ready ready, Pending pending, const OpContext& ctx, const 
     if (ready()) return;
     cpuRelax();
   }
-  const Layout layout(size_, slotBytes_, p2pBytes_);
-  auto* ctl = reinterpret_cast<MemberCtl*>(base_ + layout.ctl);
   struct Waiting {
     std::atomic<uint32_t>& n;
     explicit Waiting(std::atomic<uint32_t>& c) : n(c) { n.fetch_add(1); }
     ~Waiting() { n.fetch_sub(1); }
-  } waiting(ctl[me_].waiting);
+  } waiting(ctl_[me_].waiting);
   auto nextLiveness = Clock::now() + kLivenessPeriod;
   while (true) {
     const uint32_t bell = hdr_->bell.load();
@@ -366,7 +361,7 @@ void ShmComm::waitFor(Ready ready, Pending pending, const OpContext& ctx, const 
     // wait out the timeout; name the members it blamed.
     const auto waitingFor = pending();
     for (int i : waitingFor) {
-      if (ctl[i].failed.load() != 0) fail(ctx, waitingFor, phase);
+      if (ctl_[i].failed.load() != 0) fail(ctx, waitingFor, phase);
     }
     if (Clock::now() >= nextLiveness) {
       if (!deadMembers(waitingFor).empty()) fail(ctx, waitingFor, phase);
@@ -376,21 +371,19 @@ void ShmComm::waitFor(Ready ready, Pending pending, const OpContext& ctx, const 
 }
 
 void ShmComm::arriveAndWait(const OpContext& ctx) {
-  const Layout layout(size_, slotBytes_, p2pBytes_);
-  auto* ctl = reinterpret_cast<MemberCtl*>(base_ + layout.ctl);
   const uint64_t target = step_ + 1;
-  ctl[me_].arrived.store(target);
+  ctl_[me_].arrived.store(target);
   wake();
   waitFor(
       [&] {
         for (int i = 0; i < size_; ++i)
-          if (ctl[i].arrived.load() < target) return false;
+          if (ctl_[i].arrived.load() < target) return false;
         return true;
       },
       [&] {
         std::vector<int> missing;
         for (int i = 0; i < size_; ++i)
-          if (ctl[i].arrived.load() < target) missing.push_back(i);
+          if (ctl_[i].arrived.load() < target) missing.push_back(i);
         return missing;
       },
       ctx, ctx.name);
@@ -402,13 +395,11 @@ void ShmComm::barrier(const OpContext& ctx) {
 }
 
 void ShmComm::checkSignatures(const OpSignature& mine, const OpContext& ctx) {
-  const Layout layout(size_, slotBytes_, p2pBytes_);
-  auto* ctl = reinterpret_cast<MemberCtl*>(base_ + layout.ctl);
   const int parity = static_cast<int>(step_ & 1);
-  ctl[me_].sig[parity] = mine;
+  ctl_[me_].sig[parity] = mine;
   arriveAndWait(ctx);
   std::vector<OpSignature> all(size_);
-  for (int i = 0; i < size_; ++i) all[i] = ctl[i].sig[parity];
+  for (int i = 0; i < size_; ++i) all[i] = ctl_[i].sig[parity];
   ++step_;
   // The signature most members agree on is taken as the expected one.
   int best = 0, bestVotes = 0;
@@ -618,10 +609,9 @@ void ShmComm::alltoall(const void* in, const std::vector<int64_t>& sendBytes,
 // ---- point to point ----------------------------------------------------------
 
 void ShmComm::ringWrite(int peer, const void* data, int64_t bytes, const OpContext& ctx) {
-  const Layout layout(size_, slotBytes_, p2pBytes_);
   const int64_t idx = static_cast<int64_t>(me_) * size_ + peer;
-  auto* ring = reinterpret_cast<RingCtl*>(base_ + layout.rings) + idx;
-  char* buf = base_ + layout.p2p + idx * p2pBytes_;
+  auto* ring = rings_ + idx;
+  char* buf = p2p_ + idx * p2pBytes_;
   const auto cap = static_cast<uint64_t>(p2pBytes_);
   const char* src = static_cast<const char*>(data);
   uint64_t head = ring->head.load();
@@ -640,10 +630,9 @@ void ShmComm::ringWrite(int peer, const void* data, int64_t bytes, const OpConte
 }
 
 void ShmComm::ringRead(int peer, void* data, int64_t bytes, const OpContext& ctx) {
-  const Layout layout(size_, slotBytes_, p2pBytes_);
   const int64_t idx = static_cast<int64_t>(peer) * size_ + me_;
-  auto* ring = reinterpret_cast<RingCtl*>(base_ + layout.rings) + idx;
-  const char* buf = base_ + layout.p2p + idx * p2pBytes_;
+  auto* ring = rings_ + idx;
+  const char* buf = p2p_ + idx * p2pBytes_;
   const auto cap = static_cast<uint64_t>(p2pBytes_);
   char* dst = static_cast<char*>(data);
   uint64_t tail = ring->tail.load();
@@ -662,10 +651,9 @@ void ShmComm::ringRead(int peer, void* data, int64_t bytes, const OpContext& ctx
 }
 
 bool ShmComm::ringPeek(int peer, void* data, int64_t bytes) const {
-  const Layout layout(size_, slotBytes_, p2pBytes_);
   const int64_t idx = static_cast<int64_t>(peer) * size_ + me_;
-  auto* ring = reinterpret_cast<RingCtl*>(base_ + layout.rings) + idx;
-  const char* buf = base_ + layout.p2p + idx * p2pBytes_;
+  auto* ring = rings_ + idx;
+  const char* buf = p2p_ + idx * p2pBytes_;
   const auto cap = static_cast<uint64_t>(p2pBytes_);
   const uint64_t tail = ring->tail.load();
   if (ring->head.load() - tail < static_cast<uint64_t>(bytes)) return false;

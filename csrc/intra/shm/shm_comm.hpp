@@ -28,6 +28,8 @@
 namespace fastcomm {
 
 struct ShmHeader;
+struct MemberCtl;
+struct RingCtl;
 
 // What a rank is about to run; compared across ranks with FASTCOMM_CHECK=1.
 struct OpSignature {
@@ -117,6 +119,10 @@ class ShmComm {
   int64_t p2pBytes_;
   int64_t spinIters_;
   ShmHeader* hdr_ = nullptr;
+  MemberCtl* ctl_ = nullptr;  // one per member
+  RingCtl* rings_ = nullptr;  // [sender][receiver]
+  char* slots_ = nullptr;     // [member][parity] x slotBytes_
+  char* p2p_ = nullptr;       // [sender][receiver] x p2pBytes_
   char* base_ = nullptr;
   int64_t mapBytes_ = 0;
   uint64_t step_ = 0;
