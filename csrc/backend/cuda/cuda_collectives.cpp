@@ -119,6 +119,42 @@ int64_t unixMillis() {
 
 class CudaWork;
 
+// CUDA events are recycled: creating and destroying two per collective costs
+// microseconds on the launch path (ProcessGroupNCCL caches them likewise).
+// An event returns to the pool when its last holder lets go of it.
+class EventPool : public std::enable_shared_from_this<EventPool> {
+ public:
+  using EventPtr = std::shared_ptr<at::cuda::CUDAEvent>;
+  EventPtr get(bool timing) {
+    std::unique_ptr<at::cuda::CUDAEvent> event;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto& free = timing ? timed_ : untimed_;
+      if (!free.empty()) {
+        event = std::move(free.back());
+        free.pop_back();
+      }
+    }
+    if (!event) {
+      event = std::make_unique<at::cuda::CUDAEvent>(timing ? cudaEventDefault
+                                                           : cudaEventDisableTiming);
+    }
+    std::weak_ptr<EventPool> pool = weak_from_this();
+    return EventPtr(event.release(), [pool, timing](at::cuda::CUDAEvent* e) {
+      std::unique_ptr<at::cuda::CUDAEvent> owned(e);
+      if (auto p = pool.lock()) p->put(std::move(owned), timing);
+    });
+  }
+
+ private:
+  void put(std::unique_ptr<at::cuda::CUDAEvent> event, bool timing) {
+    std::lock_guard<std::mutex> lock(mu_);
+    (timing ? timed_ : untimed_).push_back(std::move(event));
+  }
+  std::mutex mu_;
+  std::vector<std::unique_ptr<at::cuda::CUDAEvent>> timed_, untimed_;
+};
+
 }  // namespace
 
 class CudaCollectives::Impl {
@@ -159,6 +195,7 @@ class CudaCollectives::Impl {
   ncclComm_t comm_ = nullptr;
   std::optional<at::cuda::CUDAStream> stream_;
   at::cuda::CUDAEvent syncEvent_{cudaEventDisableTiming};
+  std::shared_ptr<EventPool> events_ = std::make_shared<EventPool>();
 
   std::mutex issueMu_;  // orders NCCL calls; abort takes it too
   bool coalescing_ = false;
@@ -178,7 +215,7 @@ namespace {
 class CudaWork : public c10d::Work {
  public:
   CudaWork(int rank, const CudaOpInfo& info, const Tensors& inputs, Tensors outputs,
-           at::Device device, CudaCollectives::Impl* owner, bool timing)
+           at::Device device, CudaCollectives::Impl* owner, EventPool& events, bool timing)
       : Work(rank, info.type, info.title, std::optional<Tensors>(inputs)),
         name_(info.name),
         seq_(info.seq),
@@ -190,9 +227,8 @@ class CudaWork : public c10d::Work {
         outputs_(std::move(outputs)),
         future_(c10::make_intrusive<c10::ivalue::Future>(
             c10::ListType::create(c10::TensorType::get()), std::vector<c10::Device>{device})),
-        start_(timing ? std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault) : nullptr),
-        end_(std::make_shared<at::cuda::CUDAEvent>(timing ? cudaEventDefault
-                                                          : cudaEventDisableTiming)) {}
+        start_(timing ? events.get(true) : nullptr),
+        end_(events.get(timing)) {}
 
   bool isCompleted() override {
     if (exception()) return true;
@@ -355,7 +391,7 @@ WorkPtr CudaCollectives::Impl::launch(const CudaOpInfo& info, const Tensors& inp
   c10::cuda::CUDAGuard guard(device_);
   auto current = at::cuda::getCurrentCUDAStream(device_.index());
   const bool capturing = isCapturing(current.stream());
-  auto work = c10::make_intrusive<CudaWork>(rank_, info, inputs, outputs, device_, this,
+  auto work = c10::make_intrusive<CudaWork>(rank_, info, inputs, outputs, device_, this, *events_,
                                             cfg_.cudaTiming && !capturing);
   std::lock_guard<std::mutex> lock(issueMu_);
   if (coalescing_) {
@@ -404,11 +440,10 @@ void CudaCollectives::Impl::issue(const std::vector<Deferred>& items, const Cuda
     for (const auto& item : items) item.work->endProfiling();
     return;
   }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& item : items) inflight_.push_back(item.work);
-  }
-  cv_.notify_one();
+  // No wake-up: the watchdog polls every kWatchdogPeriod, and a syscall per
+  // collective would sit on the launch path.
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& item : items) inflight_.push_back(item.work);
 }
 
 void CudaCollectives::Impl::startCoalescing() {
