@@ -195,7 +195,9 @@ def split_group_fn(rank: int, ws: int, device: str) -> None:
     chk = Checker(f"rank {rank}")
     layout = [[0, 2], [3, 1]]
     sub = dist.split_group(split_ranks=layout)
-    members = next(m for m in layout if rank in m)
+    # group-rank order as torch assigned it (torch 2.11 sorts each split, 2.15 keeps it)
+    members = dist.get_process_group_ranks(sub)
+    chk.true(sorted(members) == sorted(next(m for m in layout if rank in m)), "split members")
     chk.true(sub is not None and sub != dist.GroupMember.NON_GROUP_MEMBER, "no split group")
     chk.true(dist.get_backend(sub) == BACKEND, f"split group backend {dist.get_backend(sub)}")
     _group_checks(chk, sub, members, f"split{members}", device)
@@ -205,12 +207,15 @@ def split_group_fn(rank: int, ws: int, device: str) -> None:
     if rank == 1:
         chk.true(sub2 == dist.GroupMember.NON_GROUP_MEMBER, "rank 1 got a group from split")
     else:
-        _group_checks(chk, sub2, [0, 3, 2], "split[0,3,2]", device)
-    # split of a split: split_ranks are ranks of the parent group [0, 3, 2], so group
-    # ranks [0, 2] are global [0, 2] and group rank [1] is global [3]
+        _group_checks(chk, sub2, dist.get_process_group_ranks(sub2), "split[0,3,2]", device)
+    # split of a split: split_ranks are ranks of the parent group (e.g. [0, 3, 2] on
+    # torch 2.15, where group ranks [0, 2] are global [0, 2] and group rank [1] is global 3)
     if rank != 1:
+        parent = dist.get_process_group_ranks(sub2)
         sub3 = dist.split_group(parent_pg=sub2, split_ranks=[[0, 2], [1]])
-        mem3 = {0: [0, 2], 2: [0, 2], 3: [3]}[rank]
+        want = {parent[0], parent[2]} if rank in (parent[0], parent[2]) else {parent[1]}
+        mem3 = dist.get_process_group_ranks(sub3)
+        chk.true(set(mem3) == want, f"split-of-split members {mem3}, expected {sorted(want)}")
         _group_checks(chk, sub3, mem3, f"split-of-split{mem3}", device)
     _world_check(chk, "world after nested split", device)
     chk.raise_if_failed()

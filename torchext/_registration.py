@@ -34,6 +34,25 @@ def _create_backend(dist_backend_opts: Any, backend_options: Any) -> Any:
     )
 
 
+class _SplitOptions:
+    """``backend.options`` as torch 2.11's ``split_group`` uses it: it deep-copies
+    the parent backend's options, and ``Backend.Options`` cannot be deep-copied there,
+    so the copy is made by the backend."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return self._backend._copy_options()
+
+
+def _add_split_options() -> None:
+    from torchext import _C
+
+    if not hasattr(_C.ProcessGroupFastComm, "options"):
+        _C.ProcessGroupFastComm.options = property(_SplitOptions)
+
+
 def register() -> None:
     """Register "fastcomm" for CPU and CUDA tensors (idempotent)."""
     global _registered
@@ -43,6 +62,7 @@ def register() -> None:
 
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this torch build")
+    _add_split_options()
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(
             BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"]

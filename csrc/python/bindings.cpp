@@ -47,6 +47,13 @@ PYBIND11_MODULE(_C, m) {
       // fastcomm creates each group's communicator from its own store
       // rendezvous, so a non-member has nothing to do.
       .def("perform_nocolor_split", [](fastcomm::ProcessGroupFastComm&, const py::object&) {})
+      // A copy of this group's options (timeout, name, ranks): torch 2.11's
+      // split_group deep-copies the parent's options, which its Options type
+      // cannot do itself (see torchext/_registration.py).
+      .def("_copy_options",
+           [](fastcomm::ProcessGroupFastComm& pg) {
+             return c10::make_intrusive<c10d::Backend::Options>(*pg.getBackendOptions());
+           })
       .def("reset_stats", [](fastcomm::ProcessGroupFastComm& pg) { pg.stats().reset(); })
       .def("topology",
            [](fastcomm::ProcessGroupFastComm& pg) { return pg.topology().describe(); })
