@@ -19,27 +19,43 @@ namespace detail {
 // ---- conversions -----------------------------------------------------------
 
 template <typename Acc>
-__device__ __forceinline__ Acc to_acc(float v) { return static_cast<Acc>(v); }
+__device__ __forceinline__ Acc to_acc(float v) {
+  return static_cast<Acc>(v);
+}
 
 __device__ __forceinline__ float load_as_float(const float* p) { return *p; }
 __device__ __forceinline__ float load_as_float(const __half* p) { return __half2float(*p); }
-__device__ __forceinline__ float load_as_float(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+__device__ __forceinline__ float load_as_float(const __nv_bfloat16* p) {
+  return __bfloat162float(*p);
+}
 
 template <typename Acc, typename T>
-__device__ __forceinline__ Acc load_acc(const T* p) { return static_cast<Acc>(load_as_float(p)); }
+__device__ __forceinline__ Acc load_acc(const T* p) {
+  return static_cast<Acc>(load_as_float(p));
+}
 template <>
-__device__ __forceinline__ double load_acc<double, double>(const double* p) { return *p; }
+__device__ __forceinline__ double load_acc<double, double>(const double* p) {
+  return *p;
+}
 
 template <typename T, typename Acc>
 __device__ __forceinline__ T from_acc(Acc v);
 template <>
-__device__ __forceinline__ float from_acc<float, float>(float v) { return v; }
+__device__ __forceinline__ float from_acc<float, float>(float v) {
+  return v;
+}
 template <>
-__device__ __forceinline__ double from_acc<double, double>(double v) { return v; }
+__device__ __forceinline__ double from_acc<double, double>(double v) {
+  return v;
+}
 template <>
-__device__ __forceinline__ __half from_acc<__half, float>(float v) { return __float2half_rn(v); }
+__device__ __forceinline__ __half from_acc<__half, float>(float v) {
+  return __float2half_rn(v);
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16, float>(float v) { return __float2bfloat16_rn(v); }
+__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16, float>(float v) {
+  return __float2bfloat16_rn(v);
+}
 
 // Two adjacent outputs as one 4-byte (16-bit types) or 8-byte (float) store.
 template <typename T>
@@ -92,41 +108,41 @@ __device__ __forceinline__ double activate(double v) {
 // Runs the statements in __VA_ARGS__ with kAct, a compile-time constant equal
 // to the run-time activation `act`, so that epilogue loops are specialised
 // (no switch per element). C++17-compatible (no templated lambdas).
-#define FASTCOMM_DISPATCH_ACT(act, ...)                                  \
-  switch (act) {                                                         \
-    case ::fastcomm::ops::cuda::Act::kRelu: {                            \
-      constexpr ::fastcomm::ops::cuda::Act kAct = ::fastcomm::ops::cuda::Act::kRelu; \
-      __VA_ARGS__;                                                       \
-      break;                                                             \
-    }                                                                    \
-    case ::fastcomm::ops::cuda::Act::kGelu: {                            \
-      constexpr ::fastcomm::ops::cuda::Act kAct = ::fastcomm::ops::cuda::Act::kGelu; \
-      __VA_ARGS__;                                                       \
-      break;                                                             \
-    }                                                                    \
-    case ::fastcomm::ops::cuda::Act::kGeluTanh: {                        \
+#define FASTCOMM_DISPATCH_ACT(act, ...)                                                  \
+  switch (act) {                                                                         \
+    case ::fastcomm::ops::cuda::Act::kRelu: {                                            \
+      constexpr ::fastcomm::ops::cuda::Act kAct = ::fastcomm::ops::cuda::Act::kRelu;     \
+      __VA_ARGS__;                                                                       \
+      break;                                                                             \
+    }                                                                                    \
+    case ::fastcomm::ops::cuda::Act::kGelu: {                                            \
+      constexpr ::fastcomm::ops::cuda::Act kAct = ::fastcomm::ops::cuda::Act::kGelu;     \
+      __VA_ARGS__;                                                                       \
+      break;                                                                             \
+    }                                                                                    \
+    case ::fastcomm::ops::cuda::Act::kGeluTanh: {                                        \
       constexpr ::fastcomm::ops::cuda::Act kAct = ::fastcomm::ops::cuda::Act::kGeluTanh; \
-      __VA_ARGS__;                                                       \
-      break;                                                             \
-    }                                                                    \
-    case ::fastcomm::ops::cuda::Act::kSilu: {                            \
-      constexpr ::fastcomm::ops::cuda::Act kAct = ::fastcomm::ops::cuda::Act::kSilu; \
-      __VA_ARGS__;                                                       \
-      break;                                                             \
-    }                                                                    \
-    default: {                                                           \
-      constexpr ::fastcomm::ops::cuda::Act kAct = ::fastcomm::ops::cuda::Act::kNone; \
-      __VA_ARGS__;                                                       \
-      break;                                                             \
-    }                                                                    \
+      __VA_ARGS__;                                                                       \
+      break;                                                                             \
+    }                                                                                    \
+    case ::fastcomm::ops::cuda::Act::kSilu: {                                            \
+      constexpr ::fastcomm::ops::cuda::Act kAct = ::fastcomm::ops::cuda::Act::kSilu;     \
+      __VA_ARGS__;                                                                       \
+      break;                                                                             \
+    }                                                                                    \
+    default: {                                                                           \
+      constexpr ::fastcomm::ops::cuda::Act kAct = ::fastcomm::ops::cuda::Act::kNone;     \
+      __VA_ARGS__;                                                                       \
+      break;                                                                             \
+    }                                                                                    \
   }
 
 // Epilogue for two horizontally adjacent accumulators (row, col) and
 // (row, col + 1) of a 16-bit or float output: bias, activation, cast and a
 // paired store when both columns exist and the address allows it.
 template <typename T, Act ACT>
-__device__ __forceinline__ void epilogue_pair(const GemmArgs& p, int row, int col, float v0, float v1,
-                                              bool pair_ok) {
+__device__ __forceinline__ void epilogue_pair(const GemmArgs& p, int row, int col, float v0,
+                                              float v1, bool pair_ok) {
   if (row >= p.M || col >= p.N) return;
   const T* bias = static_cast<const T*>(p.bias);
   T* c = static_cast<T*>(p.c) + static_cast<int64_t>(row) * p.ldc + col;

@@ -22,7 +22,8 @@ using namespace detail;
 
 // Thread output (i, j) is C[row0 + i * TY][col0 + j * TX].
 template <typename T, typename Acc, Act ACT, int TM, int TN, int TX, int TY>
-__device__ __forceinline__ void simt_epilogue(const GemmArgs& p, const Acc (&acc)[TM][TN], int row0, int col0) {
+__device__ __forceinline__ void simt_epilogue(const GemmArgs& p, const Acc (&acc)[TM][TN], int row0,
+                                              int col0) {
   const T* bias = static_cast<const T*>(p.bias);
   T* C = static_cast<T*>(p.c);
 #pragma unroll
@@ -142,7 +143,8 @@ __global__ void __launch_bounds__((BM / TM) * (BN / TN)) gemm_simt_kernel(const 
     }
   }
 
-  FASTCOMM_DISPATCH_ACT(p.act, (simt_epilogue<T, Acc, kAct, TM, TN, TX, TY>(p, acc, m0 + ty, n0 + tx)));
+  FASTCOMM_DISPATCH_ACT(p.act,
+                        (simt_epilogue<T, Acc, kAct, TM, TN, TX, TY>(p, acc, m0 + ty, n0 + tx)));
 }
 
 template <typename T, typename Acc>

@@ -74,7 +74,8 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_
 }
 
 template <typename T>
-__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
+                                          const uint32_t (&b)[2]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   if constexpr (std::is_same<T, __nv_bfloat16>::value) {
     asm volatile(
@@ -124,8 +125,8 @@ struct MmaConfig {
 // into shared memory s[r * LD + c]; elements with row0 + r >= row_lim or
 // col0 + c >= col_lim become zero.
 template <typename T, int ROWS, int COLS, int LD, int THREADS>
-__device__ __forceinline__ void load_tile(T* s, const T* __restrict__ g, int64_t ld, int row0, int row_lim, int col0,
-                                          int col_lim, int tid) {
+__device__ __forceinline__ void load_tile(T* s, const T* __restrict__ g, int64_t ld, int row0,
+                                          int row_lim, int col0, int col_lim, int tid) {
   constexpr int CHUNKS_PER_ROW = COLS / 8;
   constexpr int ITERS = ROWS * CHUNKS_PER_ROW / THREADS;
 #pragma unroll
@@ -139,7 +140,8 @@ __device__ __forceinline__ void load_tile(T* s, const T* __restrict__ g, int64_t
       cp_async_16(smem_addr(dst), g + static_cast<int64_t>(gr) * ld + gc);
     } else if (gr < row_lim && gc < col_lim) {
       // Copy the raw 16-bit patterns (0 is +0.0 for both half types).
-      const uint16_t* src = reinterpret_cast<const uint16_t*>(g + static_cast<int64_t>(gr) * ld + gc);
+      const uint16_t* src =
+          reinterpret_cast<const uint16_t*>(g + static_cast<int64_t>(gr) * ld + gc);
       uint16_t* d16 = reinterpret_cast<uint16_t*>(dst);
 #pragma unroll
       for (int e = 0; e < 8; ++e) d16[e] = (gc + e < col_lim) ? src[e] : static_cast<uint16_t>(0);
@@ -152,8 +154,8 @@ __device__ __forceinline__ void load_tile(T* s, const T* __restrict__ g, int64_t
 // Epilogue: accumulator (mt, nt, e) sits at row lane/4 (+8 for e >= 2),
 // column 2 * (lane % 4) + (e & 1) of its 16x8 fragment.
 template <typename T, Act ACT, int MT, int NT>
-__device__ __forceinline__ void mma_epilogue(const GemmArgs& p, const float (&acc)[MT][NT][4], int row0, int col0,
-                                             int lane, bool pair_ok) {
+__device__ __forceinline__ void mma_epilogue(const GemmArgs& p, const float (&acc)[MT][NT][4],
+                                             int row0, int col0, int lane, bool pair_ok) {
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     const int row = row0 + mt * 16 + (lane >> 2);
@@ -253,12 +255,14 @@ __global__ void __launch_bounds__(Cfg::THREADS, (Cfg::THREADS == 256 ? 2 : 3))
 #pragma unroll
       for (int np = 0; np < NT / 2; ++np) {
         const T* addr;
-        if constexpr (B_K) {  // [n][k]: (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
+        if constexpr (B_K) {  // [n][k]: (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15,
+                              // k 8-15)
           addr = b_s + (wn0 + np * 16 + li + (lj >> 1) * 8) * Cfg::B_LD + kk + (lj & 1) * 8;
         } else {  // [k][n], transposed on load, same matrix order
           addr = b_s + (kk + li + (lj & 1) * 8) * Cfg::B_LD + wn0 + np * 16 + (lj >> 1) * 8;
         }
-        ldmatrix_x4<!B_K>(smem_addr(addr), bf[2 * np][0], bf[2 * np][1], bf[2 * np + 1][0], bf[2 * np + 1][1]);
+        ldmatrix_x4<!B_K>(smem_addr(addr), bf[2 * np][0], bf[2 * np][1], bf[2 * np + 1][0],
+                          bf[2 * np + 1][1]);
       }
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
@@ -269,7 +273,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, (Cfg::THREADS == 256 ? 2 : 3))
   cp_async_wait<0>();
 
   const bool pair_ok = (p.ldc % 2 == 0) && ((reinterpret_cast<uintptr_t>(p.c) & 3) == 0);
-  FASTCOMM_DISPATCH_ACT(p.act, (mma_epilogue<T, kAct, MT, NT>(p, acc, m0 + wm0, n0 + wn0, lane, pair_ok)));
+  FASTCOMM_DISPATCH_ACT(p.act,
+                        (mma_epilogue<T, kAct, MT, NT>(p, acc, m0 + wm0, n0 + wn0, lane, pair_ok)));
 #endif
 }
 
@@ -278,7 +283,8 @@ cudaError_t launch_cfg(const GemmArgs& p, cudaStream_t stream) {
   const int64_t tiles = ((p.M + Cfg::BM - 1) / Cfg::BM) * ((p.N + Cfg::BN - 1) / Cfg::BN);
   if (tiles > INT_MAX) return cudaErrorInvalidValue;
   auto kernel = gemm_mma_kernel<T, Cfg>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM_BYTES);
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM_BYTES);
   if (err != cudaSuccess) return err;
   kernel<<<static_cast<unsigned>(tiles), Cfg::THREADS, Cfg::SMEM_BYTES, stream>>>(p);
   return cudaGetLastError();
@@ -308,7 +314,8 @@ bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15)
 
 bool gemm_mma_supported(const GemmArgs& p) {
   if (p.dtype != DType::kF16 && p.dtype != DType::kBF16) return false;
-  if (p.M <= 0 || p.N <= 0 || p.K <= 0 || p.M > INT_MAX || p.N > INT_MAX || p.K > INT_MAX) return false;
+  if (p.M <= 0 || p.N <= 0 || p.K <= 0 || p.M > INT_MAX || p.N > INT_MAX || p.K > INT_MAX)
+    return false;
   if (!aligned16(p.a) || !aligned16(p.b)) return false;
   const bool a_ok = (p.sak == 1 && p.sam % 8 == 0) || (p.sam == 1 && p.sak % 8 == 0);
   const bool b_ok = (p.sbk == 1 && p.sbn % 8 == 0) || (p.sbn == 1 && p.sbk % 8 == 0);

@@ -59,9 +59,9 @@ namespace sm90 {
 
 using namespace detail;
 
-constexpr int kBM = 128;                 // tile rows (2 consumer warpgroups x 64)
-constexpr int kBK = 64;                  // K per stage: 64 x 2 bytes = one 128-byte swizzle row
-constexpr int kThreads = 384;            // producer + 2 consumer warpgroups
+constexpr int kBM = 128;       // tile rows (2 consumer warpgroups x 64)
+constexpr int kBK = 64;        // K per stage: 64 x 2 bytes = one 128-byte swizzle row
+constexpr int kThreads = 384;  // producer + 2 consumer warpgroups
 
 template <int BN>
 struct Cfg {
@@ -96,7 +96,8 @@ __device__ __forceinline__ void mbar_init_fence() {
 
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
 #if FASTCOMM_SM90A_DEVICE
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
 #endif
 }
 
@@ -126,7 +127,8 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 
 // 2-D TMA copy of the box at (c0 = inner coordinate, c1 = outer coordinate)
 // into shared memory at dst, completing `bytes` on the mbarrier bar.
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
+                                            uint32_t bar) {
 #if FASTCOMM_SM90A_DEVICE
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
@@ -139,11 +141,12 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
 // Same, multicast to the CTAs of the cluster in cta_mask: the box lands at
 // the same shared-memory offset in each and completes on each one's mbarrier
 // at the same offset.
-__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* map, int c0, int c1,
-                                                      uint32_t bar, uint16_t cta_mask) {
+__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* map, int c0,
+                                                      int c1, uint32_t bar, uint16_t cta_mask) {
 #if FASTCOMM_SM90A_DEVICE
   asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::"
+      "cluster"
       " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(cta_mask)
       : "memory");
@@ -233,7 +236,8 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[N]) {
 //   bits 32-45: stride-dimension byte offset >> 4
 //   bits 62-63: swizzle mode (1 = 128B)
 __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16) |
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) |
+         (static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16) |
          (static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
 
@@ -260,8 +264,8 @@ __device__ __forceinline__ void wgmma_k16(float (&d)[BN / 2], uint64_t da, uint6
 // (16w + l/4, 8j + 2(l%4) + {0,1}) in d[4j], d[4j+1] and the same two
 // columns of row 16w + l/4 + 8 in d[4j+2], d[4j+3].
 template <typename T, Act ACT, int BN>
-__device__ __forceinline__ void wgmma_epilogue(const GemmArgs& p, const float (&acc)[BN / 2], int row, int col0,
-                                               bool pair_ok) {
+__device__ __forceinline__ void wgmma_epilogue(const GemmArgs& p, const float (&acc)[BN / 2],
+                                               int row, int col0, bool pair_ok) {
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
     const int col = col0 + 8 * j;
@@ -277,8 +281,8 @@ __device__ __forceinline__ void wgmma_epilogue(const GemmArgs& p, const float (&
 // to both, which cuts the L2 -> shared-memory traffic per CTA by a third.
 template <typename T, int BN, bool A_K, bool B_K, int CLUSTER>
 __global__ void __launch_bounds__(kThreads, 1)
-    gemm_wgmma_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
-                      const GemmArgs p) {
+    gemm_wgmma_kernel(const __grid_constant__ CUtensorMap tma_a,
+                      const __grid_constant__ CUtensorMap tma_b, const GemmArgs p) {
 #if FASTCOMM_SM90A_DEVICE
   static_assert(CLUSTER == 1 || CLUSTER == 2, "cluster of 1 or 2 CTAs");
   using C = Cfg<BN>;
@@ -353,7 +357,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           } else {
 #pragma unroll
             for (int j = 0; j < kBM / 64; ++j) {
-              tma_load_2d(a_dst + j * C::BOX_BYTES, &tma_a, m0 + 64 * j, k0, full_bar(s));  // box {64 m, 64 k}
+              tma_load_2d(a_dst + j * C::BOX_BYTES, &tma_a, m0 + 64 * j, k0,
+                          full_bar(s));  // box {64 m, 64 k}
             }
           }
           if constexpr (CLUSTER == 1) {
@@ -362,7 +367,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             } else {
 #pragma unroll
               for (int j = 0; j < BN / 64; ++j) {
-                tma_load_2d(b_dst + j * C::BOX_BYTES, &tma_b, n0 + 64 * j, k0, full_bar(s));  // box {64 n, 64 k}
+                tma_load_2d(b_dst + j * C::BOX_BYTES, &tma_b, n0 + 64 * j, k0,
+                            full_bar(s));  // box {64 n, 64 k}
               }
             }
           } else {
@@ -374,7 +380,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
               for (int jj = 0; jj < BN / 128; ++jj) {
                 const int j = static_cast<int>(rank) * (BN / 128) + jj;
-                tma_load_2d_multicast(b_dst + j * C::BOX_BYTES, &tma_b, n0 + 64 * j, k0, full_bar(s), 0x3);
+                tma_load_2d_multicast(b_dst + j * C::BOX_BYTES, &tma_b, n0 + 64 * j, k0,
+                                      full_bar(s), 0x3);
               }
             }
           }
@@ -453,8 +460,8 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
   static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
     void* ptr = nullptr;
     cudaDriverEntryPointQueryResult status;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status) !=
-            cudaSuccess ||
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
+                                         &status) != cudaSuccess ||
         status != cudaDriverEntryPointSuccess) {
       cudaGetLastError();
       ptr = nullptr;
@@ -466,8 +473,8 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
 
 // 2-D map over a [outer][inner] row-major matrix with leading dimension ld
 // (elements), boxes of box_inner x box_outer, 128-byte swizzle, zero fill.
-bool make_map(CUtensorMap* map, DType dtype, const void* ptr, int64_t inner, int64_t outer, int64_t ld,
-              uint32_t box_inner, uint32_t box_outer) {
+bool make_map(CUtensorMap* map, DType dtype, const void* ptr, int64_t inner, int64_t outer,
+              int64_t ld, uint32_t box_inner, uint32_t box_outer) {
   auto fn = encode_fn();
   if (fn == nullptr) return false;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(outer)};
@@ -477,8 +484,8 @@ bool make_map(CUtensorMap* map, DType dtype, const void* ptr, int64_t inner, int
   const CUtensorMapDataType dt =
       dtype == DType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   const CUresult r = fn(map, dt, 2, const_cast<void*>(ptr), dims, strides, box, elem_strides,
-                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS;
 }
 
@@ -496,7 +503,8 @@ cudaError_t launch(const GemmArgs& p, int num_sms, cudaStream_t stream) {
   const int64_t units = ((tiles_m + CLUSTER - 1) / CLUSTER) * ((p.N + BN - 1) / BN);
   if (units * CLUSTER > INT_MAX) return cudaErrorInvalidValue;
   auto kernel = gemm_wgmma_kernel<T, BN, A_K, B_K, CLUSTER>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
   if (err != cudaSuccess) return err;
   if constexpr (CLUSTER == 1) {
     const int64_t grid = units < num_sms ? units : num_sms;
@@ -529,7 +537,8 @@ cudaError_t launch(const GemmArgs& p, int num_sms, cudaStream_t stream) {
       resident[dev] = n > 0 ? n : 1;
     }
     const int64_t max_units = resident[dev];
-    cfg.gridDim = dim3(static_cast<unsigned>((units < max_units ? units : max_units) * CLUSTER), 1, 1);
+    cfg.gridDim =
+        dim3(static_cast<unsigned>((units < max_units ? units : max_units) * CLUSTER), 1, 1);
     return cudaLaunchKernelEx(&cfg, kernel, ma, mb, p);
   }
 }
@@ -544,24 +553,30 @@ cudaError_t launch_layout(const GemmArgs& p, int num_sms, cudaStream_t stream) {
 }
 
 template <typename T>
-cudaError_t launch_type(const GemmArgs& p, int num_sms, bool wide, int cluster, cudaStream_t stream) {
+cudaError_t launch_type(const GemmArgs& p, int num_sms, bool wide, int cluster,
+                        cudaStream_t stream) {
   if (cluster == 2) {
-    return wide ? launch_layout<T, 256, 2>(p, num_sms, stream) : launch_layout<T, 128, 2>(p, num_sms, stream);
+    return wide ? launch_layout<T, 256, 2>(p, num_sms, stream)
+                : launch_layout<T, 128, 2>(p, num_sms, stream);
   }
-  return wide ? launch_layout<T, 256, 1>(p, num_sms, stream) : launch_layout<T, 128, 1>(p, num_sms, stream);
+  return wide ? launch_layout<T, 256, 1>(p, num_sms, stream)
+              : launch_layout<T, 128, 1>(p, num_sms, stream);
 }
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
 
 // One operand of the TMA path: unit stride along `inner`, leading dimension
 // ld (elements) that TMA accepts (multiple of 16 bytes, not below the row).
-bool tma_operand_ok(int64_t inner, int64_t ld) { return ld % 8 == 0 && ld >= inner && ld < (int64_t(1) << 36); }
+bool tma_operand_ok(int64_t inner, int64_t ld) {
+  return ld % 8 == 0 && ld >= inner && ld < (int64_t(1) << 36);
+}
 
 }  // namespace sm90
 
 bool gemm_wgmma_supported(const GemmArgs& p, bool allow_mn_major) {
   if (p.dtype != DType::kF16 && p.dtype != DType::kBF16) return false;
-  if (p.M <= 0 || p.N <= 0 || p.K <= 0 || p.M > INT_MAX || p.N > INT_MAX || p.K > INT_MAX) return false;
+  if (p.M <= 0 || p.N <= 0 || p.K <= 0 || p.M > INT_MAX || p.N > INT_MAX || p.K > INT_MAX)
+    return false;
   if (!sm90::aligned16(p.a) || !sm90::aligned16(p.b)) return false;
   const bool a_ok = (p.sak == 1 && sm90::tma_operand_ok(p.K, p.sam)) ||
                     (allow_mn_major && p.sam == 1 && sm90::tma_operand_ok(p.M, p.sak));
@@ -592,7 +607,8 @@ bool gemm_wgmma_compiled() {
   return known[dev] == 1;
 }
 
-cudaError_t launch_gemm_wgmma_sm90(const GemmArgs& p, int num_sms, Tile tile, int cluster, cudaStream_t stream) {
+cudaError_t launch_gemm_wgmma_sm90(const GemmArgs& p, int num_sms, Tile tile, int cluster,
+                                   cudaStream_t stream) {
   if (!gemm_wgmma_supported(p, true) || num_sms <= 0 || (cluster != 1 && cluster != 2)) {
     return cudaErrorInvalidValue;
   }
@@ -608,7 +624,8 @@ cudaError_t launch_gemm_wgmma_sm90(const GemmArgs& p, int num_sms, Tile tile, in
   } else {
     wide = tile == Tile::kLarge;
   }
-  if (p.dtype == DType::kBF16) return sm90::launch_type<__nv_bfloat16>(p, num_sms, wide, cluster, stream);
+  if (p.dtype == DType::kBF16)
+    return sm90::launch_type<__nv_bfloat16>(p, num_sms, wide, cluster, stream);
   return sm90::launch_type<__half>(p, num_sms, wide, cluster, stream);
 }
 

@@ -22,8 +22,8 @@ namespace {
 
 // Names as torch.distributed spells the collectives (stats keys, errors) and
 // the profiler range of each.
-#define FASTCOMM_OP(ident, text)              \
-  constexpr const char* ident = text;         \
+#define FASTCOMM_OP(ident, text)      \
+  constexpr const char* ident = text; \
   constexpr const char* ident##Title = "fastcomm:" text;
 FASTCOMM_OP(kBroadcast, "broadcast")
 FASTCOMM_OP(kAllReduce, "all_reduce")
@@ -127,8 +127,7 @@ c10::intrusive_ptr<c10d::Store> epochStore(const c10::intrusive_ptr<c10d::Store>
 
 ProcessGroupFastComm::ProcessGroupFastComm(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                            int size, std::chrono::milliseconds timeout,
-                                           std::vector<uint64_t> globalRanks,
-                                           std::string groupName)
+                                           std::vector<uint64_t> globalRanks, std::string groupName)
     : Backend(rank, size),
       store_(epochStore(store, size)),
       timeout_(timeout),
@@ -194,11 +193,6 @@ void ProcessGroupFastComm::setTimeout(std::chrono::milliseconds timeout) {
   options_->timeout = timeout;
 }
 
-std::chrono::milliseconds ProcessGroupFastComm::opTimeout(
-    std::chrono::milliseconds requested) const {
-  return requested.count() > 0 ? requested : timeout_;
-}
-
 void ProcessGroupFastComm::checkUsable() const {
   std::lock_guard<std::mutex> lock(brokenMu_);
   if (broken_) {
@@ -206,7 +200,8 @@ void ProcessGroupFastComm::checkUsable() const {
       std::rethrow_exception(broken_);
     } catch (const std::exception& e) {
       throwCommError(std::string("fastcomm: this process group failed earlier and cannot be "
-                                 "used any more (destroy and recreate it): ") + e.what());
+                                 "used any more (destroy and recreate it): ") +
+                     e.what());
     }
   }
 }
@@ -246,7 +241,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::runHost(
       if (cfg_.check) comm.checkSignatures(sig, ctx);
       const auto t0 = Clock::now();
       body(comm, ctx);
-      stats_.addTime(ctx.name, std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+      stats_.addTime(ctx.name,
+                     std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
       work->complete();
     } catch (...) {
       auto error = std::current_exception();
@@ -260,7 +256,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::runHost(
 SerialLane& ProcessGroupFastComm::p2pLane(int peer, bool sending) {
   std::lock_guard<std::mutex> lock(lanesMu_);
   auto& lane = p2pLanes_[{peer, sending}];
-  if (!lane) lane = std::make_unique<SerialLane>((sending ? "fc-send" : "fc-recv") + std::to_string(peer));
+  if (!lane)
+    lane = std::make_unique<SerialLane>((sending ? "fc-send" : "fc-recv") + std::to_string(peer));
   return *lane;
 }
 
@@ -296,7 +293,8 @@ c10::intrusive_ptr<HostWork> ProcessGroupFastComm::runP2P(
       checkUsable();
       const auto t0 = Clock::now();
       body(*shm_, ctx, *work);
-      stats_.addTime(ctx.name, std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+      stats_.addTime(ctx.name,
+                     std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
       work->complete();
     } catch (...) {
       auto error = std::current_exception();
@@ -370,8 +368,8 @@ void ProcessGroupFastComm::eagerConnectSingleDevice(at::Device device) {
   CudaOpInfo { op, op##Title, c10d::OpType::UNKNOWN, ++seq_, timeout_, bytes }
 #endif
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::broadcast(
-    std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::broadcast(std::vector<at::Tensor>& tensors,
+                                                               const c10d::BroadcastOptions& opts) {
   const at::Tensor& t = single(tensors, kBroadcast);
   TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "fastcomm: broadcast: invalid root ",
               opts.rootRank, " for a group of ", size_);
@@ -395,8 +393,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::broadcast(
                  });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allreduce(
-    std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allreduce(std::vector<at::Tensor>& tensors,
+                                                               const c10d::AllreduceOptions& opts) {
   const at::Tensor& t = single(tensors, kAllReduce);
   at::Tensor real = realView(t, opts.reduceOp, kAllReduce);
   const RedOp op = toRedOp(opts.reduceOp, real.scalar_type(), kAllReduce);
@@ -441,7 +439,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allreduce_coalesced(
   // One flat buffer: one pipelined all-reduce instead of one per tensor.
   at::Tensor flat = catFlat(reals);
   return runHost(kAllReduceCoalesced, kAllReduceCoalescedTitle, c10d::OpType::ALLREDUCE_COALESCED,
-                 tensors, tensors, bytes, signature(kAllReduceCoalesced, flat, -1, static_cast<int>(op)),
+                 tensors, tensors, bytes,
+                 signature(kAllReduceCoalesced, flat, -1, static_cast<int>(op)),
                  [flat, reals, op](ShmComm& comm, const OpContext& ctx) {
                    comm.allreduce(flat.data_ptr(), flat.numel(), flat.scalar_type(), op, ctx);
                    int64_t off = 0;
@@ -474,7 +473,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::reduce(std::vector<at::Tens
   return runHost(kReduce, kReduceTitle, c10d::OpType::REDUCE, tensors, tensors, nbytes(t),
                  signature(kReduce, real, root, static_cast<int>(op)),
                  [c, op, root](ShmComm& comm, const OpContext& ctx) {
-                   comm.reduce(c.work.data_ptr(), c.work.numel(), c.work.scalar_type(), op, root, ctx);
+                   comm.reduce(c.work.data_ptr(), c.work.numel(), c.work.scalar_type(), op, root,
+                               ctx);
                    if (comm.index() == root) c.finish();
                  });
 }
@@ -490,8 +490,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allgather(
               outs.size(), " tensors but the group has ", size_, " ranks");
   for (const auto& o : outs) {
     checkSameKind(in, o, kAllGather, "an output tensor");
-    TORCH_CHECK(o.numel() == in.numel(), "fastcomm: all_gather: output tensors must have the "
-                "input's ", in.numel(), " elements, got ", o.numel());
+    TORCH_CHECK(o.numel() == in.numel(),
+                "fastcomm: all_gather: output tensors must have the "
+                "input's ",
+                in.numel(), " elements, got ", o.numel());
   }
   if (in.is_cuda()) {
 #ifdef FASTCOMM_WITH_CUDA
@@ -516,9 +518,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
   checkTensor(input, kAllGatherInto);
   checkSameKind(input, output, kAllGatherInto, "the output");
-  TORCH_CHECK(output.numel() == input.numel() * size_, "fastcomm: all_gather_into_tensor: output "
-              "has ", output.numel(), " elements but must have world_size (", size_,
-              ") x input (", input.numel(), ")");
+  TORCH_CHECK(output.numel() == input.numel() * size_,
+              "fastcomm: all_gather_into_tensor: output "
+              "has ",
+              output.numel(), " elements but must have world_size (", size_, ") x input (",
+              input.numel(), ")");
   if (input.is_cuda()) {
 #ifdef FASTCOMM_WITH_CUDA
     auto info = FASTCOMM_CUDA_INFO(kAllGatherInto, nbytes(input));
@@ -550,7 +554,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allgather_into_tensor_coale
     checkSameKind(inputs[0], inputs[i], kAllGatherIntoCoalesced, "an input");
     checkSameKind(inputs[i], outputs[i], kAllGatherIntoCoalesced, "an output");
     TORCH_CHECK(outputs[i].numel() == inputs[i].numel() * size_,
-                "fastcomm: all_gather_into_tensor_coalesced: output ", i, " must have world_size x "
+                "fastcomm: all_gather_into_tensor_coalesced: output ", i,
+                " must have world_size x "
                 "input elements");
     bytes += nbytes(inputs[i]);
   }
@@ -572,15 +577,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allgather_into_tensor_coale
     srcs.push_back(inputs[i].contiguous());
     dsts.emplace_back(outputs[i]);
   }
-  return runHost(kAllGatherIntoCoalesced, kAllGatherIntoCoalescedTitle, c10d::OpType::COALESCED,
-                 inputs, outputs, bytes, signature(kAllGatherIntoCoalesced, inputs[0], -1, -1,
-                                                   static_cast<int64_t>(inputs.size())),
-                 [srcs, dsts](ShmComm& comm, const OpContext& ctx) {
-                   for (size_t i = 0; i < srcs.size(); ++i) {
-                     comm.allgather(srcs[i].data_ptr(), dsts[i].work.data_ptr(), nbytes(srcs[i]), ctx);
-                     dsts[i].finish();
-                   }
-                 });
+  return runHost(
+      kAllGatherIntoCoalesced, kAllGatherIntoCoalescedTitle, c10d::OpType::COALESCED, inputs,
+      outputs, bytes,
+      signature(kAllGatherIntoCoalesced, inputs[0], -1, -1, static_cast<int64_t>(inputs.size())),
+      [srcs, dsts](ShmComm& comm, const OpContext& ctx) {
+        for (size_t i = 0; i < srcs.size(); ++i) {
+          comm.allgather(srcs[i].data_ptr(), dsts[i].work.data_ptr(), nbytes(srcs[i]), ctx);
+          dsts[i].finish();
+        }
+      });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::gather(
@@ -597,8 +603,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::gather(
     outs = outputs[0];
     for (const auto& o : outs) {
       checkSameKind(in, o, kGather, "an output tensor");
-      TORCH_CHECK(o.numel() == in.numel(), "fastcomm: gather: output tensors must have the "
-                  "input's ", in.numel(), " elements, got ", o.numel());
+      TORCH_CHECK(o.numel() == in.numel(),
+                  "fastcomm: gather: output tensors must have the "
+                  "input's ",
+                  in.numel(), " elements, got ", o.numel());
     }
   } else {
     TORCH_CHECK(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()),
@@ -639,8 +647,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::scatter(
     ins = inputs[0];
     for (const auto& i : ins) {
       checkSameKind(out, i, kScatter, "an input tensor");
-      TORCH_CHECK(i.numel() == out.numel(), "fastcomm: scatter: input tensors must have the "
-                  "output's ", out.numel(), " elements, got ", i.numel());
+      TORCH_CHECK(i.numel() == out.numel(),
+                  "fastcomm: scatter: input tensors must have the "
+                  "output's ",
+                  out.numel(), " elements, got ", i.numel());
     }
   } else {
     TORCH_CHECK(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()),
@@ -661,7 +671,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::scatter(
   }
   Contig c(out);
   return runHost(kScatter, kScatterTitle, c10d::OpType::SCATTER, ins, outputs, nbytes(out),
-                 signature(kScatter, out, root), [flat, c, root](ShmComm& comm, const OpContext& ctx) {
+                 signature(kScatter, out, root),
+                 [flat, c, root](ShmComm& comm, const OpContext& ctx) {
                    comm.scatter(flat.defined() ? flat.data_ptr() : nullptr, c.work.data_ptr(),
                                 nbytes(c.work), root, ctx);
                    c.finish();
@@ -674,11 +685,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::reduce_scatter(
   const at::Tensor& out = single(outputs, kReduceScatter);
   TORCH_CHECK(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_,
               "fastcomm: reduce_scatter: the input list has ",
-              inputs.empty() ? 0 : inputs[0].size(), " tensors but the group has ", size_, " ranks");
+              inputs.empty() ? 0 : inputs[0].size(), " tensors but the group has ", size_,
+              " ranks");
   for (const auto& i : inputs[0]) {
     checkSameKind(out, i, kReduceScatter, "an input tensor");
-    TORCH_CHECK(i.numel() == out.numel(), "fastcomm: reduce_scatter: input tensors must have the "
-                "output's ", out.numel(), " elements, got ", i.numel());
+    TORCH_CHECK(i.numel() == out.numel(),
+                "fastcomm: reduce_scatter: input tensors must have the "
+                "output's ",
+                out.numel(), " elements, got ", i.numel());
   }
   at::Tensor realOut = realView(out, opts.reduceOp, kReduceScatter);
   const RedOp op = toRedOp(opts.reduceOp, realOut.scalar_type(), kReduceScatter);
@@ -696,7 +710,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::reduce_scatter(
   at::Tensor flat = catFlat(realIns);
   Contig c(realOut);
   return runHost(kReduceScatter, kReduceScatterTitle, c10d::OpType::REDUCE_SCATTER, inputs[0],
-                 outputs, nbytes(flat), signature(kReduceScatter, realOut, -1, static_cast<int>(op)),
+                 outputs, nbytes(flat),
+                 signature(kReduceScatter, realOut, -1, static_cast<int>(op)),
                  [flat, c, op](ShmComm& comm, const OpContext& ctx) {
                    comm.reduceScatter(flat.data_ptr(), c.work.data_ptr(), c.work.numel(),
                                       c.work.scalar_type(), op, ctx);
@@ -708,9 +723,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
   checkTensor(input, kReduceScatterTensor);
   checkSameKind(input, output, kReduceScatterTensor, "the output");
-  TORCH_CHECK(input.numel() == output.numel() * size_, "fastcomm: reduce_scatter_tensor: input "
-              "has ", input.numel(), " elements but must have world_size (", size_,
-              ") x output (", output.numel(), ")");
+  TORCH_CHECK(input.numel() == output.numel() * size_,
+              "fastcomm: reduce_scatter_tensor: input "
+              "has ",
+              input.numel(), " elements but must have world_size (", size_, ") x output (",
+              output.numel(), ")");
   at::Tensor realOut = realView(output, opts.reduceOp, kReduceScatterTensor);
   at::Tensor realIn = realView(input, opts.reduceOp, kReduceScatterTensor);
   const RedOp op = toRedOp(opts.reduceOp, realOut.scalar_type(), kReduceScatterTensor);
@@ -847,8 +864,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::alltoall(std::vector<at::Te
                                                               std::vector<at::Tensor>& inputs,
                                                               const c10d::AllToAllOptions& opts) {
   TORCH_CHECK(static_cast<int>(inputs.size()) == size_ && static_cast<int>(outputs.size()) == size_,
-              "fastcomm: all_to_all needs ", size_, " input and ", size_,
-              " output tensors, got ", inputs.size(), " and ", outputs.size());
+              "fastcomm: all_to_all needs ", size_, " input and ", size_, " output tensors, got ",
+              inputs.size(), " and ", outputs.size());
   checkTensor(inputs[0], kAllToAll);
   for (const auto& t : inputs) checkSameKind(inputs[0], t, kAllToAll, "an input tensor");
   for (const auto& t : outputs) checkSameKind(inputs[0], t, kAllToAll, "an output tensor");
@@ -880,13 +897,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::alltoall(std::vector<at::Te
     recvOffs[i] = i ? recvOffs[i - 1] + recvBytes[i - 1] : 0;
   }
   std::vector<at::Tensor> outs = outputs;
-  return runHost(kAllToAll, kAllToAllTitle, c10d::OpType::ALLTOALL, inputs, outputs, bytes,
-                 signature(kAllToAll, src, -1, -1, recvTotal), [=](ShmComm& comm, const OpContext& ctx) {
-                   comm.alltoall(src.data_ptr(), sendBytes, sendOffs, dst.data_ptr(), recvBytes,
-                                 recvOffs, ctx);
-                   for (int i = 0; i < static_cast<int>(outs.size()); ++i)
-                     outs[i].copy_(dst.narrow(0, recvOffs[i] / es, recvCounts[i]).view(outs[i].sizes()));
-                 });
+  return runHost(
+      kAllToAll, kAllToAllTitle, c10d::OpType::ALLTOALL, inputs, outputs, bytes,
+      signature(kAllToAll, src, -1, -1, recvTotal), [=](ShmComm& comm, const OpContext& ctx) {
+        comm.alltoall(src.data_ptr(), sendBytes, sendOffs, dst.data_ptr(), recvBytes, recvOffs,
+                      ctx);
+        for (int i = 0; i < static_cast<int>(outs.size()); ++i)
+          outs[i].copy_(dst.narrow(0, recvOffs[i] / es, recvCounts[i]).view(outs[i].sizes()));
+      });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::send(std::vector<at::Tensor>& tensors,
@@ -897,8 +915,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::send(std::vector<at::Tensor
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::sendNow(std::vector<at::Tensor>& tensors,
                                                              int dstRank, int tag) {
   const at::Tensor& t = single(tensors, kSend);
-  TORCH_CHECK(dstRank >= 0 && dstRank < size_ && dstRank != rank_, "fastcomm: send: invalid "
-              "destination ", dstRank, " (group of ", size_, ", this is rank ", rank_, ")");
+  TORCH_CHECK(dstRank >= 0 && dstRank < size_ && dstRank != rank_,
+              "fastcomm: send: invalid "
+              "destination ",
+              dstRank, " (group of ", size_, ", this is rank ", rank_, ")");
   if (t.is_cuda()) {
 #ifdef FASTCOMM_WITH_CUDA
     auto info = CudaOpInfo{kSend, kSendTitle, c10d::OpType::SEND, ++p2pSeq_, timeout_, nbytes(t)};
@@ -923,8 +943,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::recv(std::vector<at::Tensor
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::recvNow(std::vector<at::Tensor>& tensors,
                                                              int srcRank, int tag) {
   const at::Tensor& t = single(tensors, kRecv);
-  TORCH_CHECK(srcRank >= 0 && srcRank < size_ && srcRank != rank_, "fastcomm: recv: invalid "
-              "source ", srcRank, " (group of ", size_, ", this is rank ", rank_, ")");
+  TORCH_CHECK(srcRank >= 0 && srcRank < size_ && srcRank != rank_,
+              "fastcomm: recv: invalid "
+              "source ",
+              srcRank, " (group of ", size_, ", this is rank ", rank_, ")");
   if (t.is_cuda()) {
 #ifdef FASTCOMM_WITH_CUDA
     auto info = CudaOpInfo{kRecv, kRecvTitle, c10d::OpType::RECV, ++p2pSeq_, timeout_, nbytes(t)};
@@ -946,7 +968,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::recvNow(std::vector<at::Ten
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::recvAnysource(std::vector<at::Tensor>& tensors,
                                                                    int tag) {
   const at::Tensor& t = single(tensors, kRecvAny);
-  TORCH_CHECK(!t.is_cuda(), "fastcomm: recv from any source is supported for CPU tensors only "
+  TORCH_CHECK(!t.is_cuda(),
+              "fastcomm: recv from any source is supported for CPU tensors only "
               "(NCCL has no wildcard receive); pass an explicit source rank");
   Contig c(t);
   // Own lane: it must not queue behind a blocked recv from one particular peer.

@@ -84,8 +84,7 @@ class ProcessGroupFastComm : public c10d::Backend {
                                       int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank,
                                       int tag) override;
-  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
-                                               int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
 
   void startCoalescing() override;
@@ -111,9 +110,9 @@ class ProcessGroupFastComm : public c10d::Backend {
                                          std::vector<at::Tensor> outputs, int64_t bytes,
                                          const OpSignature& sig, HostBody body);
   // Runs a point-to-point `body` on the lane of (peer, direction).
-  c10::intrusive_ptr<HostWork> runP2P(const char* name, const char* title, c10d::OpType type,
-                                      SerialLane& lane, const at::Tensor& tensor,
-                                      std::function<void(ShmComm&, const OpContext&, HostWork&)> body);
+  c10::intrusive_ptr<HostWork> runP2P(
+      const char* name, const char* title, c10d::OpType type, SerialLane& lane,
+      const at::Tensor& tensor, std::function<void(ShmComm&, const OpContext&, HostWork&)> body);
   c10::intrusive_ptr<c10d::Work> sendNow(std::vector<at::Tensor>& tensors, int dstRank, int tag);
   c10::intrusive_ptr<c10d::Work> recvNow(std::vector<at::Tensor>& tensors, int srcRank, int tag);
   ShmComm& shm(const OpContext& ctx);  // created on first use, on the host lane
@@ -125,8 +124,8 @@ class ProcessGroupFastComm : public c10d::Backend {
   // Inside a coalescing block a validation error of a point-to-point op is
   // kept for endCoalescing: torch leaves its own coalescing state broken when
   // an op inside the block raises.
-  c10::intrusive_ptr<c10d::Work> deferErrorInBlock(const std::function<c10::intrusive_ptr<c10d::Work>()>& op);
-  std::chrono::milliseconds opTimeout(std::chrono::milliseconds requested) const;
+  c10::intrusive_ptr<c10d::Work> deferErrorInBlock(
+      const std::function<c10::intrusive_ptr<c10d::Work>()>& op);
 
   c10::intrusive_ptr<c10d::Store> store_;
   std::chrono::milliseconds timeout_;

@@ -9,8 +9,8 @@ HostWork::HostWork(int rank, c10d::OpType type, const char* profilingTitle, uint
                    std::vector<at::Tensor> outputs)
     : Work(rank, type, profilingTitle, std::optional<std::vector<at::Tensor>>(inputs)),
       outputs_(std::move(outputs)),
-      future_(c10::make_intrusive<c10::ivalue::Future>(
-          c10::ListType::create(c10::TensorType::get()))),
+      future_(
+          c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))),
       seq_(seq),
       timeout_(timeout) {}
 
@@ -21,7 +21,8 @@ bool HostWork::wait(std::chrono::milliseconds timeout) { return Work::wait(timeo
 
 int HostWork::sourceRank() const {
   const int src = sourceRank_.load();
-  TORCH_CHECK(src >= 0, "fastcomm: sourceRank() is only valid for a completed recv from any source");
+  TORCH_CHECK(src >= 0,
+              "fastcomm: sourceRank() is only valid for a completed recv from any source");
   return src;
 }
 

@@ -65,7 +65,8 @@ Config Config::fromEnv() {
     c.transport = oneOf("FASTCOMM_TRANSPORT", v, {"auto", "ib", "tcp"});
   if (const char* v = env("FASTCOMM_WIRE_DTYPE"))
     c.wireDtype = oneOf("FASTCOMM_WIRE_DTYPE", v, {"none", "bf16", "fp16"});
-  if (const char* v = env("FASTCOMM_CHUNK_BYTES")) c.chunkBytes = parseBytes("FASTCOMM_CHUNK_BYTES", v);
+  if (const char* v = env("FASTCOMM_CHUNK_BYTES"))
+    c.chunkBytes = parseBytes("FASTCOMM_CHUNK_BYTES", v);
   if (const char* v = env("FASTCOMM_SHM_ONESHOT_BYTES"))
     c.oneShotBytes = parseBytes("FASTCOMM_SHM_ONESHOT_BYTES", v);
   if (const char* v = env("FASTCOMM_P2P_BYTES")) c.p2pBytes = parseBytes("FASTCOMM_P2P_BYTES", v);
@@ -87,9 +88,8 @@ std::string Config::describe() const {
   std::ostringstream os;
   os << "host_id=" << (hostIdOverride.empty() ? "<auto>" : hostIdOverride)
      << " transport=" << transport << " wire_dtype=" << wireDtype << " chunk_bytes=" << chunkBytes
-     << " oneshot_bytes=" << oneShotBytes << " p2p_bytes=" << p2pBytes
-     << " spin_us=" << spinMicros << " check=" << check << " blocking_wait=" << blockingWait
-     << " cuda_timing=" << cudaTiming;
+     << " oneshot_bytes=" << oneShotBytes << " p2p_bytes=" << p2pBytes << " spin_us=" << spinMicros
+     << " check=" << check << " blocking_wait=" << blockingWait << " cuda_timing=" << cudaTiming;
   return os.str();
 }
 

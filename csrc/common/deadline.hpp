@@ -13,8 +13,8 @@ namespace fastcomm {
 using Clock = std::chrono::steady_clock;
 
 struct OpContext {
-  const char* name = "";           // torch.distributed name, e.g. "all_reduce"
-  uint64_t seq = 0;                // per-group sequence number of the collective
+  const char* name = "";  // torch.distributed name, e.g. "all_reduce"
+  uint64_t seq = 0;       // per-group sequence number of the collective
   std::chrono::milliseconds timeout{0};
   Clock::time_point deadline{};
 
@@ -26,9 +26,7 @@ struct OpContext {
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     return left.count() > 0 ? left : std::chrono::milliseconds(0);
   }
-  std::string describe() const {
-    return std::string(name) + " (seq " + std::to_string(seq) + ")";
-  }
+  std::string describe() const { return std::string(name) + " (seq " + std::to_string(seq) + ")"; }
 };
 
 std::string formatRanks(const std::vector<int>& ranks);

@@ -14,12 +14,12 @@ void logLine(LogLevel level, const std::string& line);
 
 }  // namespace fastcomm
 
-#define FASTCOMM_LOG(level, expr)                                            \
-  do {                                                                       \
-    if (static_cast<int>(::fastcomm::LogLevel::level) <=                     \
-        static_cast<int>(::fastcomm::logLevel())) {                          \
-      std::ostringstream fastcomm_log_os_;                                   \
-      fastcomm_log_os_ << expr;                                              \
+#define FASTCOMM_LOG(level, expr)                                               \
+  do {                                                                          \
+    if (static_cast<int>(::fastcomm::LogLevel::level) <=                        \
+        static_cast<int>(::fastcomm::logLevel())) {                             \
+      std::ostringstream fastcomm_log_os_;                                      \
+      fastcomm_log_os_ << expr;                                                 \
       ::fastcomm::logLine(::fastcomm::LogLevel::level, fastcomm_log_os_.str()); \
-    }                                                                        \
+    }                                                                           \
   } while (0)

@@ -36,9 +36,8 @@ inline bool supported_dtype(at::ScalarType t) {
 }
 
 inline void check_dtype(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK(supported_dtype(t.scalar_type()), "fastcomm.", op, ": ", name,
-              " has dtype ", t.scalar_type(),
-              "; supported dtypes are float32, float16, bfloat16 (and float64)");
+  TORCH_CHECK(supported_dtype(t.scalar_type()), "fastcomm.", op, ": ", name, " has dtype ",
+              t.scalar_type(), "; supported dtypes are float32, float16, bfloat16 (and float64)");
 }
 
 // A 2-D GEMM problem C[M, N] = A[M, K] @ B[K, N]; A and B are (possibly
@@ -59,13 +58,15 @@ inline int64_t leading_numel(const at::Tensor& t) {
 
 // matmul(a, b): a is [..., M, K] (at least 2-D), b is [K, N].
 inline GemmProblem make_matmul_problem(const at::Tensor& a, const at::Tensor& b) {
-  TORCH_CHECK(a.dim() >= 2, "fastcomm.matmul: a must have at least 2 dimensions [..., M, K], got shape ",
+  TORCH_CHECK(a.dim() >= 2,
+              "fastcomm.matmul: a must have at least 2 dimensions [..., M, K], got shape ",
               a.sizes());
   TORCH_CHECK(b.dim() == 2, "fastcomm.matmul: b must be 2-D [K, N], got shape ", b.sizes());
   check_dtype("matmul", "a", a);
   check_dtype("matmul", "b", b);
-  TORCH_CHECK(a.scalar_type() == b.scalar_type(), "fastcomm.matmul: a and b must have the same dtype, got ",
-              a.scalar_type(), " and ", b.scalar_type());
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(),
+              "fastcomm.matmul: a and b must have the same dtype, got ", a.scalar_type(), " and ",
+              b.scalar_type());
   TORCH_CHECK(a.device() == b.device(), "fastcomm.matmul: a and b must be on the same device, got ",
               a.device(), " and ", b.device());
   TORCH_CHECK(a.size(-1) == b.size(0), "fastcomm.matmul: shapes ", a.sizes(), " and ", b.sizes(),
@@ -85,25 +86,30 @@ inline GemmProblem make_matmul_problem(const at::Tensor& a, const at::Tensor& b)
 inline GemmProblem make_linear_problem(const at::Tensor& x, const at::Tensor& weight,
                                        const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() >= 1, "fastcomm.linear: x must have at least 1 dimension [..., in_features]");
-  TORCH_CHECK(weight.dim() == 2, "fastcomm.linear: weight must be 2-D [out_features, in_features], got shape ",
+  TORCH_CHECK(weight.dim() == 2,
+              "fastcomm.linear: weight must be 2-D [out_features, in_features], got shape ",
               weight.sizes());
   check_dtype("linear", "x", x);
   check_dtype("linear", "weight", weight);
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "fastcomm.linear: x and weight must have the same dtype, got ",
-              x.scalar_type(), " and ", weight.scalar_type());
-  TORCH_CHECK(x.device() == weight.device(), "fastcomm.linear: x and weight must be on the same device, got ",
-              x.device(), " and ", weight.device());
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(),
+              "fastcomm.linear: x and weight must have the same dtype, got ", x.scalar_type(),
+              " and ", weight.scalar_type());
+  TORCH_CHECK(x.device() == weight.device(),
+              "fastcomm.linear: x and weight must be on the same device, got ", x.device(), " and ",
+              weight.device());
   TORCH_CHECK(x.size(-1) == weight.size(1), "fastcomm.linear: x has ", x.size(-1),
               " features (shape ", x.sizes(), ") but weight expects ", weight.size(1), " (shape ",
               weight.sizes(), ")");
   if (bias.has_value()) {
     const at::Tensor& bt = *bias;
-    TORCH_CHECK(bt.dim() == 1 && bt.size(0) == weight.size(0), "fastcomm.linear: bias must be 1-D of size ",
-                weight.size(0), " (out_features), got shape ", bt.sizes());
-    TORCH_CHECK(bt.scalar_type() == x.scalar_type(), "fastcomm.linear: bias must have the dtype of x (",
-                x.scalar_type(), "), got ", bt.scalar_type());
-    TORCH_CHECK(bt.device() == x.device(), "fastcomm.linear: bias must be on the device of x (", x.device(),
-                "), got ", bt.device());
+    TORCH_CHECK(bt.dim() == 1 && bt.size(0) == weight.size(0),
+                "fastcomm.linear: bias must be 1-D of size ", weight.size(0),
+                " (out_features), got shape ", bt.sizes());
+    TORCH_CHECK(bt.scalar_type() == x.scalar_type(),
+                "fastcomm.linear: bias must have the dtype of x (", x.scalar_type(), "), got ",
+                bt.scalar_type());
+    TORCH_CHECK(bt.device() == x.device(), "fastcomm.linear: bias must be on the device of x (",
+                x.device(), "), got ", bt.device());
   }
   GemmProblem p;
   p.K = x.size(-1);

@@ -151,13 +151,15 @@ at::Tensor gemm_cpu(const GemmProblem& p, const std::optional<at::Tensor>& bias,
   if (p.M == 0 || p.N == 0) return out.view(p.out_sizes);
   at::Tensor bias_c;
   if (bias.has_value()) bias_c = bias->contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.A.scalar_type(), "fastcomm_gemm_cpu", [&] {
-    using Acc = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    gemm_cpu_kernel<scalar_t, Acc>(p.A.const_data_ptr<scalar_t>(), p.A.stride(0), p.A.stride(1),
-                                   p.B.const_data_ptr<scalar_t>(), p.B.stride(0), p.B.stride(1),
-                                   bias_c.defined() ? bias_c.const_data_ptr<scalar_t>() : nullptr,
-                                   out.mutable_data_ptr<scalar_t>(), p.M, p.N, p.K, act);
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, p.A.scalar_type(), "fastcomm_gemm_cpu", [&] {
+        using Acc = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+        gemm_cpu_kernel<scalar_t, Acc>(
+            p.A.const_data_ptr<scalar_t>(), p.A.stride(0), p.A.stride(1),
+            p.B.const_data_ptr<scalar_t>(), p.B.stride(0), p.B.stride(1),
+            bias_c.defined() ? bias_c.const_data_ptr<scalar_t>() : nullptr,
+            out.mutable_data_ptr<scalar_t>(), p.M, p.N, p.K, act);
+      });
   return out.view(p.out_sizes);
 }
 
@@ -167,8 +169,8 @@ at::Tensor matmul_cpu(const at::Tensor& a, const at::Tensor& b) {
   return gemm_cpu(p, std::nullopt, Activation::kNone);
 }
 
-at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                      c10::string_view activation) {
+at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight,
+                      const std::optional<at::Tensor>& bias, c10::string_view activation) {
   TORCH_CHECK(x.device().is_cpu(), "fastcomm.linear (CPU kernel): x is on ", x.device());
   const Activation act = parse_activation(std::string_view(activation.data(), activation.size()));
   GemmProblem p = make_linear_problem(x, weight, bias);

@@ -55,8 +55,7 @@ PYBIND11_MODULE(_C, m) {
              return c10::make_intrusive<c10d::Backend::Options>(*pg.getBackendOptions());
            })
       .def("reset_stats", [](fastcomm::ProcessGroupFastComm& pg) { pg.stats().reset(); })
-      .def("topology",
-           [](fastcomm::ProcessGroupFastComm& pg) { return pg.topology().describe(); })
+      .def("topology", [](fastcomm::ProcessGroupFastComm& pg) { return pg.topology().describe(); })
       .def("config", [](fastcomm::ProcessGroupFastComm& pg) { return pg.config().describe(); });
 
   m.def("has_cuda", [] {

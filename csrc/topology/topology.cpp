@@ -72,8 +72,8 @@ Topology Topology::exchange(const c10::intrusive_ptr<c10d::Store>& store, int ra
     std::vector<int> missing;
     for (int r = 0; r < size; ++r)
       if (!store->check({key(r)})) missing.push_back(r);
-    throwCommError("fastcomm: process group creation failed on group rank " +
-                   std::to_string(rank) + ": group rank(s) " + formatRanks(missing) +
+    throwCommError("fastcomm: process group creation failed on group rank " + std::to_string(rank) +
+                   ": group rank(s) " + formatRanks(missing) +
                    " did not join within the timeout of " + std::to_string(timeout.count()) +
                    " ms");
   }

@@ -40,17 +40,27 @@ void ncclCheck(ncclResult_t r, ncclComm_t comm, const char* what) {
 
 ncclDataType_t ncclType(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: return ncclFloat32;
-    case at::kDouble: return ncclFloat64;
-    case at::kHalf: return ncclFloat16;
-    case at::kBFloat16: return ncclBfloat16;
-    case at::kChar: return ncclInt8;
-    case at::kByte: return ncclUint8;
-    case at::kBool: return ncclUint8;
-    case at::kInt: return ncclInt32;
-    case at::kLong: return ncclInt64;
+    case at::kFloat:
+      return ncclFloat32;
+    case at::kDouble:
+      return ncclFloat64;
+    case at::kHalf:
+      return ncclFloat16;
+    case at::kBFloat16:
+      return ncclBfloat16;
+    case at::kChar:
+      return ncclInt8;
+    case at::kByte:
+      return ncclUint8;
+    case at::kBool:
+      return ncclUint8;
+    case at::kInt:
+      return ncclInt32;
+    case at::kLong:
+      return ncclInt64;
     default:
-      TORCH_CHECK(false, "fastcomm: dtype ", t, " is not supported for CUDA tensors (NCCL types: "
+      TORCH_CHECK(false, "fastcomm: dtype ", t,
+                  " is not supported for CUDA tensors (NCCL types: "
                   "float32, float64, float16, bfloat16, int8, uint8, bool, int32, int64)");
   }
 }
@@ -74,19 +84,32 @@ ncclRedOp_t ncclOp(RedOp op, at::ScalarType t) {
   if (t == at::kBool) {
     // bool travels as uint8 0/1: OR is MAX, AND is MIN.
     switch (op) {
-      case RedOp::Sum: case RedOp::Max: case RedOp::BOr: return ncclMax;
-      case RedOp::Product: case RedOp::Min: case RedOp::BAnd: return ncclMin;
-      default: break;
+      case RedOp::Sum:
+      case RedOp::Max:
+      case RedOp::BOr:
+        return ncclMax;
+      case RedOp::Product:
+      case RedOp::Min:
+      case RedOp::BAnd:
+        return ncclMin;
+      default:
+        break;
     }
     TORCH_CHECK(false, "fastcomm: internal: no NCCL op for bool ", redOpName(op));
   }
   switch (op) {
-    case RedOp::Sum: return ncclSum;
-    case RedOp::Avg: return ncclAvg;
-    case RedOp::Product: return ncclProd;
-    case RedOp::Min: return ncclMin;
-    case RedOp::Max: return ncclMax;
-    default: break;
+    case RedOp::Sum:
+      return ncclSum;
+    case RedOp::Avg:
+      return ncclAvg;
+    case RedOp::Product:
+      return ncclProd;
+    case RedOp::Min:
+      return ncclMin;
+    case RedOp::Max:
+      return ncclMax;
+    default:
+      break;
   }
   TORCH_CHECK(false, "fastcomm: internal: no NCCL op for ", redOpName(op));
 }
@@ -98,9 +121,12 @@ at::Tensor reduceRows(const at::Tensor& rows, RedOp op) {
   }
   at::Tensor acc = rows[0].clone();
   for (int64_t i = 1; i < rows.size(0); ++i) {
-    if (op == RedOp::BAnd) acc.bitwise_and_(rows[i]);
-    else if (op == RedOp::BOr) acc.bitwise_or_(rows[i]);
-    else acc.bitwise_xor_(rows[i]);
+    if (op == RedOp::BAnd)
+      acc.bitwise_and_(rows[i]);
+    else if (op == RedOp::BOr)
+      acc.bitwise_or_(rows[i]);
+    else
+      acc.bitwise_xor_(rows[i]);
   }
   return acc;
 }
@@ -136,8 +162,8 @@ class EventPool : public std::enable_shared_from_this<EventPool> {
       }
     }
     if (!event) {
-      event = std::make_unique<at::cuda::CUDAEvent>(timing ? cudaEventDefault
-                                                           : cudaEventDisableTiming);
+      event =
+          std::make_unique<at::cuda::CUDAEvent>(timing ? cudaEventDefault : cudaEventDisableTiming);
     }
     std::weak_ptr<EventPool> pool = weak_from_this();
     return EventPtr(event.release(), [pool, timing](at::cuda::CUDAEvent* e) {
@@ -301,7 +327,12 @@ class CudaWork : public c10d::Work {
 CudaCollectives::Impl::Impl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                             std::chrono::milliseconds timeout, const Config& cfg, Stats& stats,
                             at::Device device)
-    : device_(device), rank_(rank), size_(size), cfg_(cfg), store_(store), timeout_(timeout),
+    : device_(device),
+      rank_(rank),
+      size_(size),
+      cfg_(cfg),
+      store_(store),
+      timeout_(timeout),
       stats_(stats) {
   c10::cuda::CUDAGuard guard(device_);
   const auto ctx = OpContext::start("NCCL communicator setup", 0, timeout_);
@@ -339,8 +370,8 @@ CudaCollectives::Impl::Impl(const c10::intrusive_ptr<c10d::Store>& store, int ra
   ncclGetVersion(&version);
   if (rank_ == 0) {
     FASTCOMM_LOG(Info, "NCCL communicator of " << size_ << " ranks on " << device_
-                                                << ": NCCL runtime " << version << ", headers "
-                                                << NCCL_VERSION_CODE);
+                                               << ": NCCL runtime " << version << ", headers "
+                                               << NCCL_VERSION_CODE);
   }
   watchdog_ = std::thread([this] { watchdogLoop(); });
 }
@@ -380,7 +411,8 @@ void CudaCollectives::Impl::checkHealthy() {
       std::rethrow_exception(e);
     } catch (const std::exception& ex) {
       throwCommError(std::string("fastcomm: the NCCL communicator of this group was aborted "
-                                 "after an earlier failure: ") + ex.what());
+                                 "after an earlier failure: ") +
+                     ex.what());
     }
   }
 }
@@ -460,7 +492,8 @@ WorkPtr CudaCollectives::Impl::endCoalescing(const CudaOpInfo& info) {
   items.swap(deferred_);
   if (items.empty()) {
     // Nothing on CUDA: an already complete work.
-    auto f = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+    auto f =
+        c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
     f->markCompleted(c10::IValue(std::vector<at::Tensor>{}));
     return c10d::Work::create_from_future(f);
   }
@@ -547,12 +580,11 @@ void CudaCollectives::Impl::watchdogLoop() {
       for (auto it = pending.rbegin(); it != pending.rend(); ++it) inflight_.push_front(*it);
     }
     if (expired) {
-      const std::string why = "fastcomm: " + expired->name_ + " (seq " +
-                              std::to_string(expired->seq_) + ") failed on group rank " +
-                              std::to_string(rank_) + ": timeout after " +
-                              std::to_string(expired->timeout_.count()) +
-                              " ms waiting for group rank(s) " + missingRanks(expired->seq_) +
-                              "; the NCCL communicator was aborted";
+      const std::string why =
+          "fastcomm: " + expired->name_ + " (seq " + std::to_string(expired->seq_) +
+          ") failed on group rank " + std::to_string(rank_) + ": timeout after " +
+          std::to_string(expired->timeout_.count()) + " ms waiting for group rank(s) " +
+          missingRanks(expired->seq_) + "; the NCCL communicator was aborted";
       FASTCOMM_LOG(Warn, why);
       abort(why);
     }
@@ -585,8 +617,8 @@ void CudaCollectives::Impl::abort(const std::string& why) {
 // ---- public API ----------------------------------------------------------------
 
 CudaCollectives::CudaCollectives(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                 std::chrono::milliseconds timeout, const Config& cfg,
-                                 Stats& stats, at::Device device)
+                                 std::chrono::milliseconds timeout, const Config& cfg, Stats& stats,
+                                 at::Device device)
     : impl_(std::make_unique<Impl>(store, rank, size, timeout, cfg, stats, device)) {}
 
 CudaCollectives::~CudaCollectives() = default;
@@ -626,25 +658,27 @@ at::Tensor flatInput(const Tensors& inputs) {
 
 WorkPtr CudaCollectives::allreduce(Tensors tensors, RedOp op, const CudaOpInfo& info) {
   const int size = impl_->size_;
-  return impl_->launch(info, tensors, tensors, [tensors, op, size](ncclComm_t comm, cudaStream_t s) {
-    for (const auto& t : tensors) {
-      DeviceContig c(t);
-      c.load();
-      if (needsLocalReduce(op, t.scalar_type())) {
-        at::Tensor rows = at::empty({size, t.numel()}, t.options());
-        int64_t n;
-        auto type = moveType(c.work, n);
-        ncclCheck(ncclAllGather(c.work.data_ptr(), rows.data_ptr(), n, type, comm, s), comm,
-                  "all_reduce");
-        c.work.view({-1}).copy_(reduceRows(rows, op));
-      } else if (t.numel() > 0) {
-        ncclCheck(ncclAllReduce(c.work.data_ptr(), c.work.data_ptr(), t.numel(),
-                                ncclType(t.scalar_type()), ncclOp(op, t.scalar_type()), comm, s),
-                  comm, "all_reduce");
-      }
-      c.finish();
-    }
-  });
+  return impl_->launch(
+      info, tensors, tensors, [tensors, op, size](ncclComm_t comm, cudaStream_t s) {
+        for (const auto& t : tensors) {
+          DeviceContig c(t);
+          c.load();
+          if (needsLocalReduce(op, t.scalar_type())) {
+            at::Tensor rows = at::empty({size, t.numel()}, t.options());
+            int64_t n;
+            auto type = moveType(c.work, n);
+            ncclCheck(ncclAllGather(c.work.data_ptr(), rows.data_ptr(), n, type, comm, s), comm,
+                      "all_reduce");
+            c.work.view({-1}).copy_(reduceRows(rows, op));
+          } else if (t.numel() > 0) {
+            ncclCheck(
+                ncclAllReduce(c.work.data_ptr(), c.work.data_ptr(), t.numel(),
+                              ncclType(t.scalar_type()), ncclOp(op, t.scalar_type()), comm, s),
+                comm, "all_reduce");
+          }
+          c.finish();
+        }
+      });
 }
 
 WorkPtr CudaCollectives::broadcast(at::Tensor tensor, int root, const CudaOpInfo& info) {
@@ -662,135 +696,142 @@ WorkPtr CudaCollectives::broadcast(at::Tensor tensor, int root, const CudaOpInfo
 WorkPtr CudaCollectives::reduce(at::Tensor tensor, RedOp op, int root, const CudaOpInfo& info) {
   const int size = impl_->size_;
   const int me = impl_->rank_;
-  return impl_->launch(info, {tensor}, {tensor},
-                       [tensor, op, root, size, me](ncclComm_t comm, cudaStream_t s) {
-    DeviceContig c(tensor);
-    c.load();
-    if (needsLocalReduce(op, tensor.scalar_type())) {
-      at::Tensor rows = at::empty({size, tensor.numel()}, tensor.options());
-      int64_t n;
-      auto type = moveType(c.work, n);
-      ncclCheck(ncclAllGather(c.work.data_ptr(), rows.data_ptr(), n, type, comm, s), comm, "reduce");
-      if (me == root) c.work.view({-1}).copy_(reduceRows(rows, op));
-    } else if (tensor.numel() > 0) {
-      ncclCheck(ncclReduce(c.work.data_ptr(), c.work.data_ptr(), tensor.numel(),
-                           ncclType(tensor.scalar_type()), ncclOp(op, tensor.scalar_type()), root,
-                           comm, s),
-                comm, "reduce");
-    }
-    if (me == root) c.finish();
-  });
+  return impl_->launch(
+      info, {tensor}, {tensor}, [tensor, op, root, size, me](ncclComm_t comm, cudaStream_t s) {
+        DeviceContig c(tensor);
+        c.load();
+        if (needsLocalReduce(op, tensor.scalar_type())) {
+          at::Tensor rows = at::empty({size, tensor.numel()}, tensor.options());
+          int64_t n;
+          auto type = moveType(c.work, n);
+          ncclCheck(ncclAllGather(c.work.data_ptr(), rows.data_ptr(), n, type, comm, s), comm,
+                    "reduce");
+          if (me == root) c.work.view({-1}).copy_(reduceRows(rows, op));
+        } else if (tensor.numel() > 0) {
+          ncclCheck(ncclReduce(c.work.data_ptr(), c.work.data_ptr(), tensor.numel(),
+                               ncclType(tensor.scalar_type()), ncclOp(op, tensor.scalar_type()),
+                               root, comm, s),
+                    comm, "reduce");
+        }
+        if (me == root) c.finish();
+      });
 }
 
 WorkPtr CudaCollectives::allgather(Tensors outputs, at::Tensor input, const CudaOpInfo& info) {
   const int size = impl_->size_;
-  return impl_->launch(info, {input}, outputs, [outputs, input, size](ncclComm_t comm, cudaStream_t s) {
-    at::Tensor src = input.contiguous();
-    const bool flat = outputs.size() == 1 && outputs[0].is_contiguous();
-    at::Tensor dst = flat ? outputs[0] : at::empty({size, input.numel()}, input.options());
-    int64_t n;
-    auto type = moveType(src, n);
-    ncclCheck(ncclAllGather(src.data_ptr(), dst.data_ptr(), n, type, comm, s), comm, "all_gather");
-    if (!flat) {
-      if (outputs.size() == 1) {
-        outputs[0].copy_(dst.view(outputs[0].sizes()));
-      } else {
-        for (int i = 0; i < size; ++i) outputs[i].copy_(dst[i].view(outputs[i].sizes()));
-      }
-    }
-  });
+  return impl_->launch(
+      info, {input}, outputs, [outputs, input, size](ncclComm_t comm, cudaStream_t s) {
+        at::Tensor src = input.contiguous();
+        const bool flat = outputs.size() == 1 && outputs[0].is_contiguous();
+        at::Tensor dst = flat ? outputs[0] : at::empty({size, input.numel()}, input.options());
+        int64_t n;
+        auto type = moveType(src, n);
+        ncclCheck(ncclAllGather(src.data_ptr(), dst.data_ptr(), n, type, comm, s), comm,
+                  "all_gather");
+        if (!flat) {
+          if (outputs.size() == 1) {
+            outputs[0].copy_(dst.view(outputs[0].sizes()));
+          } else {
+            for (int i = 0; i < size; ++i) outputs[i].copy_(dst[i].view(outputs[i].sizes()));
+          }
+        }
+      });
 }
 
-WorkPtr CudaCollectives::gather(Tensors outputs, at::Tensor input, int root, const CudaOpInfo& info) {
+WorkPtr CudaCollectives::gather(Tensors outputs, at::Tensor input, int root,
+                                const CudaOpInfo& info) {
   const int size = impl_->size_;
   const int me = impl_->rank_;
-  return impl_->launch(info, {input}, outputs,
-                       [outputs, input, root, size, me](ncclComm_t comm, cudaStream_t s) {
-    at::Tensor src = input.contiguous();
-    int64_t n;
-    auto type = moveType(src, n);
-    std::vector<DeviceContig> dsts;
-    for (const auto& o : outputs) dsts.emplace_back(o);
-    ncclCheck(ncclGroupStart(), comm, "gather");
-    if (me == root) {
-      for (int i = 0; i < size; ++i) {
-        if (i == me) {
-          C10_CUDA_CHECK(cudaMemcpyAsync(dsts[i].work.data_ptr(), src.data_ptr(), n,
-                                         cudaMemcpyDeviceToDevice, s));
+  return impl_->launch(
+      info, {input}, outputs, [outputs, input, root, size, me](ncclComm_t comm, cudaStream_t s) {
+        at::Tensor src = input.contiguous();
+        int64_t n;
+        auto type = moveType(src, n);
+        std::vector<DeviceContig> dsts;
+        for (const auto& o : outputs) dsts.emplace_back(o);
+        ncclCheck(ncclGroupStart(), comm, "gather");
+        if (me == root) {
+          for (int i = 0; i < size; ++i) {
+            if (i == me) {
+              C10_CUDA_CHECK(cudaMemcpyAsync(dsts[i].work.data_ptr(), src.data_ptr(), n,
+                                             cudaMemcpyDeviceToDevice, s));
+            } else {
+              ncclCheck(ncclRecv(dsts[i].work.data_ptr(), n, type, i, comm, s), comm, "gather");
+            }
+          }
         } else {
-          ncclCheck(ncclRecv(dsts[i].work.data_ptr(), n, type, i, comm, s), comm, "gather");
+          ncclCheck(ncclSend(src.data_ptr(), n, type, root, comm, s), comm, "gather");
         }
-      }
-    } else {
-      ncclCheck(ncclSend(src.data_ptr(), n, type, root, comm, s), comm, "gather");
-    }
-    ncclCheck(ncclGroupEnd(), comm, "gather");
-    for (const auto& d : dsts) d.finish();
-  });
+        ncclCheck(ncclGroupEnd(), comm, "gather");
+        for (const auto& d : dsts) d.finish();
+      });
 }
 
-WorkPtr CudaCollectives::scatter(at::Tensor output, Tensors inputs, int root, const CudaOpInfo& info) {
+WorkPtr CudaCollectives::scatter(at::Tensor output, Tensors inputs, int root,
+                                 const CudaOpInfo& info) {
   const int size = impl_->size_;
   const int me = impl_->rank_;
-  return impl_->launch(info, inputs, {output},
-                       [output, inputs, root, size, me](ncclComm_t comm, cudaStream_t s) {
-    DeviceContig dst(output);
-    int64_t n;
-    auto type = moveType(dst.work, n);
-    ncclCheck(ncclGroupStart(), comm, "scatter");
-    std::vector<at::Tensor> srcs;
-    if (me == root) {
-      for (int i = 0; i < size; ++i) {
-        srcs.push_back(inputs[i].contiguous());
-        if (i == me) {
-          C10_CUDA_CHECK(cudaMemcpyAsync(dst.work.data_ptr(), srcs[i].data_ptr(), n,
-                                         cudaMemcpyDeviceToDevice, s));
+  return impl_->launch(
+      info, inputs, {output}, [output, inputs, root, size, me](ncclComm_t comm, cudaStream_t s) {
+        DeviceContig dst(output);
+        int64_t n;
+        auto type = moveType(dst.work, n);
+        ncclCheck(ncclGroupStart(), comm, "scatter");
+        std::vector<at::Tensor> srcs;
+        if (me == root) {
+          for (int i = 0; i < size; ++i) {
+            srcs.push_back(inputs[i].contiguous());
+            if (i == me) {
+              C10_CUDA_CHECK(cudaMemcpyAsync(dst.work.data_ptr(), srcs[i].data_ptr(), n,
+                                             cudaMemcpyDeviceToDevice, s));
+            } else {
+              ncclCheck(ncclSend(srcs[i].data_ptr(), n, type, i, comm, s), comm, "scatter");
+            }
+          }
         } else {
-          ncclCheck(ncclSend(srcs[i].data_ptr(), n, type, i, comm, s), comm, "scatter");
+          ncclCheck(ncclRecv(dst.work.data_ptr(), n, type, root, comm, s), comm, "scatter");
         }
-      }
-    } else {
-      ncclCheck(ncclRecv(dst.work.data_ptr(), n, type, root, comm, s), comm, "scatter");
-    }
-    ncclCheck(ncclGroupEnd(), comm, "scatter");
-    dst.finish();
-  });
+        ncclCheck(ncclGroupEnd(), comm, "scatter");
+        dst.finish();
+      });
 }
 
 WorkPtr CudaCollectives::reduceScatter(at::Tensor output, Tensors inputs, RedOp op,
                                        const CudaOpInfo& info) {
   const int size = impl_->size_;
-  return impl_->launch(info, inputs, {output}, [output, inputs, op, size](ncclComm_t comm, cudaStream_t s) {
-    at::Tensor src = flatInput(inputs);
-    DeviceContig dst(output);
-    const int64_t count = output.numel();
-    if (needsLocalReduce(op, output.scalar_type())) {
-      // Every rank's block for me, then a local reduction.
-      at::Tensor rows = at::empty({size, count}, output.options());
-      const int64_t n = count * static_cast<int64_t>(output.element_size());
-      ncclCheck(ncclGroupStart(), comm, "reduce_scatter");
-      for (int i = 0; i < size; ++i) {
-        ncclCheck(ncclSend(static_cast<char*>(src.data_ptr()) + i * n, n, ncclUint8, i, comm, s),
-                  comm, "reduce_scatter");
-        ncclCheck(ncclRecv(rows[i].data_ptr(), n, ncclUint8, i, comm, s), comm, "reduce_scatter");
-      }
-      ncclCheck(ncclGroupEnd(), comm, "reduce_scatter");
-      dst.work.view({-1}).copy_(reduceRows(rows, op));
-    } else if (count > 0) {
-      ncclCheck(ncclReduceScatter(src.data_ptr(), dst.work.data_ptr(), count,
-                                  ncclType(output.scalar_type()), ncclOp(op, output.scalar_type()),
-                                  comm, s),
+  return impl_->launch(
+      info, inputs, {output}, [output, inputs, op, size](ncclComm_t comm, cudaStream_t s) {
+        at::Tensor src = flatInput(inputs);
+        DeviceContig dst(output);
+        const int64_t count = output.numel();
+        if (needsLocalReduce(op, output.scalar_type())) {
+          // Every rank's block for me, then a local reduction.
+          at::Tensor rows = at::empty({size, count}, output.options());
+          const int64_t n = count * static_cast<int64_t>(output.element_size());
+          ncclCheck(ncclGroupStart(), comm, "reduce_scatter");
+          for (int i = 0; i < size; ++i) {
+            ncclCheck(
+                ncclSend(static_cast<char*>(src.data_ptr()) + i * n, n, ncclUint8, i, comm, s),
                 comm, "reduce_scatter");
-    }
-    dst.finish();
-  });
+            ncclCheck(ncclRecv(rows[i].data_ptr(), n, ncclUint8, i, comm, s), comm,
+                      "reduce_scatter");
+          }
+          ncclCheck(ncclGroupEnd(), comm, "reduce_scatter");
+          dst.work.view({-1}).copy_(reduceRows(rows, op));
+        } else if (count > 0) {
+          ncclCheck(ncclReduceScatter(src.data_ptr(), dst.work.data_ptr(), count,
+                                      ncclType(output.scalar_type()),
+                                      ncclOp(op, output.scalar_type()), comm, s),
+                    comm, "reduce_scatter");
+        }
+        dst.finish();
+      });
 }
 
 WorkPtr CudaCollectives::alltoall(Tensors outputs, Tensors inputs, std::vector<int64_t> sendCounts,
                                   std::vector<int64_t> recvCounts, const CudaOpInfo& info) {
   const int size = impl_->size_;
-  return impl_->launch(info, inputs, outputs,
-                       [=](ncclComm_t comm, cudaStream_t s) {
+  return impl_->launch(info, inputs, outputs, [=](ncclComm_t comm, cudaStream_t s) {
     const int64_t es = static_cast<int64_t>(inputs[0].element_size());
     at::Tensor src = flatInput(inputs);
     const int64_t recvTotal = std::accumulate(recvCounts.begin(), recvCounts.end(), int64_t{0});
@@ -801,10 +842,12 @@ WorkPtr CudaCollectives::alltoall(Tensors outputs, Tensors inputs, std::vector<i
     for (int i = 0; i < size; ++i) {
       if (sendCounts[i] > 0)
         ncclCheck(ncclSend(static_cast<char*>(src.data_ptr()) + so * es, sendCounts[i] * es,
-                           ncclUint8, i, comm, s), comm, "all_to_all");
+                           ncclUint8, i, comm, s),
+                  comm, "all_to_all");
       if (recvCounts[i] > 0)
         ncclCheck(ncclRecv(static_cast<char*>(dst.data_ptr()) + ro * es, recvCounts[i] * es,
-                           ncclUint8, i, comm, s), comm, "all_to_all");
+                           ncclUint8, i, comm, s),
+                  comm, "all_to_all");
       so += sendCounts[i];
       ro += recvCounts[i];
     }

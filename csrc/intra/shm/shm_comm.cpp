@@ -96,7 +96,7 @@ struct alignas(128) MemberCtl {
   // victim of whoever it waits for, not the culprit of a timeout.
   std::atomic<uint32_t> waiting{0};
   std::atomic<uint32_t> failed{0};  // gave up on a collective; the group is broken
-  OpSignature sig[2];  // by step parity, for FASTCOMM_CHECK
+  OpSignature sig[2];               // by step parity, for FASTCOMM_CHECK
 };
 
 struct RingCtl {
@@ -143,7 +143,8 @@ bool OpSignature::operator==(const OpSignature& o) const {
 
 std::string OpSignature::describe() const {
   std::string s = std::string(name, strnlen(name, sizeof(name)));
-  s += " dtype=" + std::string(dtype >= 0 ? c10::toString(static_cast<at::ScalarType>(dtype)) : "-");
+  s +=
+      " dtype=" + std::string(dtype >= 0 ? c10::toString(static_cast<at::ScalarType>(dtype)) : "-");
   s += " numel=" + std::to_string(numel);
   if (aux) s += " out_numel=" + std::to_string(aux);
   if (root >= 0) s += " root=" + std::to_string(root);
@@ -203,14 +204,17 @@ ShmComm::ShmComm(const c10::intrusive_ptr<c10d::Store>& store, const std::string
     auto v = store->get(key);
     name.assign(v.begin(), v.end());
     fd = shm_open(name.c_str(), O_RDWR, 0600);
-    TORCH_CHECK(fd >= 0, "fastcomm: cannot open shared memory ", name, " of local rank 0: ",
-                errnoText(errno));
+    TORCH_CHECK(fd >= 0, "fastcomm: cannot open shared memory ", name,
+                " of local rank 0: ", errnoText(errno));
     struct stat st {};
     fstat(fd, &st);
     if (st.st_size != mapBytes_) {
       close(fd);
-      TORCH_CHECK(false, "fastcomm: shared memory segment is ", st.st_size, " bytes but this rank "
-                  "expects ", mapBytes_, ": FASTCOMM_CHUNK_BYTES / FASTCOMM_P2P_BYTES differ "
+      TORCH_CHECK(false, "fastcomm: shared memory segment is ", st.st_size,
+                  " bytes but this rank "
+                  "expects ",
+                  mapBytes_,
+                  ": FASTCOMM_CHUNK_BYTES / FASTCOMM_P2P_BYTES differ "
                   "between ranks");
     }
   }
@@ -271,8 +275,7 @@ ShmComm::~ShmComm() {
 }
 
 char* ShmComm::slot(int rank, uint64_t step) const {
-  return slots_ + (static_cast<int64_t>(rank) * 2 + static_cast<int64_t>(step & 1)) *
-                                    slotBytes_;
+  return slots_ + (static_cast<int64_t>(rank) * 2 + static_cast<int64_t>(step & 1)) * slotBytes_;
 }
 
 void ShmComm::wake() {
@@ -524,7 +527,8 @@ void ShmComm::scatter(const void* in, void* out, int64_t bytes, int root, const 
   for (int64_t k = 0; k < steps; ++k) {
     const int64_t off = k * per, len = std::min(per, bytes - off);
     if (me_ == root && len > 0) {
-      for (int i = 0; i < size_; ++i) std::memcpy(slot(me_, step_) + i * per, src + i * bytes + off, len);
+      for (int i = 0; i < size_; ++i)
+        std::memcpy(slot(me_, step_) + i * per, src + i * bytes + off, len);
     }
     arriveAndWait(ctx);
     if (len > 0) std::memcpy(dst + off, slot(root, step_) + me_ * per, len);
@@ -637,8 +641,8 @@ void ShmComm::ringRead(int peer, void* data, int64_t bytes, const OpContext& ctx
   char* dst = static_cast<char*>(data);
   uint64_t tail = ring->tail.load();
   while (bytes > 0) {
-    waitFor([&] { return ring->head.load() != tail; }, [&] { return std::vector<int>{peer}; },
-            ctx, "recv (no message from sender)");
+    waitFor([&] { return ring->head.load() != tail; }, [&] { return std::vector<int>{peer}; }, ctx,
+            "recv (no message from sender)");
     const uint64_t avail = ring->head.load() - tail;
     const uint64_t n = std::min<uint64_t>({static_cast<uint64_t>(bytes), avail, cap - tail % cap});
     std::memcpy(dst, buf + tail % cap, n);

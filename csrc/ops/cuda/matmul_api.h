@@ -60,7 +60,8 @@ bool gemm_wgmma_supported(const GemmArgs& args, bool allow_mn_major);
 // True when the loaded module carries the sm_90a kernel for the current device.
 bool gemm_wgmma_compiled();
 // cluster = 1, or 2 for CTA pairs sharing the B tile through TMA multicast.
-cudaError_t launch_gemm_wgmma_sm90(const GemmArgs& args, int num_sms, Tile tile, int cluster, cudaStream_t stream);
+cudaError_t launch_gemm_wgmma_sm90(const GemmArgs& args, int num_sms, Tile tile, int cluster,
+                                   cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace ops

@@ -152,7 +152,8 @@ void fill_ab(kc::GemmArgs& args, const Operand& a, const Operand& b) {
 
 at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias, Activation act) {
   TORCH_CHECK(p.M < (int64_t(1) << 31) && p.N < (int64_t(1) << 31) && p.K < (int64_t(1) << 31),
-              "fastcomm: matrix dimensions must be below 2^31, got M=", p.M, " N=", p.N, " K=", p.K);
+              "fastcomm: matrix dimensions must be below 2^31, got M=", p.M, " N=", p.N,
+              " K=", p.K);
   c10::cuda::CUDAGuard guard(p.A.device());
   at::Tensor out = at::empty({p.M, p.N}, p.A.options());
   if (p.M == 0 || p.N == 0) return out.view(p.out_sizes);
@@ -191,7 +192,8 @@ at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias
     bool use_wgmma = impl == Impl::kWgmma ||
                      (impl == Impl::kAuto && sm90 && env_or("FASTCOMM_MATMUL_WGMMA", "0") == "1");
     if (use_wgmma && !(sm90 && kc::gemm_wgmma_compiled())) {
-      TORCH_CHECK(impl != Impl::kWgmma, "FASTCOMM_MATMUL_IMPL=wgmma: the wgmma kernel needs an sm_90 device (",
+      TORCH_CHECK(impl != Impl::kWgmma,
+                  "FASTCOMM_MATMUL_IMPL=wgmma: the wgmma kernel needs an sm_90 device (",
                   prop->name, " is sm_", prop->major, prop->minor,
                   ") and an extension built for sm_90a (TORCH_CUDA_ARCH_LIST containing 9.0a)");
       use_wgmma = false;
@@ -204,7 +206,8 @@ at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias
       TORCH_INTERNAL_ASSERT(kc::gemm_wgmma_supported(args, allow_mn));
       const std::string cl = env_or("FASTCOMM_MATMUL_CLUSTER", "1");
       TORCH_CHECK(cl == "1" || cl == "2", "FASTCOMM_MATMUL_CLUSTER must be 1 or 2, got '", cl, "'");
-      err = kc::launch_gemm_wgmma_sm90(args, prop->multiProcessorCount, tile, cl == "2" ? 2 : 1, stream);
+      err = kc::launch_gemm_wgmma_sm90(args, prop->multiProcessorCount, tile, cl == "2" ? 2 : 1,
+                                       stream);
     } else if (prop->major >= 8) {
       Operand a = prepare_tc_operand(p.A, 1, true);
       Operand b = prepare_tc_operand(p.B, 0, true);
@@ -212,7 +215,8 @@ at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias
       TORCH_INTERNAL_ASSERT(kc::gemm_mma_supported(args));
       err = kc::launch_gemm_mma_sm80(args, prop->multiProcessorCount, tile, stream);
     } else {
-      TORCH_CHECK(impl != Impl::kMma, "FASTCOMM_MATMUL_IMPL=mma: the mma.sync kernel needs sm_80+, ", prop->name,
+      TORCH_CHECK(impl != Impl::kMma,
+                  "FASTCOMM_MATMUL_IMPL=mma: the mma.sync kernel needs sm_80+, ", prop->name,
                   " is sm_", prop->major, prop->minor);
       args.a = p.A.const_data_ptr();
       args.sam = p.A.stride(0);
@@ -233,8 +237,8 @@ at::Tensor matmul_cuda(const at::Tensor& a, const at::Tensor& b) {
   return gemm_cuda(p, std::nullopt, Activation::kNone);
 }
 
-at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                       c10::string_view activation) {
+at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias, c10::string_view activation) {
   TORCH_CHECK(x.device().is_cuda(), "fastcomm.linear (CUDA kernel): x is on ", x.device());
   const Activation act = parse_activation(std::string_view(activation.data(), activation.size()));
   GemmProblem p = make_linear_problem(x, weight, bias);
