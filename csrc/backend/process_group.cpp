@@ -71,12 +71,6 @@ void checkSameKind(const at::Tensor& ref, const at::Tensor& t, const char* op, c
               t.scalar_type(), " but the input has ", ref.scalar_type());
 }
 
-void checkDtypeMovable(const at::Tensor& t, const char* op) {
-  // Data-movement collectives copy bytes, so any fixed-size dtype works; the
-  // reduction check (toRedOp) is stricter.
-  TORCH_CHECK(t.element_size() > 0, "fastcomm: ", op, ": unsupported dtype ", t.scalar_type());
-}
-
 // Complex tensors reduce as pairs of reals where that is exact (SUM, AVG).
 at::Tensor realView(const at::Tensor& t, const c10d::ReduceOp& op, const char* name) {
   if (!t.is_complex()) return t;
@@ -231,8 +225,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::runHost(
   checkUsable();
   const uint64_t seq = ++seq_;
   const auto ctx = OpContext::start(name, seq, timeout_);
-  auto work = c10::make_intrusive<HostWork>(rank_, type, title, seq, ctx.timeout, inputs,
-                                            std::move(outputs));
+  auto work = c10::make_intrusive<HostWork>(rank_, type, title, seq, inputs, std::move(outputs));
   stats_.addCall(name, static_cast<uint64_t>(bytes));
   hostLane_->submit([this, work, ctx, sig, body = std::move(body)] {
     try {
@@ -266,9 +259,9 @@ c10::intrusive_ptr<HostWork> ProcessGroupFastComm::runP2P(
     const at::Tensor& tensor, std::function<void(ShmComm&, const OpContext&, HostWork&)> body) {
   checkUsable();
   const auto ctx = OpContext::start(name, ++p2pSeq_, timeout_);
-  auto work = c10::make_intrusive<HostWork>(rank_, type, title, ctx.seq, ctx.timeout,
-                                            std::vector<at::Tensor>{tensor},
-                                            std::vector<at::Tensor>{tensor});
+  auto work =
+      c10::make_intrusive<HostWork>(rank_, type, title, ctx.seq, std::vector<at::Tensor>{tensor},
+                                    std::vector<at::Tensor>{tensor});
   stats_.addCall(name, static_cast<uint64_t>(nbytes(tensor)));
   // The segment is created by the host lane (a collective step); wait for it
   // there so point-to-point lanes never race its creation.
@@ -327,7 +320,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::deferErrorInBlock(
   } catch (...) {
     std::lock_guard<std::mutex> lock(coalesceMu_);
     if (!coalesceError_) coalesceError_ = std::current_exception();
-    auto work = c10::make_intrusive<HostWork>(rank_, c10d::OpType::UNKNOWN, nullptr, 0, timeout_,
+    auto work = c10::make_intrusive<HostWork>(rank_, c10d::OpType::UNKNOWN, nullptr, 0,
                                               std::vector<at::Tensor>{}, std::vector<at::Tensor>{});
     work->fail(coalesceError_);
     return work;
@@ -374,7 +367,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::broadcast(std::vector<at::T
   TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "fastcomm: broadcast: invalid root ",
               opts.rootRank, " for a group of ", size_);
   TORCH_CHECK(opts.rootTensor == 0, "fastcomm: broadcast: rootTensor must be 0");
-  checkDtypeMovable(t, kBroadcast);
   if (t.is_cuda()) {
 #ifdef FASTCOMM_WITH_CUDA
     auto info = FASTCOMM_CUDA_INFO(kBroadcast, nbytes(t));

@@ -5,19 +5,12 @@
 namespace fastcomm {
 
 HostWork::HostWork(int rank, c10d::OpType type, const char* profilingTitle, uint64_t seq,
-                   std::chrono::milliseconds timeout, const std::vector<at::Tensor>& inputs,
-                   std::vector<at::Tensor> outputs)
+                   const std::vector<at::Tensor>& inputs, std::vector<at::Tensor> outputs)
     : Work(rank, type, profilingTitle, std::optional<std::vector<at::Tensor>>(inputs)),
       outputs_(std::move(outputs)),
       future_(
           c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))),
-      seq_(seq),
-      timeout_(timeout) {}
-
-bool HostWork::isCompleted() { return Work::isCompleted(); }
-bool HostWork::isSuccess() const { return Work::isSuccess(); }
-std::exception_ptr HostWork::exception() const { return Work::exception(); }
-bool HostWork::wait(std::chrono::milliseconds timeout) { return Work::wait(timeout); }
+      seq_(seq) {}
 
 int HostWork::sourceRank() const {
   const int src = sourceRank_.load();

@@ -13,13 +13,8 @@ namespace fastcomm {
 class HostWork : public c10d::Work {
  public:
   HostWork(int rank, c10d::OpType type, const char* profilingTitle, uint64_t seq,
-           std::chrono::milliseconds timeout, const std::vector<at::Tensor>& inputs,
-           std::vector<at::Tensor> outputs);
+           const std::vector<at::Tensor>& inputs, std::vector<at::Tensor> outputs);
 
-  bool isCompleted() override;
-  bool isSuccess() const override;
-  std::exception_ptr exception() const override;
-  bool wait(std::chrono::milliseconds timeout) override;
   std::vector<at::Tensor> result() override { return outputs_; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   int sourceRank() const override;
@@ -33,7 +28,6 @@ class HostWork : public c10d::Work {
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   uint64_t seq_;
-  std::chrono::milliseconds timeout_;
   std::atomic<int> sourceRank_{-1};
 };
 

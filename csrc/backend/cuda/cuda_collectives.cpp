@@ -296,10 +296,7 @@ class CudaWork : public c10d::Work {
       if (exception_) return;
       exception_ = e;
     }
-    if (recordFunctionEndCallback_) {
-      recordFunctionEndCallback_();
-      recordFunctionEndCallback_ = nullptr;
-    }
+    endProfiling();
   }
   void endProfiling() {
     if (recordFunctionEndCallback_) {
