@@ -71,6 +71,11 @@ Config Config::fromEnv() {
     c.oneShotBytes = parseBytes("FASTCOMM_SHM_ONESHOT_BYTES", v);
   if (const char* v = env("FASTCOMM_P2P_BYTES")) c.p2pBytes = parseBytes("FASTCOMM_P2P_BYTES", v);
   if (const char* v = env("FASTCOMM_SPIN_US")) c.spinMicros = parseBytes("FASTCOMM_SPIN_US", v);
+  if (const char* v = env("FASTCOMM_TCP_SOCKETS"))
+    c.tcpSocketsPerPeer = static_cast<int>(parseBytes("FASTCOMM_TCP_SOCKETS", v));
+  if (const char* v = env("FASTCOMM_TCP_THREADS"))
+    c.tcpThreads = static_cast<int>(parseBytes("FASTCOMM_TCP_THREADS", v));
+  if (const char* v = env("FASTCOMM_SOCKET_IFNAME")) c.socketIfname = v;
   c.check = flag("FASTCOMM_CHECK", false);
   c.blockingWait = flag("FASTCOMM_BLOCKING_WAIT", false);
   c.cudaTiming = flag("FASTCOMM_CUDA_TIMING", true);
@@ -81,6 +86,8 @@ Config Config::fromEnv() {
   // Chunks below 4 KiB only add barriers; keep them page-sized and sane.
   c.chunkBytes = std::max<int64_t>(4096, c.chunkBytes / 4096 * 4096);
   c.p2pBytes = std::max<int64_t>(4096, c.p2pBytes / 4096 * 4096);
+  c.tcpSocketsPerPeer = std::min(64, std::max(1, c.tcpSocketsPerPeer));
+  c.tcpThreads = std::min(64, std::max(1, c.tcpThreads));
   return c;
 }
 
@@ -89,7 +96,8 @@ std::string Config::describe() const {
   os << "host_id=" << (hostIdOverride.empty() ? "<auto>" : hostIdOverride)
      << " transport=" << transport << " wire_dtype=" << wireDtype << " chunk_bytes=" << chunkBytes
      << " oneshot_bytes=" << oneShotBytes << " p2p_bytes=" << p2pBytes << " spin_us=" << spinMicros
-     << " check=" << check << " blocking_wait=" << blockingWait << " cuda_timing=" << cudaTiming;
+     << " tcp_sockets=" << tcpSocketsPerPeer << " tcp_threads=" << tcpThreads
+     << " socket_ifname=" << (socketIfname.empty() ? "<auto>" : socketIfname) << " check=" << check << " blocking_wait=" << blockingWait << " cuda_timing=" << cudaTiming;
   return os.str();
 }
 

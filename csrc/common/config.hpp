@@ -32,6 +32,14 @@ struct Config {
   bool blockingWait = false;
   // FASTCOMM_CUDA_TIMING=0 turns off GPU timing of collectives in stats.
   bool cudaTiming = true;
+  // FASTCOMM_TCP_SOCKETS: sockets per peer connection of the tcp transport
+  // (one stream cannot fill a fast link: NCCL_NSOCKS_PERTHREAD likewise).
+  int tcpSocketsPerPeer = 4;
+  // FASTCOMM_TCP_THREADS: progress threads of the tcp transport.
+  int tcpThreads = 2;
+  // FASTCOMM_SOCKET_IFNAME: interface (or prefix) whose address the tcp
+  // transport listens on; empty picks one automatically.
+  std::string socketIfname;
   LogLevel logLevel = LogLevel::Warn;
 
   static Config fromEnv();
