@@ -831,12 +831,41 @@ def run_cases(
 
 # --------------------------------------------------------------------------- pytest side
 
+# Node layouts simulated with FASTCOMM_HOST_ID: the simulated node of each rank.
+# "" is one real node. "2x2i" interleaves the nodes, so group ranks are not
+# node-contiguous; "3+1" has uneven nodes (the flat plan).
+LAYOUTS: dict[str, list[int]] = {
+    "": [],
+    "2x2": [0, 0, 1, 1],
+    "2x2i": [0, 1, 0, 1],
+    "4x1": [0, 1, 2, 3],
+    "3+1": [0, 0, 0, 1],
+}
+
 GROUPS = [
-    pytest.param("cpu", 2, id="cpu-2ranks"),
-    pytest.param("cpu", 4, id="cpu-4ranks"),
-    pytest.param("cuda", 2, id="cuda-2ranks", marks=pytest.mark.cuda(world_size=2)),
-    pytest.param("cuda", 4, id="cuda-4ranks", marks=pytest.mark.cuda(world_size=4)),
+    pytest.param("cpu", 2, "", id="cpu-2ranks"),
+    pytest.param("cpu", 4, "", id="cpu-4ranks"),
+    pytest.param("cpu", 4, "2x2", id="cpu-4ranks-2x2nodes"),
+    pytest.param("cpu", 4, "2x2i", id="cpu-4ranks-2x2nodes-interleaved"),
+    pytest.param("cpu", 4, "4x1", id="cpu-4ranks-4x1nodes"),
+    pytest.param("cpu", 4, "3+1", id="cpu-4ranks-3+1nodes"),
+    pytest.param("cuda", 2, "", id="cuda-2ranks", marks=pytest.mark.cuda(world_size=2)),
+    pytest.param("cuda", 4, "", id="cuda-4ranks", marks=pytest.mark.cuda(world_size=4)),
+    pytest.param("cuda", 4, "2x2", id="cuda-4ranks-2x2nodes", marks=pytest.mark.cuda(world_size=4)),
 ]
+
+
+def layout_env(layout: str) -> Any:
+    nodes = LAYOUTS[layout]
+    if not nodes:
+        return None
+    return lambda rank: {"FASTCOMM_HOST_ID": f"simnode{nodes[rank]}"}
+
+
+def layout_skip_reason(layout: str, case: Case) -> str | None:
+    if layout and case.kind == "recv_anysource":
+        return "recv(src=None) across nodes is not supported yet"
+    return None
 
 
 def _case_param(case: Case) -> Any:
@@ -845,30 +874,36 @@ def _case_param(case: Case) -> Any:
     return pytest.param(case, id=case.name, marks=marks)
 
 
-_GROUP_RESULTS: dict[tuple[str, int], Any] = {}
-_GROUP_REPORTED: set[tuple[str, int]] = set()
+_GROUP_RESULTS: dict[tuple[str, int, str], Any] = {}
+_GROUP_REPORTED: set[tuple[str, int, str]] = set()
 PG_TIMEOUT_S = 60.0
 
 
-def _selected_cases(session: pytest.Session, device: str, ws: int) -> list[str]:
+def _selected_cases(session: pytest.Session, device: str, ws: int, layout: str) -> list[str]:
     names = []
     for item in session.items:
         cs = getattr(item, "callspec", None)
         if cs is None or item.originalname != "test_collective":
             continue
-        if cs.params.get("device") != device or cs.params.get("ws") != ws:
+        if (cs.params.get("device"), cs.params.get("ws"), cs.params.get("layout")) != (
+            device,
+            ws,
+            layout,
+        ):
             continue
         case = cs.params["case"]
-        if gloo_skip_reason(case) is None:
+        if gloo_skip_reason(case) is None and layout_skip_reason(layout, case) is None:
             names.append(case.name)
     return names
 
 
 @pytest.fixture
-def group_results(request: pytest.FixtureRequest, device: str, ws: int) -> list[dict[str, Any]]:
-    key = (device, ws)
+def group_results(
+    request: pytest.FixtureRequest, device: str, ws: int, layout: str
+) -> list[dict[str, Any]]:
+    key = (device, ws, layout)
     if key not in _GROUP_RESULTS:
-        names = _selected_cases(request.session, device, ws)
+        names = _selected_cases(request.session, device, ws, layout)
         t0 = time.monotonic()
         try:
             _GROUP_RESULTS[key] = run_ranks(
@@ -879,10 +914,11 @@ def group_results(request: pytest.FixtureRequest, device: str, ws: int) -> list[
                 PG_TIMEOUT_S + 20.0,
                 pg_timeout_s=PG_TIMEOUT_S,
                 timeout_s=150.0 + 0.3 * len(names),
+                env=layout_env(layout),
             )
         except RanksFailed as e:
             _GROUP_RESULTS[key] = e
-        print(f"\n[{device} x{ws}: {len(names)} cases in {time.monotonic() - t0:.1f}s]")
+        print(f"\n[{device} x{ws} {layout}: {len(names)} cases in {time.monotonic() - t0:.1f}s]")
     res = _GROUP_RESULTS[key]
     if isinstance(res, RanksFailed):
         if key in _GROUP_REPORTED:
@@ -893,8 +929,13 @@ def group_results(request: pytest.FixtureRequest, device: str, ws: int) -> list[
 
 
 @pytest.mark.parametrize("case", [_case_param(c) for c in CASES])
-@pytest.mark.parametrize("device,ws", GROUPS)
-def test_collective(device: str, ws: int, case: Case, group_results: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("device,ws,layout", GROUPS)
+def test_collective(
+    device: str, ws: int, layout: str, case: Case, group_results: list[dict[str, Any]]
+) -> None:
+    reason = layout_skip_reason(layout, case)
+    if reason:
+        pytest.skip(reason)
     errors = []
     for rank, per_rank in enumerate(group_results):
         if case.name not in per_rank:
@@ -903,5 +944,6 @@ def test_collective(device: str, ws: int, case: Case, group_results: list[dict[s
             errors.append(per_rank[case.name])
     if errors:
         pytest.fail(
-            f"{case.name} on {ws} {device} ranks ({BACKEND}):\n" + "\n".join(errors), pytrace=False
+            f"{case.name} on {ws} {device} ranks {layout} ({BACKEND}):\n" + "\n".join(errors),
+            pytrace=False,
         )

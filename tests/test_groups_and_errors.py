@@ -530,16 +530,21 @@ def _check_failure_message(chk: Checker, msg: str, missing: int) -> None:
     chk.true("timeout" in low, f"error does not contain 'timeout': {msg!r}")
 
 
-def peer_failure_fn(rank: int, ws: int, mode: str, warm_up: bool) -> dict[str, Any]:
+def peer_failure_fn(rank: int, ws: int, mode: str, warm_up: bool, device: str = "cpu") -> dict[str, Any]:
     """mode "dies": rank 1 exits (os._exit) instead of calling all_reduce;
-    mode "sleeps": rank 1 stays alive but never calls it."""
+    mode "sleeps": rank 1 stays alive but never calls it.
+
+    On CUDA the collective is asynchronous for the host (as with NCCL), so the
+    survivors wait on the work with FASTCOMM_BLOCKING_WAIT=1 (set by the test)."""
     from datetime import timedelta as td
 
+    if device == "cuda":
+        torch.cuda.set_device(rank)
     dist.init_process_group(backend=BACKEND, timeout=td(seconds=PG_TIMEOUT_S))
     store = dist.distributed_c10d._get_default_store()
     chk = Checker(f"rank {rank}")
     if warm_up:
-        _world_check(chk, "warm-up")
+        _world_check(chk, "warm-up", device)
     victim = 1
     out: dict[str, Any] = {}
     if rank == victim:
@@ -552,7 +557,9 @@ def peer_failure_fn(rank: int, ws: int, mode: str, warm_up: bool) -> dict[str, A
         return out
     t0 = time.monotonic()
     try:
-        dist.all_reduce(torch.ones(8))
+        dist.all_reduce(torch.ones(8, device=device), async_op=True).wait()
+        if device == "cuda":
+            torch.cuda.synchronize()
     except RuntimeError as e:
         out["elapsed"] = time.monotonic() - t0
         out["message"] = str(e)
@@ -584,12 +591,24 @@ def peer_failure_fn(rank: int, ws: int, mode: str, warm_up: bool) -> dict[str, A
 
 
 @pytest.mark.parametrize("warm_up", [True, False], ids=["after-warm-up", "first-collective"])
-def test_dead_rank_fails_collective_with_timeout(warm_up: bool) -> None:
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda(world_size=3))]
+)
+def test_dead_rank_fails_collective_with_timeout(warm_up: bool, device: str) -> None:
     """Rank 1 of 3 dies before an all_reduce: ranks 0 and 2 raise RuntimeError within
     timeout + 10 s naming the collective, the missing rank "[1]" and "timeout"; then
     destroy_process_group() returns normally."""
+    env = {"FASTCOMM_BLOCKING_WAIT": "1"} if device == "cuda" else None
     res = run_ranks(
-        3, peer_failure_fn, "dies", warm_up, init=False, expect_fail={1: 17}, timeout_s=120
+        3,
+        peer_failure_fn,
+        "dies",
+        warm_up,
+        device,
+        init=False,
+        expect_fail={1: 17},
+        timeout_s=120,
+        env=env,
     )
     assert isinstance(res[1], RankFailure)
     for r in (0, 2):

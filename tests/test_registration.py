@@ -1,4 +1,4 @@
-"""Backend registration, torchext.stats(), profiler events and the multi-node guard.
+"""Backend registration, torchext.stats(), profiler events.
 
 Tests marked "fastcomm package" need the installed fastcomm distribution and are skipped
 when FASTCOMM_TEST_BACKEND names another backend; the rest run against any backend.
@@ -126,50 +126,3 @@ def test_profiler_event() -> None:
     """An all_reduce under torch.profiler.profile() records an event named
     "<backend>:all_reduce" (fastcomm:all_reduce)."""
     run_ranks(2, profiler_fn, timeout_s=120)
-
-
-def multinode_fn(rank: int, ws: int) -> str:
-    import os
-    from datetime import timedelta
-
-    # Our own store, kept alive until every rank has seen its error: a rank that fails
-    # early must not take the store (hosted by rank 0) down under the others.
-    store = dist.TCPStore(
-        "127.0.0.1",
-        int(os.environ["MASTER_PORT"]),
-        ws,
-        is_master=(rank == 0),
-        timeout=timedelta(seconds=60),
-    )
-    outcome = ""
-    try:
-        dist.init_process_group(
-            backend="fastcomm",
-            store=dist.PrefixStore("multinode", store),
-            rank=rank,
-            world_size=ws,
-            timeout=timedelta(seconds=20),
-        )
-    except Exception as e:  # noqa: BLE001
-        outcome = f"{type(e).__name__}: {e}"
-    else:
-        dist.destroy_process_group()
-    store.set(f"multinode_done/{rank}", "1")
-    store.wait([f"multinode_done/{r}" for r in range(ws)], timedelta(seconds=60))
-    assert outcome, "init_process_group succeeded although the ranks claim different hosts"
-    assert "multi-node not supported yet" in outcome, f"unexpected init error: {outcome}"
-    return outcome
-
-
-@needs_fastcomm
-def test_multinode_not_supported_yet_TEMPORARY() -> None:
-    """TEMPORARY (until multi-node lands): ranks that claim different hosts
-    (FASTCOMM_HOST_ID=node0 / node1) fail init_process_group with
-    "multi-node not supported yet"."""
-    run_ranks(
-        2,
-        multinode_fn,
-        init=False,
-        env=lambda r: {"FASTCOMM_HOST_ID": f"node{r}"},
-        timeout_s=90,
-    )

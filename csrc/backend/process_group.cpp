@@ -132,15 +132,14 @@ ProcessGroupFastComm::ProcessGroupFastComm(const c10::intrusive_ptr<c10d::Store>
   options_->global_ranks_in_group = globalRanks_;
   options_->group_name = groupName_;
   topo_ = Topology::exchange(store_, rank, size, localHostId(cfg_), timeout_);
-  if (topo_.numNodes() > 1) {
-    TORCH_CHECK(false, "fastcomm: multi-node not supported yet: this group spans ",
-                topo_.numNodes(), " hosts (", topo_.describe(),
-                "). Run all ranks of a group on one host for now.");
-  }
   if (rank == 0) {
     FASTCOMM_LOG(Info, "group '" << groupName_ << "' of " << size << " ranks, timeout "
                                  << timeout_.count() << " ms; " << topo_.describe()
-                                 << "; CPU tensors: shared memory; CUDA tensors: "
+                                 << "; CPU tensors: "
+                                 << (topo_.numNodes() > 1 ? "hierarchical (shared memory + "
+                                                            "transport)"
+                                                          : "shared memory")
+                                 << "; CUDA tensors: "
 #ifdef FASTCOMM_WITH_CUDA
                                  << "NCCL"
 #else
@@ -167,7 +166,7 @@ void ProcessGroupFastComm::shutdown() {
     cuda_.reset();
   }
 #endif
-  shm_.reset();
+  host_.reset();
 }
 
 void ProcessGroupFastComm::abort() {
@@ -211,12 +210,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::remember(c10::intrusive_ptr
   return work;
 }
 
-ShmComm& ProcessGroupFastComm::shm(const OpContext& ctx) {
-  if (!shm_) {
-    std::vector<int> members = topo_.nodeRanks[topo_.myNode];
-    shm_ = std::make_unique<ShmComm>(store_, "fastcomm/shm", members, topo_.localRank, cfg_, ctx);
+HostComm& ProcessGroupFastComm::host(const OpContext& ctx) {
+  if (!host_) {
+    if (topo_.numNodes() > 1) {
+      host_ = std::make_unique<HierComm>(store_, topo_, cfg_, ctx);
+    } else {
+      std::vector<int> members = topo_.nodeRanks[topo_.myNode];
+      host_ =
+          std::make_unique<ShmComm>(store_, "fastcomm/shm", members, topo_.localRank, cfg_, ctx);
+    }
   }
-  return *shm_;
+  return *host_;
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::runHost(
@@ -230,7 +234,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::runHost(
   hostLane_->submit([this, work, ctx, sig, body = std::move(body)] {
     try {
       checkUsable();
-      ShmComm& comm = shm(ctx);
+      HostComm& comm = host(ctx);
       if (cfg_.check) comm.checkSignatures(sig, ctx);
       const auto t0 = Clock::now();
       body(comm, ctx);
@@ -256,7 +260,7 @@ SerialLane& ProcessGroupFastComm::p2pLane(int peer, bool sending) {
 
 c10::intrusive_ptr<HostWork> ProcessGroupFastComm::runP2P(
     const char* name, const char* title, c10d::OpType type, SerialLane& lane,
-    const at::Tensor& tensor, std::function<void(ShmComm&, const OpContext&, HostWork&)> body) {
+    const at::Tensor& tensor, std::function<void(HostComm&, const OpContext&, HostWork&)> body) {
   checkUsable();
   const auto ctx = OpContext::start(name, ++p2pSeq_, timeout_);
   auto work =
@@ -265,14 +269,14 @@ c10::intrusive_ptr<HostWork> ProcessGroupFastComm::runP2P(
   stats_.addCall(name, static_cast<uint64_t>(nbytes(tensor)));
   // The segment is created by the host lane (a collective step); wait for it
   // there so point-to-point lanes never race its creation.
-  if (!shm_) {
+  if (!host_) {
     std::lock_guard<std::mutex> lock(shmInitMu_);
-    if (!shm_) {
+    if (!host_) {
       auto ready = std::make_shared<std::promise<void>>();
       auto done = ready->get_future();
       hostLane_->submit([this, ctx, ready] {
         try {
-          shm(ctx);
+          host(ctx);
           ready->set_value();
         } catch (...) {
           ready->set_exception(std::current_exception());
@@ -285,7 +289,7 @@ c10::intrusive_ptr<HostWork> ProcessGroupFastComm::runP2P(
     try {
       checkUsable();
       const auto t0 = Clock::now();
-      body(*shm_, ctx, *work);
+      body(*host_, ctx, *work);
       stats_.addTime(ctx.name,
                      std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
       work->complete();
@@ -357,8 +361,10 @@ void ProcessGroupFastComm::eagerConnectSingleDevice(at::Device device) {
 // ---- collectives ---------------------------------------------------------------
 
 #ifdef FASTCOMM_WITH_CUDA
-#define FASTCOMM_CUDA_INFO(op, bytes) \
-  CudaOpInfo { op, op##Title, c10d::OpType::UNKNOWN, ++seq_, timeout_, bytes }
+// A synchronous call (async_op=False) runs on the caller's stream, as
+// ProcessGroupNCCL does: no cross-stream event pair on the critical path.
+#define FASTCOMM_CUDA_INFO(op, bytes, opts) \
+  CudaOpInfo { op, op##Title, c10d::OpType::UNKNOWN, ++seq_, timeout_, bytes, !(opts).asyncOp }
 #endif
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::broadcast(std::vector<at::Tensor>& tensors,
@@ -369,7 +375,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::broadcast(std::vector<at::T
   TORCH_CHECK(opts.rootTensor == 0, "fastcomm: broadcast: rootTensor must be 0");
   if (t.is_cuda()) {
 #ifdef FASTCOMM_WITH_CUDA
-    auto info = FASTCOMM_CUDA_INFO(kBroadcast, nbytes(t));
+    auto info = FASTCOMM_CUDA_INFO(kBroadcast, nbytes(t), opts);
     info.type = c10d::OpType::BROADCAST;
     return remember(cuda(t).broadcast(t, opts.rootRank, info));
 #else
@@ -379,7 +385,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::broadcast(std::vector<at::T
   Contig c(t);
   const int root = opts.rootRank;
   return runHost(kBroadcast, kBroadcastTitle, c10d::OpType::BROADCAST, tensors, tensors, nbytes(t),
-                 signature(kBroadcast, t, root), [c, root](ShmComm& comm, const OpContext& ctx) {
+                 signature(kBroadcast, t, root), [c, root](HostComm& comm, const OpContext& ctx) {
                    comm.broadcast(c.work.data_ptr(), nbytes(c.work), root, ctx);
                    c.finish();
                  });
@@ -392,7 +398,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allreduce(std::vector<at::T
   const RedOp op = toRedOp(opts.reduceOp, real.scalar_type(), kAllReduce);
   if (t.is_cuda()) {
 #ifdef FASTCOMM_WITH_CUDA
-    auto info = FASTCOMM_CUDA_INFO(kAllReduce, nbytes(t));
+    auto info = FASTCOMM_CUDA_INFO(kAllReduce, nbytes(t), opts);
     info.type = c10d::OpType::ALLREDUCE;
     return remember(cuda(t).allreduce({real}, op, info));
 #else
@@ -402,7 +408,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allreduce(std::vector<at::T
   Contig c(real);
   return runHost(kAllReduce, kAllReduceTitle, c10d::OpType::ALLREDUCE, tensors, tensors, nbytes(t),
                  signature(kAllReduce, real, -1, static_cast<int>(op)),
-                 [c, op](ShmComm& comm, const OpContext& ctx) {
+                 [c, op](HostComm& comm, const OpContext& ctx) {
                    comm.allreduce(c.work.data_ptr(), c.work.numel(), c.work.scalar_type(), op, ctx);
                    c.finish();
                  });
@@ -421,7 +427,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allreduce_coalesced(
   for (const auto& t : tensors) bytes += nbytes(t);
   if (tensors[0].is_cuda()) {
 #ifdef FASTCOMM_WITH_CUDA
-    auto info = FASTCOMM_CUDA_INFO(kAllReduceCoalesced, bytes);
+    auto info = FASTCOMM_CUDA_INFO(kAllReduceCoalesced, bytes, opts);
     info.type = c10d::OpType::ALLREDUCE_COALESCED;
     return remember(cuda(tensors[0]).allreduce(reals, op, info));
 #else
@@ -433,7 +439,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allreduce_coalesced(
   return runHost(kAllReduceCoalesced, kAllReduceCoalescedTitle, c10d::OpType::ALLREDUCE_COALESCED,
                  tensors, tensors, bytes,
                  signature(kAllReduceCoalesced, flat, -1, static_cast<int>(op)),
-                 [flat, reals, op](ShmComm& comm, const OpContext& ctx) {
+                 [flat, reals, op](HostComm& comm, const OpContext& ctx) {
                    comm.allreduce(flat.data_ptr(), flat.numel(), flat.scalar_type(), op, ctx);
                    int64_t off = 0;
                    for (const auto& r : reals) {
@@ -454,7 +460,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::reduce(std::vector<at::Tens
   const int root = static_cast<int>(opts.rootRank);
   if (t.is_cuda()) {
 #ifdef FASTCOMM_WITH_CUDA
-    auto info = FASTCOMM_CUDA_INFO(kReduce, nbytes(t));
+    auto info = FASTCOMM_CUDA_INFO(kReduce, nbytes(t), opts);
     info.type = c10d::OpType::REDUCE;
     return remember(cuda(t).reduce(real, op, root, info));
 #else
@@ -464,7 +470,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::reduce(std::vector<at::Tens
   Contig c(real);
   return runHost(kReduce, kReduceTitle, c10d::OpType::REDUCE, tensors, tensors, nbytes(t),
                  signature(kReduce, real, root, static_cast<int>(op)),
-                 [c, op, root](ShmComm& comm, const OpContext& ctx) {
+                 [c, op, root](HostComm& comm, const OpContext& ctx) {
                    comm.reduce(c.work.data_ptr(), c.work.numel(), c.work.scalar_type(), op, root,
                                ctx);
                    if (comm.index() == root) c.finish();
@@ -489,7 +495,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allgather(
   }
   if (in.is_cuda()) {
 #ifdef FASTCOMM_WITH_CUDA
-    auto info = FASTCOMM_CUDA_INFO(kAllGather, nbytes(in));
+    auto info = FASTCOMM_CUDA_INFO(kAllGather, nbytes(in), opts);
     info.type = c10d::OpType::ALLGATHER;
     return remember(cuda(in).allgather(outs, in, info));
 #else
@@ -499,7 +505,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allgather(
   at::Tensor src = in.contiguous();
   at::Tensor flat = at::empty({size_, in.numel()}, in.options());
   return runHost(kAllGather, kAllGatherTitle, c10d::OpType::ALLGATHER, inputs, outs, nbytes(in),
-                 signature(kAllGather, in), [src, flat, outs](ShmComm& comm, const OpContext& ctx) {
+                 signature(kAllGather, in), [src, flat, outs](HostComm& comm, const OpContext& ctx) {
                    comm.allgather(src.data_ptr(), flat.data_ptr(), nbytes(src), ctx);
                    for (size_t i = 0; i < outs.size(); ++i)
                      outs[i].copy_(flat[static_cast<int64_t>(i)].view(outs[i].sizes()));
@@ -517,7 +523,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::_allgather_base(
               input.numel(), ")");
   if (input.is_cuda()) {
 #ifdef FASTCOMM_WITH_CUDA
-    auto info = FASTCOMM_CUDA_INFO(kAllGatherInto, nbytes(input));
+    auto info = FASTCOMM_CUDA_INFO(kAllGatherInto, nbytes(input), opts);
     info.type = c10d::OpType::_ALLGATHER_BASE;
     return remember(cuda(input).allgather({output}, input, info));
 #else
@@ -528,7 +534,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::_allgather_base(
   Contig c(output);
   return runHost(kAllGatherInto, kAllGatherIntoTitle, c10d::OpType::_ALLGATHER_BASE, {input},
                  {output}, nbytes(input), signature(kAllGatherInto, input),
-                 [src, c](ShmComm& comm, const OpContext& ctx) {
+                 [src, c](HostComm& comm, const OpContext& ctx) {
                    comm.allgather(src.data_ptr(), c.work.data_ptr(), nbytes(src), ctx);
                    c.finish();
                  });
@@ -554,7 +560,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allgather_into_tensor_coale
   if (inputs[0].is_cuda()) {
 #ifdef FASTCOMM_WITH_CUDA
     auto& cc = cuda(inputs[0]);
-    auto info = FASTCOMM_CUDA_INFO(kAllGatherIntoCoalesced, bytes);
+    auto info = FASTCOMM_CUDA_INFO(kAllGatherIntoCoalesced, bytes, opts);
     info.type = c10d::OpType::COALESCED;
     cc.startCoalescing();
     for (size_t i = 0; i < inputs.size(); ++i) cc.allgather({outputs[i]}, inputs[i], info);
@@ -573,7 +579,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allgather_into_tensor_coale
       kAllGatherIntoCoalesced, kAllGatherIntoCoalescedTitle, c10d::OpType::COALESCED, inputs,
       outputs, bytes,
       signature(kAllGatherIntoCoalesced, inputs[0], -1, -1, static_cast<int64_t>(inputs.size())),
-      [srcs, dsts](ShmComm& comm, const OpContext& ctx) {
+      [srcs, dsts](HostComm& comm, const OpContext& ctx) {
         for (size_t i = 0; i < srcs.size(); ++i) {
           comm.allgather(srcs[i].data_ptr(), dsts[i].work.data_ptr(), nbytes(srcs[i]), ctx);
           dsts[i].finish();
@@ -606,7 +612,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::gather(
   }
   if (in.is_cuda()) {
 #ifdef FASTCOMM_WITH_CUDA
-    auto info = FASTCOMM_CUDA_INFO(kGather, nbytes(in));
+    auto info = FASTCOMM_CUDA_INFO(kGather, nbytes(in), opts);
     info.type = c10d::OpType::GATHER;
     return remember(cuda(in).gather(outs, in, root, info));
 #else
@@ -617,7 +623,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::gather(
   at::Tensor flat = rank_ == root ? at::empty({size_, in.numel()}, in.options()) : at::Tensor();
   return runHost(kGather, kGatherTitle, c10d::OpType::GATHER, inputs, outs, nbytes(in),
                  signature(kGather, in, root),
-                 [src, flat, outs, root](ShmComm& comm, const OpContext& ctx) {
+                 [src, flat, outs, root](HostComm& comm, const OpContext& ctx) {
                    comm.gather(src.data_ptr(), flat.defined() ? flat.data_ptr() : nullptr,
                                nbytes(src), root, ctx);
                    for (size_t i = 0; i < outs.size(); ++i)
@@ -650,7 +656,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::scatter(
   }
   if (out.is_cuda()) {
 #ifdef FASTCOMM_WITH_CUDA
-    auto info = FASTCOMM_CUDA_INFO(kScatter, nbytes(out));
+    auto info = FASTCOMM_CUDA_INFO(kScatter, nbytes(out), opts);
     info.type = c10d::OpType::SCATTER;
     return remember(cuda(out).scatter(out, ins, root, info));
 #else
@@ -664,7 +670,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::scatter(
   Contig c(out);
   return runHost(kScatter, kScatterTitle, c10d::OpType::SCATTER, ins, outputs, nbytes(out),
                  signature(kScatter, out, root),
-                 [flat, c, root](ShmComm& comm, const OpContext& ctx) {
+                 [flat, c, root](HostComm& comm, const OpContext& ctx) {
                    comm.scatter(flat.defined() ? flat.data_ptr() : nullptr, c.work.data_ptr(),
                                 nbytes(c.work), root, ctx);
                    c.finish();
@@ -692,7 +698,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::reduce_scatter(
   for (const auto& i : inputs[0]) realIns.push_back(realView(i, opts.reduceOp, kReduceScatter));
   if (out.is_cuda()) {
 #ifdef FASTCOMM_WITH_CUDA
-    auto info = FASTCOMM_CUDA_INFO(kReduceScatter, nbytes(out) * size_);
+    auto info = FASTCOMM_CUDA_INFO(kReduceScatter, nbytes(out) * size_, opts);
     info.type = c10d::OpType::REDUCE_SCATTER;
     return remember(cuda(out).reduceScatter(realOut, realIns, op, info));
 #else
@@ -704,7 +710,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::reduce_scatter(
   return runHost(kReduceScatter, kReduceScatterTitle, c10d::OpType::REDUCE_SCATTER, inputs[0],
                  outputs, nbytes(flat),
                  signature(kReduceScatter, realOut, -1, static_cast<int>(op)),
-                 [flat, c, op](ShmComm& comm, const OpContext& ctx) {
+                 [flat, c, op](HostComm& comm, const OpContext& ctx) {
                    comm.reduceScatter(flat.data_ptr(), c.work.data_ptr(), c.work.numel(),
                                       c.work.scalar_type(), op, ctx);
                    c.finish();
@@ -725,7 +731,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::_reduce_scatter_base(
   const RedOp op = toRedOp(opts.reduceOp, realOut.scalar_type(), kReduceScatterTensor);
   if (input.is_cuda()) {
 #ifdef FASTCOMM_WITH_CUDA
-    auto info = FASTCOMM_CUDA_INFO(kReduceScatterTensor, nbytes(input));
+    auto info = FASTCOMM_CUDA_INFO(kReduceScatterTensor, nbytes(input), opts);
     info.type = c10d::OpType::_REDUCE_SCATTER_BASE;
     return remember(cuda(input).reduceScatter(realOut, {realIn}, op, info));
 #else
@@ -737,7 +743,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::_reduce_scatter_base(
   return runHost(kReduceScatterTensor, kReduceScatterTensorTitle,
                  c10d::OpType::_REDUCE_SCATTER_BASE, {input}, {output}, nbytes(input),
                  signature(kReduceScatterTensor, realOut, -1, static_cast<int>(op)),
-                 [src, c, op](ShmComm& comm, const OpContext& ctx) {
+                 [src, c, op](HostComm& comm, const OpContext& ctx) {
                    comm.reduceScatter(src.data_ptr(), c.work.data_ptr(), c.work.numel(),
                                       c.work.scalar_type(), op, ctx);
                    c.finish();
@@ -771,7 +777,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::reduce_scatter_tensor_coale
   if (inputs[0].is_cuda()) {
 #ifdef FASTCOMM_WITH_CUDA
     auto& cc = cuda(inputs[0]);
-    auto info = FASTCOMM_CUDA_INFO(kReduceScatterCoalesced, bytes);
+    auto info = FASTCOMM_CUDA_INFO(kReduceScatterCoalesced, bytes, opts);
     info.type = c10d::OpType::COALESCED;
     cc.startCoalescing();
     for (size_t i = 0; i < srcs.size(); ++i) cc.reduceScatter(dsts[i].orig, {srcs[i]}, op, info);
@@ -784,7 +790,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::reduce_scatter_tensor_coale
                  inputs, outputs, bytes,
                  signature(kReduceScatterCoalesced, inputs[0], -1, static_cast<int>(op),
                            static_cast<int64_t>(inputs.size())),
-                 [srcs, dsts, op](ShmComm& comm, const OpContext& ctx) {
+                 [srcs, dsts, op](HostComm& comm, const OpContext& ctx) {
                    for (size_t i = 0; i < srcs.size(); ++i) {
                      comm.reduceScatter(srcs[i].data_ptr(), dsts[i].work.data_ptr(),
                                         dsts[i].work.numel(), dsts[i].work.scalar_type(), op, ctx);
@@ -824,7 +830,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::alltoall_base(
   std::vector<int64_t> recvCounts = counts(output, outputSplits, "output");
   if (input.is_cuda()) {
 #ifdef FASTCOMM_WITH_CUDA
-    auto info = FASTCOMM_CUDA_INFO(kAllToAllSingle, nbytes(input));
+    auto info = FASTCOMM_CUDA_INFO(kAllToAllSingle, nbytes(input), opts);
     info.type = c10d::OpType::ALLTOALL_BASE;
     return remember(cuda(input).alltoall({output}, {input}, sendCounts, recvCounts, info));
 #else
@@ -845,7 +851,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::alltoall_base(
   Contig c(output);
   return runHost(kAllToAllSingle, kAllToAllSingleTitle, c10d::OpType::ALLTOALL_BASE, {input},
                  {output}, nbytes(input), signature(kAllToAllSingle, input, -1, -1, output.numel()),
-                 [=](ShmComm& comm, const OpContext& ctx) {
+                 [=](HostComm& comm, const OpContext& ctx) {
                    comm.alltoall(src.data_ptr(), sendBytes, sendOffs, c.work.data_ptr(), recvBytes,
                                  recvOffs, ctx);
                    c.finish();
@@ -870,7 +876,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::alltoall(std::vector<at::Te
   }
   if (inputs[0].is_cuda()) {
 #ifdef FASTCOMM_WITH_CUDA
-    auto info = FASTCOMM_CUDA_INFO(kAllToAll, bytes);
+    auto info = FASTCOMM_CUDA_INFO(kAllToAll, bytes, opts);
     info.type = c10d::OpType::ALLTOALL;
     return remember(cuda(inputs[0]).alltoall(outputs, inputs, sendCounts, recvCounts, info));
 #else
@@ -891,7 +897,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::alltoall(std::vector<at::Te
   std::vector<at::Tensor> outs = outputs;
   return runHost(
       kAllToAll, kAllToAllTitle, c10d::OpType::ALLTOALL, inputs, outputs, bytes,
-      signature(kAllToAll, src, -1, -1, recvTotal), [=](ShmComm& comm, const OpContext& ctx) {
+      signature(kAllToAll, src, -1, -1, recvTotal), [=](HostComm& comm, const OpContext& ctx) {
         comm.alltoall(src.data_ptr(), sendBytes, sendOffs, dst.data_ptr(), recvBytes, recvOffs,
                       ctx);
         for (int i = 0; i < static_cast<int>(outs.size()); ++i)
@@ -922,7 +928,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::sendNow(std::vector<at::Ten
   at::Tensor src = t.contiguous();
   const int peer = dstRank;  // single node: group rank == local index
   return runP2P(kSend, kSendTitle, c10d::OpType::SEND, p2pLane(peer, true), t,
-                [src, peer, tag](ShmComm& comm, const OpContext& ctx, HostWork&) {
+                [src, peer, tag](HostComm& comm, const OpContext& ctx, HostWork&) {
                   comm.send(src.data_ptr(), nbytes(src), peer, tag, ctx);
                 });
 }
@@ -950,7 +956,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::recvNow(std::vector<at::Ten
   Contig c(t);
   const int peer = srcRank;
   return runP2P(kRecv, kRecvTitle, c10d::OpType::RECV, p2pLane(peer, false), t,
-                [c, peer, tag](ShmComm& comm, const OpContext& ctx, HostWork& work) {
+                [c, peer, tag](HostComm& comm, const OpContext& ctx, HostWork& work) {
                   comm.recv(c.work.data_ptr(), nbytes(c.work), peer, tag, ctx);
                   c.finish();
                   work.setSourceRank(peer);
@@ -966,7 +972,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::recvAnysource(std::vector<a
   Contig c(t);
   // Own lane: it must not queue behind a blocked recv from one particular peer.
   return runP2P(kRecvAny, kRecvAnyTitle, c10d::OpType::RECVANYSOURCE, p2pLane(-1, false), t,
-                [c, tag](ShmComm& comm, const OpContext& ctx, HostWork& work) {
+                [c, tag](HostComm& comm, const OpContext& ctx, HostWork& work) {
                   const int src = comm.recvAny(c.work.data_ptr(), nbytes(c.work), tag, ctx);
                   c.finish();
                   work.setSourceRank(src);
@@ -978,7 +984,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::barrier(const c10d::Barrier
   // all-reduce also orders GPU work; fastcomm's work.wait() already does.)
   return runHost(kBarrier, kBarrierTitle, c10d::OpType::BARRIER, {}, {}, 0,
                  signature(kBarrier, at::Tensor()),
-                 [](ShmComm& comm, const OpContext& ctx) { comm.barrier(ctx); });
+                 [](HostComm& comm, const OpContext& ctx) { comm.barrier(ctx); });
 }
 
 void ProcessGroupFastComm::startCoalescing() {

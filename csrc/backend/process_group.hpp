@@ -21,7 +21,9 @@
 #include "backend/work.hpp"
 #include "common/config.hpp"
 #include "common/deadline.hpp"
+#include "common/host_comm.hpp"
 #include "intra/shm/shm_comm.hpp"
+#include "plans/hier_comm.hpp"
 #include "topology/topology.hpp"
 
 namespace fastcomm {
@@ -102,7 +104,7 @@ class ProcessGroupFastComm : public c10d::Backend {
   const Config& config() const { return cfg_; }
 
  private:
-  using HostBody = std::function<void(ShmComm&, const OpContext&)>;
+  using HostBody = std::function<void(HostComm&, const OpContext&)>;
 
   // Runs `body` on the host lane (collectives) and returns its work.
   c10::intrusive_ptr<c10d::Work> runHost(const char* name, const char* title, c10d::OpType type,
@@ -112,10 +114,10 @@ class ProcessGroupFastComm : public c10d::Backend {
   // Runs a point-to-point `body` on the lane of (peer, direction).
   c10::intrusive_ptr<HostWork> runP2P(
       const char* name, const char* title, c10d::OpType type, SerialLane& lane,
-      const at::Tensor& tensor, std::function<void(ShmComm&, const OpContext&, HostWork&)> body);
+      const at::Tensor& tensor, std::function<void(HostComm&, const OpContext&, HostWork&)> body);
   c10::intrusive_ptr<c10d::Work> sendNow(std::vector<at::Tensor>& tensors, int dstRank, int tag);
   c10::intrusive_ptr<c10d::Work> recvNow(std::vector<at::Tensor>& tensors, int srcRank, int tag);
-  ShmComm& shm(const OpContext& ctx);  // created on first use, on the host lane
+  HostComm& host(const OpContext& ctx);  // created on first use, on the host lane
   SerialLane& p2pLane(int peer, bool sending);
   CudaCollectives& cuda(const at::Tensor& sample);
   void checkUsable() const;
@@ -138,7 +140,7 @@ class ProcessGroupFastComm : public c10d::Backend {
   std::atomic<uint64_t> seq_{0};
   std::atomic<uint64_t> p2pSeq_{0};
 
-  std::unique_ptr<ShmComm> shm_;  // touched only on the host lane after creation
+  std::unique_ptr<HostComm> host_;  // touched only on the host lane after creation
   std::mutex shmInitMu_;
 
   mutable std::mutex brokenMu_;

@@ -434,10 +434,15 @@ WorkPtr CudaCollectives::Impl::launch(const CudaOpInfo& info, const Tensors& inp
 void CudaCollectives::Impl::issue(const std::vector<Deferred>& items, const CudaOpInfo& info,
                                   bool capturing) {
   auto current = at::cuda::getCurrentCUDAStream(device_.index());
-  at::cuda::CUDAStream comm = *stream_;
-  // The internal stream starts after everything the caller queued so far.
-  syncEvent_.record(current);
-  syncEvent_.block(comm);
+  // Ops of a coalesced block carry the block's info, which never asks for the
+  // current stream: their works may be waited on from anywhere.
+  const bool onCurrent = info.onCurrentStream && items.size() == 1;
+  at::cuda::CUDAStream comm = onCurrent ? current : *stream_;
+  if (!onCurrent) {
+    // The internal stream starts after everything the caller queued so far.
+    syncEvent_.record(current);
+    syncEvent_.block(comm);
+  }
   auto& first = items.front().work;
   if (first->start_) first->start_->record(comm);
   {
@@ -454,11 +459,12 @@ void CudaCollectives::Impl::issue(const std::vector<Deferred>& items, const Cuda
     // One NCCL group, one interval: its time is booked to the first op only.
     if (w != first) w->start_ = nullptr;
     // The caching allocator must not hand these blocks out again before the
-    // comm stream is done with them.
-    for (const auto* list : {&w->inputs_, &w->outputs_})
-      for (const auto& t : *list)
-        if (t.defined() && t.numel() > 0 && t.is_cuda())
-          c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), comm);
+    // comm stream is done with them (on the caller's stream it knows already).
+    if (!onCurrent)
+      for (const auto* list : {&w->inputs_, &w->outputs_})
+        for (const auto& t : *list)
+          if (t.defined() && t.numel() > 0 && t.is_cuda())
+            c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), comm);
     {
       c10::cuda::CUDAMultiStreamGuard futureGuard(comm);
       w->future_->markCompleted(c10::IValue(w->outputs_));

@@ -1,7 +1,8 @@
 // CUDA tensors: collectives on an NCCL communicator over the group's ranks,
 // with ProcessGroupNCCL's stream semantics:
 // - each collective runs on an internal stream that first waits for the
-//   caller's current stream;
+//   caller's current stream (a synchronous call, async_op=False, runs on the
+//   current stream itself);
 // - the work records an end event; wait() makes the caller's current stream
 //   wait for it without blocking the host (FASTCOMM_BLOCKING_WAIT=1 blocks);
 // - getFuture() is a CUDA-aware future completed under the internal stream;
@@ -34,6 +35,9 @@ struct CudaOpInfo {
   uint64_t seq;
   std::chrono::milliseconds timeout;
   int64_t bytes;
+  // async_op=False: issue on the caller's current stream instead of the
+  // internal one (no event hand-off, no recordStream), as ProcessGroupNCCL.
+  bool onCurrentStream = false;
 };
 
 class CudaCollectives {

@@ -136,22 +136,6 @@ struct Layout {
 
 }  // namespace
 
-bool OpSignature::operator==(const OpSignature& o) const {
-  return std::strncmp(name, o.name, sizeof(name)) == 0 && dtype == o.dtype && redop == o.redop &&
-         root == o.root && numel == o.numel && aux == o.aux;
-}
-
-std::string OpSignature::describe() const {
-  std::string s = std::string(name, strnlen(name, sizeof(name)));
-  s +=
-      " dtype=" + std::string(dtype >= 0 ? c10::toString(static_cast<at::ScalarType>(dtype)) : "-");
-  s += " numel=" + std::to_string(numel);
-  if (aux) s += " out_numel=" + std::to_string(aux);
-  if (root >= 0) s += " root=" + std::to_string(root);
-  if (redop >= 0) s += std::string(" op=") + redOpName(static_cast<RedOp>(redop));
-  return s;
-}
-
 ShmComm::ShmComm(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key,
                  std::vector<int> groupRanks, int me, const Config& cfg, const OpContext& ctx)
     : groupRanks_(std::move(groupRanks)),
@@ -404,24 +388,7 @@ void ShmComm::checkSignatures(const OpSignature& mine, const OpContext& ctx) {
   std::vector<OpSignature> all(size_);
   for (int i = 0; i < size_; ++i) all[i] = ctl_[i].sig[parity];
   ++step_;
-  // The signature most members agree on is taken as the expected one.
-  int best = 0, bestVotes = 0;
-  for (int i = 0; i < size_; ++i) {
-    int votes = static_cast<int>(std::count(all.begin(), all.end(), all[i]));
-    if (votes > bestVotes) best = i, bestVotes = votes;
-  }
-  if (bestVotes == size_) return;
-  std::vector<int> odd;
-  std::string detail;
-  for (int i = 0; i < size_; ++i) {
-    if (!(all[i] == all[best])) {
-      odd.push_back(groupRanks_[i]);
-      detail += "; rank " + std::to_string(groupRanks_[i]) + " called " + all[i].describe();
-    }
-  }
-  throwCommError("fastcomm: FASTCOMM_CHECK: " + ctx.describe() + ": group rank(s) " +
-                 formatRanks(odd) + " disagree with the others, which called " +
-                 all[best].describe() + detail);
+  checkSignatureVotes(all, groupRanks_, ctx);
 }
 
 void ShmComm::allreduce(void* data, int64_t count, at::ScalarType dt, RedOp op,

@@ -23,6 +23,7 @@
 
 #include "common/config.hpp"
 #include "common/deadline.hpp"
+#include "common/host_comm.hpp"
 #include "common/reduce.hpp"
 
 namespace fastcomm {
@@ -31,20 +32,7 @@ struct ShmHeader;
 struct MemberCtl;
 struct RingCtl;
 
-// What a rank is about to run; compared across ranks with FASTCOMM_CHECK=1.
-struct OpSignature {
-  char name[40] = {};
-  int32_t dtype = -1;
-  int32_t redop = -1;
-  int32_t root = -1;
-  int32_t pad = 0;
-  int64_t numel = 0;
-  int64_t aux = 0;  // e.g. output numel
-  bool operator==(const OpSignature& o) const;
-  std::string describe() const;
-};
-
-class ShmComm {
+class ShmComm final : public HostComm {
  public:
   // Collective over `groupRanks` (the group ranks of this node's members, in
   // local order); `me` indexes into it. Uses `store` (already prefixed for the
@@ -56,40 +44,40 @@ class ShmComm {
   ShmComm(const ShmComm&) = delete;
   ShmComm& operator=(const ShmComm&) = delete;
 
-  int size() const { return size_; }
-  int index() const { return me_; }
+  int size() const override { return size_; }
+  int index() const override { return me_; }
   int64_t segmentBytes() const { return mapBytes_; }
 
   // Collectives: called from one thread (the group's collective lane) in the
   // same order on every member. Buffers are contiguous host memory; roots are
   // local indices.
-  void barrier(const OpContext& ctx);
-  void allreduce(void* data, int64_t count, at::ScalarType dt, RedOp op, const OpContext& ctx);
+  void barrier(const OpContext& ctx) override;
+  void allreduce(void* data, int64_t count, at::ScalarType dt, RedOp op, const OpContext& ctx) override;
   void reduce(void* data, int64_t count, at::ScalarType dt, RedOp op, int root,
-              const OpContext& ctx);
-  void broadcast(void* data, int64_t bytes, int root, const OpContext& ctx);
-  void allgather(const void* in, void* out, int64_t bytes, const OpContext& ctx);
-  void gather(const void* in, void* out, int64_t bytes, int root, const OpContext& ctx);
-  void scatter(const void* in, void* out, int64_t bytes, int root, const OpContext& ctx);
+              const OpContext& ctx) override;
+  void broadcast(void* data, int64_t bytes, int root, const OpContext& ctx) override;
+  void allgather(const void* in, void* out, int64_t bytes, const OpContext& ctx) override;
+  void gather(const void* in, void* out, int64_t bytes, int root, const OpContext& ctx) override;
+  void scatter(const void* in, void* out, int64_t bytes, int root, const OpContext& ctx) override;
   void reduceScatter(const void* in, void* out, int64_t count, at::ScalarType dt, RedOp op,
-                     const OpContext& ctx);
+                     const OpContext& ctx) override;
   // sendBytes/sendOffsets index the input by destination, recvBytes/recvOffsets
   // the output by source; the pairwise sizes are checked against each other.
   void alltoall(const void* in, const std::vector<int64_t>& sendBytes,
                 const std::vector<int64_t>& sendOffsets, void* out,
                 const std::vector<int64_t>& recvBytes, const std::vector<int64_t>& recvOffsets,
-                const OpContext& ctx);
+                const OpContext& ctx) override;
   // Exchanges signatures and throws naming the ranks that differ from the
   // majority (FASTCOMM_CHECK=1).
-  void checkSignatures(const OpSignature& mine, const OpContext& ctx);
+  void checkSignatures(const OpSignature& mine, const OpContext& ctx) override;
 
   // Point to point, callable from several threads (one per peer and
   // direction). Messages from one peer arrive in order; the tag of the next
   // message must match.
-  void send(const void* data, int64_t bytes, int peer, int tag, const OpContext& ctx);
-  void recv(void* data, int64_t bytes, int peer, int tag, const OpContext& ctx);
+  void send(const void* data, int64_t bytes, int peer, int tag, const OpContext& ctx) override;
+  void recv(void* data, int64_t bytes, int peer, int tag, const OpContext& ctx) override;
   // Receives the first message with `tag` from any peer; returns its index.
-  int recvAny(void* data, int64_t bytes, int tag, const OpContext& ctx);
+  int recvAny(void* data, int64_t bytes, int tag, const OpContext& ctx) override;
 
  private:
   struct Ring;

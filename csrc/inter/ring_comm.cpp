@@ -1,0 +1,328 @@
+#include "inter/ring_comm.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+namespace fastcomm {
+namespace {
+
+// Requests a ring keeps posted per direction: enough to keep every socket of
+// a connection busy, well under the transport's limit.
+constexpr int kWindow = 8;
+constexpr auto kProgressSleep = std::chrono::microseconds(200);
+
+int mod(int a, int n) { return ((a % n) + n) % n; }
+
+at::ScalarType wireType(WireDtype w) { return w == WireDtype::BF16 ? at::kBFloat16 : at::kHalf; }
+
+at::Tensor view(void* p, int64_t n, at::ScalarType t) {
+  return at::from_blob(p, {n}, at::TensorOptions().dtype(t).device(at::kCPU));
+}
+
+[[noreturn]] void failTimeout(const OpContext& ctx, const std::vector<int>& pending) {
+  throwCommError("fastcomm: " + ctx.describe() + " timed out after " +
+                 std::to_string(ctx.timeout.count()) +
+                 " ms (timeout) waiting for group rank(s) " + formatRanks(pending) +
+                 " across the inter-node transport");
+}
+
+bool done(std::unique_ptr<transport::Request>& r, const OpContext&) {
+  if (!r || r->test()) {
+    r.reset();
+    return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+WireDtype parseWireDtype(const std::string& name) {
+  if (name == "bf16") return WireDtype::BF16;
+  if (name == "fp16") return WireDtype::FP16;
+  return WireDtype::None;
+}
+
+RingComm::RingComm(transport::Transport& transport, std::vector<int> members, int me,
+                   std::vector<transport::Connection*> conns, int64_t chunkBytes, WireDtype wire)
+    : transport_(transport),
+      members_(std::move(members)),
+      me_(me),
+      conns_(std::move(conns)),
+      chunkBytes_(std::max<int64_t>(4096, chunkBytes)),
+      wire_(wire) {}
+
+template <typename Fn>
+void RingComm::named(const OpContext& ctx, Fn fn) {
+  try {
+    fn();
+  } catch (const transport::TransportError& e) {
+    throwCommError("fastcomm: " + ctx.describe() + ": inter-node transfer with group rank [" +
+                   std::to_string(e.peer()) + "] failed (timeout " +
+                   std::to_string(ctx.timeout.count()) + " ms not reached): " + e.what() +
+                   (peerReason_ ? peerReason_(e.peer()) : std::string()));
+  }
+}
+
+bool RingComm::useWire(at::ScalarType dt, RedOp op) const {
+  return wire_ != WireDtype::None && dt == at::kFloat && (op == RedOp::Sum || op == RedOp::Avg);
+}
+
+char* RingComm::scratch(int64_t bytes) {
+  if (static_cast<int64_t>(scratch_.size()) < bytes) scratch_.resize(bytes);
+  return scratch_.data();
+}
+
+// The pipeline shared by both phases. Item k = step * K + piece; the send of
+// item k carries what item k - K received (the block moves one hop per step),
+// so it may start as soon as that piece was processed.
+namespace {
+
+struct Piece {
+  int64_t off = 0, len = 0;  // elements within the data buffer
+};
+
+template <typename PieceOf, typename Prepare, typename Process>
+void ringPipeline(transport::Transport& transport, transport::Connection* left,
+                  transport::Connection* right, int steps, int64_t K, PieceOf pieceOf,
+                  int64_t sendPieceBytes, int64_t recvPieceBytes, Prepare prepare,
+                  Process process, const OpContext& ctx) {
+  const int64_t total = static_cast<int64_t>(steps) * K;
+  std::vector<std::unique_ptr<transport::Request>> sends(kWindow), recvs(kWindow);
+  int64_t sendPosted = 0, sendDone = 0, recvPosted = 0, processed = 0;
+  while (processed < total || sendDone < total) {
+    bool progressed = false;
+    // Retire finished sends in order (frees their staging slots).
+    while (sendDone < sendPosted && done(sends[sendDone % kWindow], ctx)) {
+      ++sendDone;
+      progressed = true;
+    }
+    // Post sends whose data is ready.
+    while (sendPosted < total && sendPosted - sendDone < kWindow &&
+           (sendPosted < K || processed > sendPosted - K)) {
+      const int step = static_cast<int>(sendPosted / K);
+      const Piece p = pieceOf(step, /*sending=*/true, sendPosted % K);
+      std::unique_ptr<transport::Request> req;
+      if (p.len > 0) {
+        const void* src = prepare(p, sendPosted % kWindow);
+        req = right->isend(src, p.len * sendPieceBytes, nullptr);
+        if (!req) break;  // retry later
+      }
+      sends[sendPosted % kWindow] = std::move(req);
+      ++sendPosted;
+      progressed = true;
+    }
+    // Keep a window of receives posted.
+    while (recvPosted < total && recvPosted - processed < kWindow) {
+      const int step = static_cast<int>(recvPosted / K);
+      const Piece p = pieceOf(step, /*sending=*/false, recvPosted % K);
+      std::unique_ptr<transport::Request> req;
+      if (p.len > 0) {
+        void* dst = process(p, recvPosted % kWindow, /*postOnly=*/true);
+        req = left->irecv(dst, p.len * recvPieceBytes, nullptr);
+        if (!req) break;
+      }
+      recvs[recvPosted % kWindow] = std::move(req);
+      ++recvPosted;
+      progressed = true;
+    }
+    // Process arrived pieces in order.
+    while (processed < recvPosted && done(recvs[processed % kWindow], ctx)) {
+      const int step = static_cast<int>(processed / K);
+      const Piece p = pieceOf(step, /*sending=*/false, processed % K);
+      if (p.len > 0) process(p, processed % kWindow, /*postOnly=*/false);
+      ++processed;
+      progressed = true;
+    }
+    if (progressed) continue;
+    if (ctx.expired()) {
+      std::vector<int> pending;
+      if (processed < total) pending.push_back(left->peer());
+      if (sendDone < total && right->peer() != left->peer()) pending.push_back(right->peer());
+      failTimeout(ctx, pending);
+    }
+    transport.waitForProgress(kProgressSleep);
+  }
+}
+
+}  // namespace
+
+void RingComm::reduceScatterPhase(char* data, const Blocks& b, at::ScalarType dt, RedOp op,
+                                  bool wire, const OpContext& ctx) {
+  const int n = size(), r = me_;
+  if (n == 1) return;
+  const int64_t esize = static_cast<int64_t>(c10::elementSize(dt));
+  const int64_t wsize = wire ? 2 : esize;
+  const int64_t maxLen = *std::max_element(b.len.begin(), b.len.end());
+  const int64_t pieceElems = std::max<int64_t>(1, chunkBytes_ / esize);
+  const int64_t K = std::max<int64_t>(1, (maxLen + pieceElems - 1) / pieceElems);
+  // Step s sends block r-1-s and receives block r-2-s: after n-1 steps block
+  // r has been reduced over every rank.
+  auto pieceOf = [&](int step, bool sending, int64_t j) {
+    const int blk = mod(sending ? r - 1 - step : r - 2 - step, n);
+    Piece p;
+    p.off = b.off[blk] + j * pieceElems;
+    p.len = std::max<int64_t>(0, std::min(pieceElems, b.len[blk] - j * pieceElems));
+    return p;
+  };
+  char* recvSlots = scratch(kWindow * pieceElems * (wsize + (wire ? wsize : 0)));
+  char* sendSlots = recvSlots + kWindow * pieceElems * wsize;
+  auto prepare = [&](const Piece& p, int64_t slot) -> const void* {
+    if (!wire) return data + p.off * esize;
+    char* s = sendSlots + slot * pieceElems * wsize;
+    view(s, p.len, wireType(wire_)).copy_(view(data + p.off * esize, p.len, dt));
+    return s;
+  };
+  auto process = [&](const Piece& p, int64_t slot, bool postOnly) -> void* {
+    char* s = recvSlots + slot * pieceElems * wsize;
+    if (postOnly) return s;
+    char* d = data + p.off * esize;
+    if (wire) {
+      view(d, p.len, dt).add_(view(s, p.len, wireType(wire_)));
+    } else {
+      const void* ins[2] = {d, s};
+      reduceInto(d, ins, 2, p.len, dt, op, 1);
+    }
+    return nullptr;
+  };
+  ringPipeline(transport_, conns_[mod(r - 1, n)], conns_[mod(r + 1, n)], n - 1, K, pieceOf,
+               wsize, wsize, prepare, process, ctx);
+  if (wire && b.len[r] > 0) {
+    // Round this rank's finished block as the wire will, so every rank ends
+    // with the same values.
+    auto mine = view(data + b.off[r] * esize, b.len[r], dt);
+    mine.copy_(mine.to(wireType(wire_)));
+  }
+}
+
+void RingComm::allgatherPhase(char* data, const Blocks& b, int64_t esize, bool wire,
+                              const OpContext& ctx) {
+  const int n = size(), r = me_;
+  if (n == 1) return;
+  const int64_t wsize = wire ? 2 : esize;
+  const int64_t maxLen = *std::max_element(b.len.begin(), b.len.end());
+  const int64_t pieceElems = std::max<int64_t>(1, chunkBytes_ / esize);
+  const int64_t K = std::max<int64_t>(1, (maxLen + pieceElems - 1) / pieceElems);
+  // Step s forwards block r-s and receives block r-1-s.
+  auto pieceOf = [&](int step, bool sending, int64_t j) {
+    const int blk = mod(sending ? r - step : r - 1 - step, n);
+    Piece p;
+    p.off = b.off[blk] + j * pieceElems;
+    p.len = std::max<int64_t>(0, std::min(pieceElems, b.len[blk] - j * pieceElems));
+    return p;
+  };
+  char* recvSlots = wire ? scratch(2 * kWindow * pieceElems * wsize) : nullptr;
+  char* sendSlots = wire ? recvSlots + kWindow * pieceElems * wsize : nullptr;
+  auto prepare = [&](const Piece& p, int64_t slot) -> const void* {
+    if (!wire) return data + p.off * esize;
+    char* s = sendSlots + slot * pieceElems * wsize;
+    view(s, p.len, wireType(wire_)).copy_(view(data + p.off * esize, p.len, at::kFloat));
+    return s;
+  };
+  auto process = [&](const Piece& p, int64_t slot, bool postOnly) -> void* {
+    char* d = data + p.off * esize;
+    if (!wire) return d;  // received in place
+    char* s = recvSlots + slot * pieceElems * wsize;
+    if (postOnly) return s;
+    view(d, p.len, at::kFloat).copy_(view(s, p.len, wireType(wire_)));
+    return nullptr;
+  };
+  ringPipeline(transport_, conns_[mod(r - 1, n)], conns_[mod(r + 1, n)], n - 1, K, pieceOf,
+               wsize, wsize, prepare, process, ctx);
+}
+
+void RingComm::allreduce(void* data, int64_t count, at::ScalarType dt, RedOp op,
+                         const OpContext& ctx) {
+  TORCH_INTERNAL_ASSERT(op != RedOp::Avg, "RingComm::allreduce: the caller divides for AVG");
+  const int n = size();
+  if (n == 1 || count == 0) return;
+  // Blocks of whole cache lines where possible, so pieces stay aligned.
+  const int64_t esize = static_cast<int64_t>(c10::elementSize(dt));
+  const int64_t line = std::max<int64_t>(1, 64 / esize);
+  const int64_t per = (count + n - 1) / n;
+  const int64_t blockLen = per >= line ? (per + line - 1) / line * line : per;
+  Blocks b;
+  for (int i = 0; i < n; ++i) {
+    const int64_t off = std::min<int64_t>(count, i * blockLen);
+    b.off.push_back(off);
+    b.len.push_back(std::min<int64_t>(count, off + blockLen) - off);
+  }
+  const bool wire = useWire(dt, op);
+  named(ctx, [&] {
+    reduceScatterPhase(static_cast<char*>(data), b, dt, op, wire, ctx);
+    allgatherPhase(static_cast<char*>(data), b, esize, wire, ctx);
+  });
+}
+
+void RingComm::reduceScatter(void* data, int64_t blockCount, at::ScalarType dt, RedOp op,
+                             const OpContext& ctx) {
+  TORCH_INTERNAL_ASSERT(op != RedOp::Avg, "RingComm::reduceScatter: the caller divides for AVG");
+  if (size() == 1 || blockCount == 0) return;
+  Blocks b;
+  for (int i = 0; i < size(); ++i) {
+    b.off.push_back(i * blockCount);
+    b.len.push_back(blockCount);
+  }
+  named(ctx, [&] { reduceScatterPhase(static_cast<char*>(data), b, dt, op, useWire(dt, op), ctx); });
+}
+
+void RingComm::allgather(void* data, int64_t blockBytes, const OpContext& ctx) {
+  if (size() == 1 || blockBytes == 0) return;
+  Blocks b;
+  for (int i = 0; i < size(); ++i) {
+    b.off.push_back(i * blockBytes);
+    b.len.push_back(blockBytes);
+  }
+  named(ctx, [&] { allgatherPhase(static_cast<char*>(data), b, 1, /*wire=*/false, ctx); });
+}
+
+void RingComm::broadcast(void* data, int64_t bytes, int root, const OpContext& ctx) {
+  named(ctx, [&] {
+  const int n = size();
+  if (n == 1 || bytes == 0) return;
+  const int pos = mod(me_ - root, n);  // distance from the root along the chain
+  transport::Connection* left = conns_[mod(me_ - 1, n)];
+  transport::Connection* right = conns_[mod(me_ + 1, n)];
+  const bool receives = pos != 0, forwards = pos != n - 1;
+  char* p = static_cast<char*>(data);
+  const int64_t K = (bytes + chunkBytes_ - 1) / chunkBytes_;
+  auto piece = [&](int64_t k) { return std::min(chunkBytes_, bytes - k * chunkBytes_); };
+  std::vector<std::unique_ptr<transport::Request>> sends(kWindow), recvs(kWindow);
+  int64_t sendPosted = 0, sendDone = 0, recvPosted = 0, arrived = 0;
+  const int64_t sendTotal = forwards ? K : 0, recvTotal = receives ? K : 0;
+  while (arrived < recvTotal || sendDone < sendTotal) {
+    bool progressed = false;
+    while (sendDone < sendPosted && done(sends[sendDone % kWindow], ctx)) ++sendDone, progressed = true;
+    while (sendPosted < sendTotal && sendPosted - sendDone < kWindow &&
+           (!receives || sendPosted < arrived)) {
+      auto req = right->isend(p + sendPosted * chunkBytes_, piece(sendPosted), nullptr);
+      if (!req) break;
+      sends[sendPosted % kWindow] = std::move(req);
+      ++sendPosted, progressed = true;
+    }
+    while (recvPosted < recvTotal && recvPosted - arrived < kWindow) {
+      auto req = left->irecv(p + recvPosted * chunkBytes_, piece(recvPosted), nullptr);
+      if (!req) break;
+      recvs[recvPosted % kWindow] = std::move(req);
+      ++recvPosted, progressed = true;
+    }
+    while (arrived < recvPosted && done(recvs[arrived % kWindow], ctx)) ++arrived, progressed = true;
+    if (progressed) continue;
+    if (ctx.expired()) {
+      std::vector<int> pending;
+      if (arrived < recvTotal) pending.push_back(left->peer());
+      if (sendDone < sendTotal) pending.push_back(right->peer());
+      failTimeout(ctx, pending);
+    }
+    transport_.waitForProgress(kProgressSleep);
+  }
+  });
+}
+
+void RingComm::barrier(const OpContext& ctx) {
+  // An all-gather of one byte each: nobody leaves before everyone arrived.
+  std::vector<char> bytes(size(), 1);
+  allgather(bytes.data(), 1, ctx);
+}
+
+}  // namespace fastcomm

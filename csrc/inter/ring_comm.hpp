@@ -1,0 +1,83 @@
+// Collectives among a few ranks on different nodes (a rail, or every rank in
+// the flat fallback) over the inter-node transport, as rings.
+//
+// Every block moves in pieces of about FASTCOMM_CHUNK_BYTES, and a piece goes
+// on to the next step as soon as it is reduced, so receiving piece j+1,
+// reducing piece j and sending piece j-1 of the next step overlap (NCCL's
+// ring pipeline). With a 16-bit wire dtype, float32 sums travel as bf16/fp16
+// and are accumulated in float32; each block's owner rounds its finished
+// block the same way before the all-gather, so every rank ends with
+// bit-identical values.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <memory>
+#include <vector>
+
+#include "common/deadline.hpp"
+#include "common/reduce.hpp"
+#include "inter/transport.hpp"
+
+namespace fastcomm {
+
+enum class WireDtype { None, BF16, FP16 };
+WireDtype parseWireDtype(const std::string& name);
+
+class RingComm {
+ public:
+  // `members` are group ranks in ring order; `me` indexes it. `conns[i]`
+  // connects to members[i] (null for me) and must outlive this object.
+  RingComm(transport::Transport& transport, std::vector<int> members, int me,
+           std::vector<transport::Connection*> conns, int64_t chunkBytes, WireDtype wire);
+
+  int size() const { return static_cast<int>(members_.size()); }
+  int index() const { return me_; }
+  const std::vector<int>& members() const { return members_; }
+  // Extra words for an error about `peer` (why it went away, if known).
+  void setPeerReason(std::function<std::string(int)> fn) { peerReason_ = std::move(fn); }
+
+  // In place. `op` must not be Avg (the caller divides once at the end).
+  void allreduce(void* data, int64_t count, at::ScalarType dt, RedOp op, const OpContext& ctx);
+  // `data` holds size() blocks of `blockCount` elements; afterwards block
+  // index() holds their reduction (the other blocks are clobbered).
+  void reduceScatter(void* data, int64_t blockCount, at::ScalarType dt, RedOp op,
+                     const OpContext& ctx);
+  // `data` holds size() blocks of `blockBytes`, block index() being this
+  // rank's; afterwards every block is filled.
+  void allgather(void* data, int64_t blockBytes, const OpContext& ctx);
+  // Pipelined chain from `root` (an index) around the ring.
+  void broadcast(void* data, int64_t bytes, int root, const OpContext& ctx);
+  void barrier(const OpContext& ctx);
+
+ private:
+  struct Blocks {
+    std::vector<int64_t> off, len;  // in elements
+  };
+  // Reduce-scatter phase: afterwards block index() is reduced here.
+  void reduceScatterPhase(char* data, const Blocks& b, at::ScalarType dt, RedOp op, bool wire,
+                          const OpContext& ctx);
+  // All-gather phase: block index() is final here; afterwards all are.
+  void allgatherPhase(char* data, const Blocks& b, int64_t esize, bool wire,
+                      const OpContext& ctx);
+  bool useWire(at::ScalarType dt, RedOp op) const;
+  // Runs `fn`, turning a transport failure into an error naming the op and
+  // the peer.
+  template <typename Fn>
+  void named(const OpContext& ctx, Fn fn);
+  char* scratch(int64_t bytes);
+
+  transport::Transport& transport_;
+  std::vector<int> members_;
+  int me_;
+  std::vector<transport::Connection*> conns_;
+  int64_t chunkBytes_;
+  WireDtype wire_;
+  std::vector<char> scratch_;
+  std::function<std::string(int)> peerReason_;
+};
+
+}  // namespace fastcomm

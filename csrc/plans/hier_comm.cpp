@@ -1,0 +1,507 @@
+#include "plans/hier_comm.hpp"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <future>
+#include <sstream>
+
+#include "common/logging.hpp"
+
+namespace fastcomm {
+namespace {
+
+// All-reduces up to this size skip the sharding: all-reduce in the node, then
+// every rail all-reduces the whole (small) buffer. Latency, not bandwidth.
+constexpr int64_t kSmallBytes = 64 << 10;
+
+struct P2PHeader {
+  int64_t tag;
+  int64_t bytes;
+};
+
+std::string storeGet(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key) {
+  auto v = store->get(key);
+  return std::string(v.begin(), v.end());
+}
+
+// "key=value;key=value" -> value of `key` ("" when absent).
+std::string field(const std::string& plan, const std::string& key) {
+  std::istringstream is(plan);
+  std::string item;
+  while (std::getline(is, item, ';')) {
+    auto eq = item.find('=');
+    if (eq != std::string::npos && item.substr(0, eq) == key) return item.substr(eq + 1);
+  }
+  return "";
+}
+
+}  // namespace
+
+HierComm::HierComm(const c10::intrusive_ptr<c10d::Store>& store, const Topology& topo,
+                   const Config& cfg, const OpContext& ctx)
+    : store_(store), topo_(topo), cfg_(cfg) {
+  const int P = topo_.size;
+  numNodes_ = topo_.numNodes();
+  localSize_ = topo_.localSize;
+  for (const auto& node : topo_.nodeRanks)
+    if (static_cast<int>(node.size()) != localSize_) flat_ = true;
+
+  // Choices that must agree on every rank (a mismatch would hang or corrupt)
+  // come from group rank 0 through the store.
+  if (topo_.rank == 0) {
+    const std::string transport = cfg_.transport == "auto" ? "tcp" : cfg_.transport;
+    store_->set("fastcomm/inter_plan", "transport=" + transport + ";wire=" + cfg_.wireDtype +
+                                           ";chunk=" + std::to_string(cfg_.chunkBytes));
+  }
+  store_->wait({"fastcomm/inter_plan"}, ctx.remaining());
+  const std::string plan = storeGet(store_, "fastcomm/inter_plan");
+  const std::string transportName = field(plan, "transport");
+  cfg_.wireDtype = field(plan, "wire");
+  cfg_.chunkBytes = std::stoll(field(plan, "chunk"));
+
+  if (localSize_ > 1) {
+    intra_ = std::make_unique<ShmComm>(store_, "fastcomm/shm", topo_.nodeRanks[topo_.myNode],
+                                       topo_.localRank, cfg_, ctx);
+  }
+  // Collective traffic and user send/recv use separate transports, so their
+  // in-order message streams never interleave.
+  std::vector<int> collPeers, p2pPeers;
+  for (int r = 0; r < P; ++r) {
+    if (r == topo_.rank) continue;
+    if (!sameNode(r)) p2pPeers.push_back(r);
+    if (flat_ || !sameNode(r)) collPeers.push_back(r);
+  }
+  coll_ = transport::createTransport(transportName, cfg_);
+  p2p_ = transport::createTransport(transportName, cfg_);
+  auto collStore = c10::make_intrusive<c10d::PrefixStore>("fastcomm/coll", store_);
+  auto p2pStore = c10::make_intrusive<c10d::PrefixStore>("fastcomm/p2p", store_);
+  collConns_ = coll_->connect(collStore, topo_.rank, P, collPeers, ctx);
+  p2pConns_ = p2p_->connect(p2pStore, topo_.rank, P, p2pPeers, ctx);
+  collTo_.assign(P, nullptr);
+  p2pTo_.assign(P, nullptr);
+  for (size_t i = 0; i < collPeers.size(); ++i) collTo_[collPeers[i]] = collConns_[i].get();
+  for (size_t i = 0; i < p2pPeers.size(); ++i) p2pTo_[p2pPeers[i]] = p2pConns_[i].get();
+
+  std::vector<int> members;
+  int me = 0;
+  if (flat_) {
+    for (int r = 0; r < P; ++r) members.push_back(r);
+    me = topo_.rank;
+  } else {
+    for (int n = 0; n < numNodes_; ++n) members.push_back(topo_.nodeRanks[n][topo_.localRank]);
+    me = topo_.myNode;
+  }
+  std::vector<transport::Connection*> conns;
+  for (int m : members) conns.push_back(m == topo_.rank ? nullptr : collTo_[m]);
+  ring_ = std::make_unique<RingComm>(*coll_, members, me, conns, cfg_.chunkBytes,
+                                     parseWireDtype(cfg_.wireDtype));
+  ring_->setPeerReason([this](int peer) { return peerReason(peer); });
+  interLane_ = std::make_unique<SerialLane>("fc-inter");
+  if (topo_.rank == 0) FASTCOMM_LOG(Info, describe());
+}
+
+HierComm::~HierComm() {
+  interLane_.reset();
+  if (coll_) coll_->close();
+  if (p2p_) p2p_->close();
+}
+
+std::string HierComm::describe() const {
+  std::ostringstream os;
+  os << "multi-node plan: " << numNodes_ << " nodes, ";
+  if (flat_) {
+    os << "uneven local sizes, so a flat ring over all " << topo_.size
+       << " ranks on the transport (no intra-node phases)";
+  } else {
+    os << localSize_ << " ranks each; intra-node: "
+       << (localSize_ > 1 ? "shared memory" : "none (one rank per node)") << "; inter-node: "
+       << localSize_ << " rail ring(s) of " << numNodes_ << " ranks";
+  }
+  os << "; transport " << coll_->name() << "; wire dtype " << cfg_.wireDtype << "; chunk "
+     << cfg_.chunkBytes << " B";
+  return os.str();
+}
+
+void HierComm::abort(const std::string& why) {
+  try {
+    const std::string key = "fastcomm/failed/" + std::to_string(topo_.rank);
+    if (!store_->check({key})) store_->set(key, why);
+  } catch (...) {
+    // The store may be gone with the failed rank; the transports still close.
+  }
+  if (coll_) coll_->close();
+  if (p2p_) p2p_->close();
+}
+
+std::string HierComm::peerReason(int peer) {
+  try {
+    const std::string key = "fastcomm/failed/" + std::to_string(peer);
+    if (store_->check({key})) {
+      return " (group rank " + std::to_string(peer) + " had failed: " + storeGet(store_, key) + ")";
+    }
+  } catch (...) {
+  }
+  return "";
+}
+
+template <typename Fn>
+void HierComm::guarded(const OpContext& ctx, Fn fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    abort(e.what());
+    throw;
+  }
+}
+
+int HierComm::localIndex(int groupRank) const {
+  const auto& node = topo_.nodeRanks[topo_.nodeOf[groupRank]];
+  return static_cast<int>(std::find(node.begin(), node.end(), groupRank) - node.begin());
+}
+
+void HierComm::divide(void* data, int64_t count, at::ScalarType dt) const {
+  const void* ins[1] = {data};
+  reduceInto(data, ins, 1, count, dt, RedOp::Avg, topo_.size);
+}
+
+// ---- collectives ----------------------------------------------------------------
+
+void HierComm::barrier(const OpContext& ctx) {
+  guarded(ctx, [&] {
+    if (intra_ && !flat_) intra_->barrier(ctx);
+    ring_->barrier(ctx);
+    if (intra_ && !flat_) intra_->barrier(ctx);
+  });
+}
+
+void HierComm::allreduce(void* data, int64_t count, at::ScalarType dt, RedOp op,
+                         const OpContext& ctx) {
+  const RedOp phaseOp = op == RedOp::Avg ? RedOp::Sum : op;
+  const int64_t esize = static_cast<int64_t>(c10::elementSize(dt));
+  char* bytes = static_cast<char*>(data);
+  guarded(ctx, [&] {
+    if (flat_ || localSize_ == 1) {
+      ring_->allreduce(data, count, dt, phaseOp, ctx);
+    } else if (count * esize <= kSmallBytes || count < localSize_) {
+      intra_->allreduce(data, count, dt, phaseOp, ctx);
+      ring_->allreduce(data, count, dt, phaseOp, ctx);
+    } else {
+      // Chunk k: reduce-scatter in the node (this thread), all-reduce of this
+      // rank's shard with the rail (inter lane), all-gather in the node (this
+      // thread, after chunk k+1's reduce-scatter). The intra order is the same
+      // on every rank: RS0 RS1 AG0 RS2 AG1 ... AG(n-1).
+      const int L = localSize_;
+      const int64_t shard = std::max<int64_t>(1, cfg_.chunkBytes / esize);
+      const int64_t chunk = shard * L;
+      const int64_t nChunks = (count + chunk - 1) / chunk;
+      constexpr int kBuffers = 3;
+      if (static_cast<int64_t>(scratch_.size()) < kBuffers * shard * esize)
+        scratch_.resize(kBuffers * shard * esize);
+      if (static_cast<int64_t>(scratch2_.size()) < chunk * esize) scratch2_.resize(chunk * esize);
+      auto shardBuf = [&](int64_t k) { return scratch_.data() + (k % kBuffers) * shard * esize; };
+      char* pad = scratch2_.data();
+      auto shardLen = [&](int64_t k) {
+        const int64_t len = std::min(chunk, count - k * chunk);
+        return len == chunk ? shard : (len + L - 1) / L;
+      };
+      auto reduceScatter = [&](int64_t k) {
+        const int64_t len = std::min(chunk, count - k * chunk), s = shardLen(k);
+        char* src = bytes + k * chunk * esize;
+        if (len != chunk) {
+          // The last, partial chunk goes through a buffer padded to L shards.
+          std::memcpy(pad, src, len * esize);
+          std::memset(pad + len * esize, 0, (s * L - len) * esize);
+          src = pad;
+        }
+        intra_->reduceScatter(src, shardBuf(k), s, dt, phaseOp, ctx);
+      };
+      auto allgather = [&](int64_t k) {
+        const int64_t len = std::min(chunk, count - k * chunk), s = shardLen(k);
+        char* dst = bytes + k * chunk * esize;
+        intra_->allgather(shardBuf(k), len == chunk ? dst : pad, s * esize, ctx);
+        if (len != chunk) std::memcpy(dst, pad, len * esize);
+      };
+      std::vector<std::future<void>> inter;
+      auto submitInter = [&](int64_t k) {
+        auto job = std::make_shared<std::packaged_task<void()>>(
+            [this, k, &shardBuf, &shardLen, dt, phaseOp, &ctx] {
+              ring_->allreduce(shardBuf(k), shardLen(k), dt, phaseOp, ctx);
+            });
+        inter.push_back(job->get_future());
+        interLane_->submit([job] { (*job)(); });
+      };
+      try {
+        reduceScatter(0);
+        submitInter(0);
+        for (int64_t k = 1; k < nChunks; ++k) {
+          reduceScatter(k);
+          submitInter(k);
+          inter[k - 1].get();
+          allgather(k - 1);
+        }
+        inter[nChunks - 1].get();
+        allgather(nChunks - 1);
+      } catch (const std::exception& e) {
+        // Close the transports first so inter jobs still running fail fast,
+        // then let them finish: they use this frame's buffers.
+        abort(e.what());
+        for (auto& f : inter)
+          if (f.valid()) f.wait();
+        throw;
+      }
+    }
+    if (op == RedOp::Avg) divide(data, count, dt);
+  });
+}
+
+void HierComm::reduce(void* data, int64_t count, at::ScalarType dt, RedOp op, int root,
+                      const OpContext& ctx) {
+  // An all-reduce whose result only the root keeps: the same phases, and
+  // non-roots' buffers stay as they were.
+  if (root == topo_.rank) {
+    allreduce(data, count, dt, op, ctx);
+    return;
+  }
+  const int64_t bytes = count * static_cast<int64_t>(c10::elementSize(dt));
+  std::vector<char> copy(static_cast<const char*>(data), static_cast<const char*>(data) + bytes);
+  allreduce(copy.data(), count, dt, op, ctx);
+}
+
+void HierComm::broadcast(void* data, int64_t bytes, int root, const OpContext& ctx) {
+  guarded(ctx, [&] {
+    if (flat_) {
+      ring_->broadcast(data, bytes, root, ctx);
+      return;
+    }
+    const int n0 = topo_.nodeOf[root], l0 = localIndex(root);
+    if (localSize_ == 1) {
+      ring_->broadcast(data, bytes, n0, ctx);
+      return;
+    }
+    const int L = localSize_;
+    if (bytes <= kSmallBytes * L) {
+      if (topo_.localRank == l0) ring_->broadcast(data, bytes, n0, ctx);
+      intra_->broadcast(data, bytes, l0, ctx);
+      return;
+    }
+    // Every rail carries 1/L of the data: scatter in the root's node,
+    // broadcast the shards along the rails, all-gather in every node.
+    const int64_t shard = (bytes + L * 64 - 1) / (L * 64) * 64;
+    if (static_cast<int64_t>(scratch2_.size()) < shard * L) scratch2_.resize(shard * L);
+    if (static_cast<int64_t>(scratch_.size()) < shard) scratch_.resize(shard);
+    char* whole = scratch2_.data();
+    char* mine = scratch_.data();
+    if (topo_.myNode == n0) {
+      if (topo_.rank == root) std::memcpy(whole, data, bytes);
+      intra_->scatter(whole, mine, shard, l0, ctx);
+    }
+    ring_->broadcast(mine, shard, n0, ctx);
+    intra_->allgather(mine, whole, shard, ctx);
+    if (topo_.rank != root) std::memcpy(data, whole, bytes);
+  });
+}
+
+void HierComm::allgather(const void* in, void* out, int64_t bytes, const OpContext& ctx) {
+  guarded(ctx, [&] {
+    char* o = static_cast<char*>(out);
+    if (flat_) {
+      std::memcpy(o + topo_.rank * bytes, in, bytes);
+      ring_->allgather(o, bytes, ctx);
+      return;
+    }
+    // Rails first: each rank sends only its own block across nodes; then the
+    // node exchanges what its rails gathered.
+    const int N = numNodes_, L = localSize_;
+    if (static_cast<int64_t>(scratch_.size()) < N * bytes) scratch_.resize(N * bytes);
+    char* rail = scratch_.data();
+    std::memcpy(rail + topo_.myNode * bytes, in, bytes);
+    ring_->allgather(rail, bytes, ctx);
+    char* node = rail;
+    if (L > 1) {
+      if (static_cast<int64_t>(scratch2_.size()) < L * N * bytes) scratch2_.resize(L * N * bytes);
+      node = scratch2_.data();
+      intra_->allgather(rail, node, N * bytes, ctx);
+    }
+    for (int n = 0; n < N; ++n)
+      for (int l = 0; l < L; ++l)
+        std::memcpy(o + topo_.nodeRanks[n][l] * bytes, node + (l * N + n) * bytes, bytes);
+  });
+}
+
+void HierComm::reduceScatter(const void* in, void* out, int64_t count, at::ScalarType dt,
+                             RedOp op, const OpContext& ctx) {
+  const RedOp phaseOp = op == RedOp::Avg ? RedOp::Sum : op;
+  const int64_t esize = static_cast<int64_t>(c10::elementSize(dt));
+  const int64_t bytes = count * esize;
+  const char* src = static_cast<const char*>(in);
+  guarded(ctx, [&] {
+    const int P = topo_.size;
+    if (static_cast<int64_t>(scratch_.size()) < P * bytes) scratch_.resize(P * bytes);
+    char* work = scratch_.data();
+    char* mine;
+    if (flat_) {
+      std::memcpy(work, src, P * bytes);
+      ring_->reduceScatter(work, count, dt, phaseOp, ctx);
+      mine = work + topo_.rank * bytes;
+    } else {
+      // Local rank l reduces, for its rail, the blocks of the ranks (n, l):
+      // lay the input out as [l][n] so the node's reduce-scatter hands each
+      // local rank exactly its rail's blocks, then the rail reduce-scatters.
+      const int N = numNodes_, L = localSize_;
+      for (int n = 0; n < N; ++n)
+        for (int l = 0; l < L; ++l)
+          std::memcpy(work + (l * N + n) * bytes, src + topo_.nodeRanks[n][l] * bytes, bytes);
+      char* shard = work;
+      if (L > 1) {
+        if (static_cast<int64_t>(scratch2_.size()) < N * bytes) scratch2_.resize(N * bytes);
+        shard = scratch2_.data();
+        intra_->reduceScatter(work, shard, N * count, dt, phaseOp, ctx);
+      }
+      ring_->reduceScatter(shard, count, dt, phaseOp, ctx);
+      mine = shard + topo_.myNode * bytes;
+    }
+    std::memcpy(out, mine, bytes);
+    if (op == RedOp::Avg) divide(out, count, dt);
+  });
+}
+
+void HierComm::gather(const void* in, void* out, int64_t bytes, int root, const OpContext& ctx) {
+  const int P = topo_.size;
+  std::vector<int64_t> sendBytes(P, 0), sendOffsets(P, 0), recvBytes(P, 0), recvOffsets(P, 0);
+  sendBytes[root] = bytes;
+  if (topo_.rank == root) {
+    for (int s = 0; s < P; ++s) {
+      recvBytes[s] = bytes;
+      recvOffsets[s] = s * bytes;
+    }
+  }
+  guarded(ctx, [&] {
+    pairwise(in, sendBytes, sendOffsets, out, recvBytes, recvOffsets, /*exact=*/false, ctx);
+  });
+}
+
+void HierComm::scatter(const void* in, void* out, int64_t bytes, int root, const OpContext& ctx) {
+  const int P = topo_.size;
+  std::vector<int64_t> sendBytes(P, 0), sendOffsets(P, 0), recvBytes(P, 0), recvOffsets(P, 0);
+  recvBytes[root] = bytes;
+  if (topo_.rank == root) {
+    for (int d = 0; d < P; ++d) {
+      sendBytes[d] = bytes;
+      sendOffsets[d] = d * bytes;
+    }
+  }
+  guarded(ctx, [&] {
+    pairwise(in, sendBytes, sendOffsets, out, recvBytes, recvOffsets, /*exact=*/false, ctx);
+  });
+}
+
+void HierComm::alltoall(const void* in, const std::vector<int64_t>& sendBytes,
+                        const std::vector<int64_t>& sendOffsets, void* out,
+                        const std::vector<int64_t>& recvBytes,
+                        const std::vector<int64_t>& recvOffsets, const OpContext& ctx) {
+  guarded(ctx, [&] {
+    pairwise(in, sendBytes, sendOffsets, out, recvBytes, recvOffsets, /*exact=*/true, ctx);
+  });
+}
+
+// Moves sendBytes[d] bytes to every rank d and receives recvBytes[s] from every
+// s: over the transport across nodes (all posted first), through the node's
+// shared-memory all-to-all inside it. With `exact`, empty messages are sent
+// too, so split sizes that disagree fail on both sides instead of hanging.
+void HierComm::pairwise(const void* in, const std::vector<int64_t>& sendBytes,
+                        const std::vector<int64_t>& sendOffsets, void* out,
+                        const std::vector<int64_t>& recvBytes,
+                        const std::vector<int64_t>& recvOffsets, bool exact,
+                        const OpContext& ctx) {
+  const int P = topo_.size, me = topo_.rank;
+  const char* src = static_cast<const char*>(in);
+  char* dst = static_cast<char*>(out);
+  std::vector<std::unique_ptr<transport::Request>> reqs;
+  std::vector<int> peers;
+  auto viaTransport = [&](int r) { return r != me && (flat_ || !sameNode(r)); };
+  for (int r = 0; r < P; ++r) {
+    if (!viaTransport(r)) continue;
+    // One message per direction and peer: far below the transport's limit.
+    if (exact || recvBytes[r] > 0) {
+      reqs.push_back(collTo_[r]->irecv(dst + recvOffsets[r], recvBytes[r], nullptr));
+      peers.push_back(r);
+      TORCH_INTERNAL_ASSERT(reqs.back(), "fastcomm: transport refused a first receive");
+    }
+    if (exact || sendBytes[r] > 0) {
+      reqs.push_back(collTo_[r]->isend(src + sendOffsets[r], sendBytes[r], nullptr));
+      peers.push_back(r);
+      TORCH_INTERNAL_ASSERT(reqs.back(), "fastcomm: transport refused a first send");
+    }
+  }
+  if (!flat_ && intra_) {
+    const auto& node = topo_.nodeRanks[topo_.myNode];
+    const int L = static_cast<int>(node.size());
+    std::vector<int64_t> sb(L), so(L), rb(L), ro(L);
+    for (int l = 0; l < L; ++l) {
+      sb[l] = sendBytes[node[l]];
+      so[l] = sendOffsets[node[l]];
+      rb[l] = recvBytes[node[l]];
+      ro[l] = recvOffsets[node[l]];
+    }
+    intra_->alltoall(src, sb, so, dst, rb, ro, ctx);
+  } else if (recvBytes[me] > 0) {
+    TORCH_CHECK(recvBytes[me] == sendBytes[me], "fastcomm: ", ctx.describe(), ": sends ",
+                sendBytes[me], " bytes to itself but expects ", recvBytes[me]);
+    std::memmove(dst + recvOffsets[me], src + sendOffsets[me], recvBytes[me]);
+  }
+  std::vector<transport::Request*> raw;
+  for (auto& r : reqs) raw.push_back(r.get());
+  transport::waitAll(*coll_, raw, peers, ctx);
+}
+
+void HierComm::checkSignatures(const OpSignature& mine, const OpContext& ctx) {
+  std::vector<OpSignature> all(topo_.size);
+  allgather(&mine, all.data(), sizeof(OpSignature), ctx);
+  std::vector<int> ranks(topo_.size);
+  for (int r = 0; r < topo_.size; ++r) ranks[r] = r;
+  checkSignatureVotes(all, ranks, ctx);
+}
+
+// ---- point to point ----------------------------------------------------------------
+
+void HierComm::send(const void* data, int64_t bytes, int peer, int tag, const OpContext& ctx) {
+  if (intra_ && sameNode(peer)) {
+    intra_->send(data, bytes, localIndex(peer), tag, ctx);
+    return;
+  }
+  // A header first, so the receiver checks tag and size before the payload.
+  P2PHeader header{tag, bytes};
+  auto h = p2pTo_[peer]->isend(&header, sizeof(header), nullptr);
+  auto d = p2pTo_[peer]->isend(data, bytes, nullptr);
+  TORCH_INTERNAL_ASSERT(h && d, "fastcomm: transport refused a send");
+  transport::waitAll(*p2p_, {h.get(), d.get()}, {peer, peer}, ctx);
+}
+
+void HierComm::recv(void* data, int64_t bytes, int peer, int tag, const OpContext& ctx) {
+  if (intra_ && sameNode(peer)) {
+    intra_->recv(data, bytes, localIndex(peer), tag, ctx);
+    return;
+  }
+  P2PHeader header{};
+  auto h = p2pTo_[peer]->irecv(&header, sizeof(header), nullptr);
+  TORCH_INTERNAL_ASSERT(h, "fastcomm: transport refused a receive");
+  transport::waitAll(*p2p_, {h.get()}, {peer}, ctx);
+  if (header.tag != tag || header.bytes != bytes) {
+    throwCommError("fastcomm: " + ctx.describe() + ": the next message from group rank " +
+                   std::to_string(peer) + " has tag " + std::to_string(header.tag) + " and " +
+                   std::to_string(header.bytes) + " bytes, but this recv expects tag " +
+                   std::to_string(tag) + " and " + std::to_string(bytes) + " bytes");
+  }
+  auto d = p2pTo_[peer]->irecv(data, bytes, nullptr);
+  TORCH_INTERNAL_ASSERT(d, "fastcomm: transport refused a receive");
+  transport::waitAll(*p2p_, {d.get()}, {peer}, ctx);
+}
+
+int HierComm::recvAny(void* data, int64_t bytes, int tag, const OpContext& ctx) {
+  TORCH_CHECK(false, "fastcomm: recv from any source (src=None) is not supported yet in a group ",
+              "spanning ", numNodes_, " nodes; pass src=");
+}
+
+}  // namespace fastcomm

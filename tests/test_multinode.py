@@ -1,0 +1,191 @@
+"""Groups spanning several (simulated) nodes: FASTCOMM_HOST_ID gives each rank a node.
+
+The collective x dtype x op matrix over 2x2, 2x2 interleaved, 4x1 and 3+1 layouts lives in
+test_collectives.py (LAYOUTS); here: DDP parity, a killed rank, wire compression, choices
+agreed through the store, a real two-torchrun launch, and no leaks after destroy.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _harness import BACKEND, Checker, RankFailure, gen, is_gloo, run_ranks
+from test_ddp import ddp_parity_fn
+from test_groups_and_errors import peer_failure_fn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.skipif(is_gloo(), reason="fastcomm's multi-node plans")
+
+
+def nodes_env(nodes: list[int], **extra: str) -> Any:
+    return lambda rank: {"FASTCOMM_HOST_ID": f"simnode{nodes[rank]}", **extra}
+
+
+def test_ddp_parity_two_nodes() -> None:
+    """DDP over 2 nodes x 2 ranks gives gloo's per-step losses and parameters."""
+    res = run_ranks(4, ddp_parity_fn, "cpu", "gloo", env=nodes_env([0, 0, 1, 1]), timeout_s=240)
+    assert res[0]["losses"][-1] < res[0]["losses"][0]
+
+
+def test_killed_rank_on_other_node_fails_everyone() -> None:
+    """Rank 1 (node 0) dies before an all_reduce over 2x2 nodes: ranks 0, 2 and 3 (two of
+    them on the other node) raise within timeout + 10 s naming all_reduce, rank [1] and the
+    timeout, and destroy_process_group() still returns."""
+    res = run_ranks(
+        4,
+        peer_failure_fn,
+        "dies",
+        True,
+        init=False,
+        expect_fail={1: 17},
+        timeout_s=120,
+        env=nodes_env([0, 0, 1, 1]),
+    )
+    assert isinstance(res[1], RankFailure)
+    for r in (0, 2, 3):
+        assert "message" in res[r], res[r]
+
+
+def wire_fn(rank: int, ws: int) -> dict[str, Any]:
+    chk = Checker(f"rank {rank}")
+    for n in (1000, 3 << 20):  # the small path and the pipelined one
+        inputs = [gen(f"wire/{n}", r, (n,), torch.float32, "SUM") for r in range(ws)]
+        t = inputs[rank].clone()
+        dist.all_reduce(t)
+        exact = sum(x.double() for x in inputs)
+        # Each hop rounds partial sums to bf16 (8 significant bits): a few ulp of bf16
+        # relative to the magnitudes summed.
+        scale = sum(x.double().abs() for x in inputs)
+        err = (t.double() - exact).abs()
+        chk.true(bool((err <= scale * 2.0**-6 + 1e-6).all()), f"n={n}: max err {err.max():.3g}")
+        chk.true(bool((err > 0).any()), f"n={n}: no rounding at all: bf16 wire not in use?")
+        everyone = [torch.empty_like(t) for _ in range(ws)]
+        dist.all_gather(everyone, t)
+        for r in range(ws):
+            chk.true(torch.equal(everyone[r], t), f"n={n}: rank {r} holds different values")
+        # integer sums never go through the 16-bit wire
+        ints = [gen(f"wire/i{n}", r, (n,), torch.int64, "SUM") for r in range(ws)]
+        ti = ints[rank].clone()
+        dist.all_reduce(ti)
+        chk.equal(ti, sum(ints), f"n={n}: int64 sum")
+    chk.raise_if_failed()
+    return {}
+
+
+def test_bf16_wire_compression() -> None:
+    """FASTCOMM_WIRE_DTYPE=bf16: float32 sums within bf16 rounding, bit-identical on all
+    ranks; integer sums exact."""
+    run_ranks(4, wire_fn, env=nodes_env([0, 0, 1, 1], FASTCOMM_WIRE_DTYPE="bf16"))
+
+
+def agree_fn(rank: int, ws: int) -> dict[str, Any]:
+    chk = Checker(f"rank {rank}")
+    n = 1 << 20
+    inputs = [gen("agree", r, (n,), torch.float32, "SUM") for r in range(ws)]
+    t = inputs[rank].clone()
+    dist.all_reduce(t)
+    everyone = [torch.empty_like(t) for _ in range(ws)]
+    dist.all_gather(everyone, t)
+    for r in range(ws):
+        chk.true(torch.equal(everyone[r], t), f"rank {r} holds different values")
+    chk.raise_if_failed()
+    return {}
+
+
+def test_choices_follow_rank_zero() -> None:
+    """Ranks configured differently (wire dtype, chunk size) still agree: rank 0 decides
+    through the store, so nothing hangs or diverges."""
+
+    def env(rank: int) -> dict[str, str]:
+        e = {"FASTCOMM_HOST_ID": f"simnode{rank // 2}"}
+        if rank % 2:
+            e.update(FASTCOMM_WIRE_DTYPE="bf16", FASTCOMM_CHUNK_BYTES="64K")
+        return e
+
+    run_ranks(4, agree_fn, env=env)
+
+
+def _task_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def leak_fn(rank: int, ws: int) -> dict[str, Any]:
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), ws, rank == 0,
+        timeout=timedelta(seconds=60),
+    )  # fmt: skip
+    # Warm torch's own lazily started threads before the baseline.
+    torch.ones(4).sum()
+    before = (_task_count(), _fd_count())
+    for round_ in range(2):
+        dist.init_process_group(
+            BACKEND, store=dist.PrefixStore(f"round{round_}", store), rank=rank, world_size=ws
+        )
+        t = torch.ones(1 << 18)
+        dist.all_reduce(t)
+        dist.send(t, (rank + 2) % ws) if rank < 2 else dist.recv(t, (rank + 2) % ws)
+        dist.barrier()
+        dist.destroy_process_group()
+    time.sleep(0.5)
+    after = (_task_count(), _fd_count())
+    return {"before": before, "after": after}
+
+
+def test_no_thread_or_fd_leaks_after_destroy() -> None:
+    """Two init/use/destroy rounds over 2x2 nodes leave no threads or sockets behind
+    (the shared-memory check runs for every test in conftest)."""
+    res = run_ranks(4, leak_fn, init=False, env=nodes_env([0, 0, 1, 1]))
+    for rank, r in enumerate(res):
+        assert r["after"][0] <= r["before"][0], f"rank {rank}: threads {r}"
+        assert r["after"][1] <= r["before"][1], f"rank {rank}: fds {r}"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torchrun_invocations() -> None:
+    """The recipe for real clusters: one torchrun per node (--nnodes=2 --node_rank=0/1,
+    rendezvous on loopback), told apart by FASTCOMM_HOST_ID; runs the verified demo."""
+    port = _free_port()
+    procs = []
+    for node in (0, 1):
+        env = dict(os.environ, FASTCOMM_HOST_ID=f"node{node}", OMP_NUM_THREADS="1")
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+            "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}",
+            os.path.join(ROOT, "examples", "allreduce_demo.py"), "--device", "cpu",
+        ]  # fmt: skip
+        procs.append(
+            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        )
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outs.append(out.decode(errors="replace"))
+    for node, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"node {node} torchrun exited {p.returncode}:\n{out[-4000:]}"
+    assert "all results correct" in outs[0], outs[0][-2000:]
