@@ -10,9 +10,15 @@ the same run, on the same machine state, size by size:
 
 Timing follows nccl-tests: warm-up, barrier, a host-timed loop of iterations (with
 torch.cuda.synchronize() before and after on CUDA), time divided by iterations and the maximum
-taken over ranks. algbw = size / time, busbw = algbw * factor (all_reduce 2(n-1)/n; all_gather,
+taken over ranks. Each size is timed in --repeats loops per backend, the backends interleaved
+(A B A B ...); the reported time is the median over repeats of the slowest rank's time.
+algbw = size / time, busbw = algbw * factor (all_reduce 2(n-1)/n; all_gather,
 reduce_scatter, all_to_all (n-1)/n; broadcast, reduce 1). "size" is the full output of
 all_gather, the full input of reduce_scatter and the buffer of the other collectives.
+
+--sim-nodes N makes one machine act as N nodes (FASTCOMM_HOST_ID / NCCL_HOSTID per block of
+ranks, NCCL over sockets on loopback); benchmarks/run_multinode_sweep.py sweeps NCCL's socket
+settings over several launches and merges the results.
 
 Re-plot saved results without torchrun (several files are merged into one figure):
 
@@ -30,6 +36,7 @@ import platform
 import re
 import shlex
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -57,13 +64,21 @@ EXACT_INT_LIMIT = {torch.float32: 2**24, torch.bfloat16: 2**8, torch.float16: 2*
 WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # FASTCOMM_WIRE_DTYPE values
 PATTERN_MOD = 251  # check data: element i of rank r is (i + 7r) % m + 1 with m <= 251
 CHECK_CHUNK = 1 << 24  # elements verified at a time, to bound the memory of the check
-ENV_PREFIXES = ("FASTCOMM_", "NCCL_", "TORCH_", "GLOO_", "CUDA_", "OMP_")
+ENV_PREFIXES = ("FASTCOMM_", "NCCL_", "NVSHMEM_", "TORCH_", "GLOO_", "CUDA_", "OMP_")
 SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 UNSUPPORTED_RE = re.compile(
     r"not (yet )?(supported|implemented)|does not support|unsupported", re.I
 )
+# Additions since the first files (repeats, spread, settings, sim-nodes) are new keys only, so
+# the schema name is unchanged and old files still load (missing keys take the Row defaults).
 SCHEMA = "fastcomm-bench-collectives/1"
 BACKEND_COLORS = {"fastcomm": "C0", "gloo": "C1", "nccl": "C2"}  # the same in every plot
+# Summary line: the smallest busbw ratio over the bandwidth range, the largest time difference
+# (fastcomm minus peer) in the latency range.
+BW_RANGE = (1 << 20, 1 << 30)
+LATENCY_BELOW = 1 << 20
+# --sim-nodes: NCCL over TCP on loopback, each set only when the user has not set it.
+SIM_NCCL_NET_ENV = {"NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
 
 
 # ----------------------------------------------------------------------------- command line
@@ -151,28 +166,52 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument(
         "--warmup",
         type=int,
-        default=5,
-        help="warm-up iterations per size, fewer for big sizes (default: %(default)s)",
+        default=20,
+        help="warm-up iterations per size and backend, fewer for big sizes (default: %(default)s)",
     )
     p.add_argument(
         "--iters",
         type=int,
-        default=20,
-        help="timed iterations per size, fewer for big sizes (default: %(default)s)",
+        default=200,
+        help="timed iterations of one timed loop (one repeat), fewer for big sizes "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--min-iters",
         type=int,
         default=3,
-        help="never time fewer iterations (default: %(default)s)",
+        help="never time fewer iterations in a loop (default: %(default)s)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="timed loops per size and backend, backends interleaved (A B A B ...); the time "
+        "is the median over repeats of the slowest rank (default: %(default)s)",
     )
     p.add_argument(
         "--time-per-size",
         type=float,
         default=1.0,
-        help="seconds one timed loop should last at most: iterations are reduced (down to "
-        "--min-iters) when the warm-up shows --iters would take longer, so a 1G sweep stays "
-        "short (default: %(default)s)",
+        help="seconds all backends together should spend on one size: each backend gets an "
+        "equal share, split into one slice for the warm-up and one per repeat; iterations are "
+        "reduced (down to --min-iters) to fit a slice (default: %(default)s)",
+    )
+    p.add_argument(
+        "--sim-nodes",
+        type=int,
+        default=1,
+        help="act as this many nodes: blocks of LOCAL_WORLD_SIZE/N consecutive local ranks get "
+        "FASTCOMM_HOST_ID=NCCL_HOSTID=simnode<k>, and NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo "
+        "NCCL_IB_DISABLE=1 unless set already (default: %(default)s: leave all as they are)",
+    )
+    p.add_argument(
+        "--wire-dtype",
+        choices=("none", *WIRE_DTYPES),
+        default=None,
+        help="set FASTCOMM_WIRE_DTYPE (inter-node compression); when not none the fastcomm "
+        "series is labelled e.g. fastcomm(bf16) and checked with a relative tolerance "
+        "(default: FASTCOMM_WIRE_DTYPE as in the environment, else none)",
     )
     p.add_argument(
         "--check",
@@ -202,8 +241,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error("need 1 <= --min-bytes <= --max-bytes")
     if args.factor < 2:
         p.error("--factor must be >= 2")
-    if args.warmup < 1 or args.iters < 1 or args.min_iters < 1 or args.time_per_size <= 0:
-        p.error("--warmup, --iters, --min-iters and --time-per-size must be positive")
+    if min(args.warmup, args.iters, args.min_iters, args.repeats) < 1 or args.time_per_size <= 0:
+        p.error("--warmup, --iters, --min-iters, --repeats and --time-per-size must be positive")
+    if args.sim_nodes < 1:
+        p.error("--sim-nodes must be >= 1")
     return args
 
 
@@ -238,18 +279,27 @@ def make_layout(op: str, nbytes: int, elem_size: int, world: int) -> Optional[La
 
 
 def pattern_modulus(op: str, dtype: torch.dtype, world: int) -> int:
-    """Modulus m of the check pattern, small enough that sums over ranks stay exact.
+    """Modulus m of the check pattern, small enough that sums over ranks stay exact in dtype.
 
-    With FASTCOMM_WIRE_DTYPE=bf16|fp16, fastcomm sends partial sums in that type between nodes,
-    so the sums must be exact in it too (values up to m <= 251 always are).
+    A compressed wire type (FASTCOMM_WIRE_DTYPE=bf16|fp16) is deliberately not taken into
+    account: its partial sums get rounded, and the check of that series uses wire_rtol instead.
     """
     limit = EXACT_INT_LIMIT[dtype]
     if op not in REDUCING_OPS:
         return min(PATTERN_MOD, limit)
-    wire = WIRE_DTYPES.get(os.environ.get("FASTCOMM_WIRE_DTYPE", "none").lower())
-    if wire is not None:
-        limit = min(limit, EXACT_INT_LIMIT[wire])
     return max(1, min(PATTERN_MOD, limit // world))
+
+
+def wire_rtol(wire: str, world: int) -> float:
+    """Relative tolerance of the check when fastcomm sends data as `wire` (0: exact).
+
+    Every value is positive, so each rounding of a partial sum to the wire type is off by at
+    most half an ulp of the total; a sum passes at most `world` such roundings (one per hop and
+    the final copy), hence world * eps (eps = 2 * unit roundoff) bounds the error with margin.
+    """
+    if wire not in WIRE_DTYPES:
+        return 0.0
+    return world * torch.finfo(WIRE_DTYPES[wire]).eps
 
 
 def _value(rank: Any, index: torch.Tensor, m: int) -> torch.Tensor:
@@ -304,8 +354,8 @@ class Buffers:
         if self.out is not self.inp:
             self.out.zero_()
 
-    def count_wrong(self, rank: int, world: int, m: int) -> int:
-        """Output elements of this rank that differ from the exact result."""
+    def count_wrong(self, rank: int, world: int, m: int, rtol: float = 0.0) -> int:
+        """Output elements of this rank that differ from the exact result (by more than rtol)."""
         if self.op == "reduce" and rank != 0:
             return 0  # only the root receives the result
         wrong = 0
@@ -313,7 +363,13 @@ class Buffers:
             stop = min(start + CHECK_CHUNK, self.out.numel())
             idx = torch.arange(start, stop, device=self.out.device, dtype=torch.int64)
             want = expected_output(self.op, idx, rank, world, self.layout.chunk, m)
-            wrong += int((self.out[start:stop] != want.to(self.out.dtype)).sum())
+            got = self.out[start:stop]
+            if rtol:
+                want64 = want.to(torch.float64)
+                ok = (got.to(torch.float64) - want64).abs() <= rtol * want64  # NaN: not ok
+                wrong += int((~ok).sum())
+            else:
+                wrong += int((got != want.to(got.dtype)).sum())
         return wrong
 
     def call(self, group: dist.ProcessGroup) -> Callable[[], None]:
@@ -334,30 +390,53 @@ class Buffers:
 
 @dataclass
 class Row:
-    """One measured point: op x backend x size (what rank 0 prints and stores)."""
+    """One measured point: op x series x size (what rank 0 prints and stores)."""
 
     op: str
-    backend: str
+    backend: str  # the series: the backend name, or e.g. "fastcomm(bf16)", "nccl(best)"
     size_bytes: int
     count: int
     dtype: str
     status: str  # "ok", "unsupported" (the backend lacks the op) or "failed"
-    time_us: Optional[float] = None  # slowest rank
-    time_us_min: Optional[float] = None  # fastest rank
-    algbw_gbps: Optional[float] = None
-    busbw_gbps: Optional[float] = None
+    time_us: Optional[float] = None  # slowest rank; median over repeats
+    time_us_min: Optional[float] = None  # fastest rank; median over repeats
+    algbw_gbps: Optional[float] = None  # from time_us
+    busbw_gbps: Optional[float] = None  # from time_us
     wrong: Optional[int] = None  # None: not checked
     warmup: int = 0
-    iters: int = 0
+    iters: int = 0  # per repeat
     error: Optional[str] = None
+    # Added with --repeats (files written before have one loop: repeats 1, the rest None).
+    repeats: int = 1
+    time_us_repeats: Optional[list[float]] = None  # slowest rank of each repeat, in run order
+    time_us_repeat_min: Optional[float] = None  # fastest repeat (slowest rank)
+    time_us_repeat_max: Optional[float] = None  # slowest repeat (slowest rank)
+    setting: Optional[str] = None  # merged sweeps: the peer setting this point comes from
+
+
+def spread_pct(row: Row) -> Optional[float]:
+    """Half the range of the repeats relative to the median, in percent (the table's ±%)."""
+    lo, hi, mid = row.time_us_repeat_min, row.time_us_repeat_max, row.time_us
+    if lo is None or hi is None or not mid:
+        return None
+    return (hi - lo) / 2 / mid * 100
 
 
 class Bench:
     """Holds the groups and runs the sweep; every rank executes the same calls in order."""
 
-    def __init__(self, args: argparse.Namespace, backends: list[str], device: torch.device) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        backends: list[str],
+        device: torch.device,
+        series: dict[str, str],
+        rtol: dict[str, float],
+    ) -> None:
         self.args = args
         self.backends = backends
+        self.series = series  # backend -> label of its rows
+        self.rtol = rtol  # backend -> relative tolerance of the check (0: exact)
         self.device = device
         self.dtype = DTYPES[args.dtype]
         self.rank = dist.get_rank()
@@ -370,6 +449,9 @@ class Bench:
         # measured groups only ever run the measured collectives.
         self.ctrl = dist.new_group(backend="gloo")
         self.last_time: dict[tuple[str, str], tuple[int, float]] = {}
+        # Seconds of one slice: each backend gets an equal share of --time-per-size, split into
+        # one slice for the warm-up and one per timed repeat.
+        self.slice = args.time_per_size / len(backends) / (args.repeats + 1)
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -391,21 +473,25 @@ class Bench:
         return (time.perf_counter() - start) / n
 
     def plan_warmup(self, op: str, backend: str, size: int) -> int:
-        """Warm-up iterations: all of --warmup unless the last size predicts > half the budget."""
+        """Warm-up iterations: all of --warmup unless the last size predicts more than a slice."""
         if (op, backend) not in self.last_time:
             return self.args.warmup
         prev_size, prev_time = self.last_time[(op, backend)]
         est = prev_time * size / prev_size
-        return max(1, min(self.args.warmup, int(self.args.time_per_size / 2 / est)))
+        return max(1, min(self.args.warmup, int(self.slice / est)))
 
     def plan_iters(self, est: float) -> int:
         a = self.args
-        return max(min(a.min_iters, a.iters), min(a.iters, int(a.time_per_size / max(est, 1e-9))))
+        return max(min(a.min_iters, a.iters), min(a.iters, int(self.slice / max(est, 1e-9))))
 
-    def measure(self, bufs: Buffers, backend: str, m: int) -> Row:
-        """Warm up, time and check one collective on one backend; same result on all ranks."""
+    def prepare(self, bufs: Buffers, backend: str, m: int) -> tuple[Row, Optional[Callable]]:
+        """First call (does the backend have the op?), warm-up and the iteration count.
+
+        Returns the row and the call to time, None when the op failed (on any rank).
+        """
         lay, op = bufs.layout, bufs.op
-        row = Row(op, backend, lay.size_bytes, lay.count, self.args.dtype, "ok")
+        row = Row(op, self.series[backend], lay.size_bytes, lay.count, self.args.dtype, "ok")
+        row.repeats = 0
         fn = bufs.call(self.groups[backend])
         bufs.fill(self.rank, m)
         row.warmup = self.plan_warmup(op, backend, lay.size_bytes)
@@ -421,23 +507,44 @@ class Bench:
             if error is not None:
                 unsupported = UNSUPPORTED_RE.search(error) or error.startswith("NotImplemented")
                 row.status, row.error = ("unsupported" if unsupported else "failed"), error
-            return row
+            return row, None
         local = self.timed(fn, row.warmup - 1) if row.warmup > 1 else first
         est = self.reduce_ctrl([local], dist.ReduceOp.MAX)[0]
         row.iters = self.plan_iters(est)
-        local = self.timed(fn, row.iters)
-        slowest, neg_fastest = self.reduce_ctrl([local, -local], dist.ReduceOp.MAX)
-        self.last_time[(op, backend)] = (lay.size_bytes, slowest)
-        row.time_us, row.time_us_min = slowest * 1e6, -neg_fastest * 1e6
-        row.algbw_gbps = lay.size_bytes / slowest / 1e9
-        row.busbw_gbps = row.algbw_gbps * BUSBW_FACTOR[op](self.world)
-        if self.args.check:
-            bufs.fill(self.rank, m)
-            fn()
-            self.sync()
-            wrong = bufs.count_wrong(self.rank, self.world, m)
-            row.wrong = int(self.reduce_ctrl([float(wrong)], dist.ReduceOp.SUM)[0])
-        return row
+        return row, fn
+
+    def measure_point(self, bufs: Buffers, m: int) -> list[Row]:
+        """All backends at one size: warm-up each, then --repeats rounds of one timed loop per
+        backend (interleaved), then the check; the same result on all ranks."""
+        lay, op = bufs.layout, bufs.op
+        prepared = [(b, *self.prepare(bufs, b, m)) for b in self.backends]
+        timed = [(b, row, fn) for b, row, fn in prepared if fn is not None]
+        local: dict[str, list[float]] = {b: [] for b, _, _ in timed}
+        for _ in range(self.args.repeats):
+            for b, row, fn in timed:
+                local[b].append(self.timed(fn, row.iters))
+        # One reduction for all loops: the slowest and the fastest rank of each.
+        flat = [t for b, _, _ in timed for t in local[b]]
+        red = self.reduce_ctrl(flat + [-t for t in flat], dist.ReduceOp.MAX) if flat else []
+        slowest, fastest = red[: len(flat)], [-t for t in red[len(flat) :]]
+        for k, (b, row, fn) in enumerate(timed):
+            per_rep = slice(k * self.args.repeats, (k + 1) * self.args.repeats)
+            reps, fast = slowest[per_rep], fastest[per_rep]
+            mid = statistics.median(reps)
+            self.last_time[(op, b)] = (lay.size_bytes, mid)
+            row.repeats = len(reps)
+            row.time_us_repeats = [t * 1e6 for t in reps]
+            row.time_us, row.time_us_min = mid * 1e6, statistics.median(fast) * 1e6
+            row.time_us_repeat_min, row.time_us_repeat_max = min(reps) * 1e6, max(reps) * 1e6
+            row.algbw_gbps = lay.size_bytes / mid / 1e9
+            row.busbw_gbps = row.algbw_gbps * BUSBW_FACTOR[op](self.world)
+            if self.args.check:
+                bufs.fill(self.rank, m)
+                fn()
+                self.sync()
+                wrong = bufs.count_wrong(self.rank, self.world, m, self.rtol.get(b, 0.0))
+                row.wrong = int(self.reduce_ctrl([float(wrong)], dist.ReduceOp.SUM)[0])
+        return [row for _, row, _ in prepared]
 
     def sizes(self) -> list[int]:
         out, s = [], self.args.min_bytes
@@ -448,7 +555,8 @@ class Bench:
 
     def run_op(self, op: str) -> list[Row]:
         """Sweep the sizes of one op; rank 0 prints the table as it goes."""
-        table = TextTable(op, self.backends, self.args.dtype, self.world, self.device.type)
+        labels = [self.series[b] for b in self.backends]
+        table = TextTable(op, labels, self.args.dtype, self.world, self.device.type)
         self.print(table.header())
         rows: list[Row] = []
         m = pattern_modulus(op, self.dtype, self.world)
@@ -460,7 +568,7 @@ class Bench:
                 continue
             seen.add(lay.size_bytes)
             bufs = Buffers(op, lay, self.dtype, self.device)
-            point = [self.measure(bufs, b, m) for b in self.backends]
+            point = self.measure_point(bufs, m)
             del bufs
             self.print(table.line(point))
             rows += point
@@ -475,25 +583,97 @@ class Bench:
 # ----------------------------------------------------------------------------- tables
 
 
-def _cells(row: Optional[Row]) -> tuple[str, str, str, str]:
-    """time (us), algbw, busbw, #wrong of one backend at one size, as text."""
+def _cells(row: Optional[Row]) -> tuple[str, str, str, str, str]:
+    """time (us), ±%, algbw, busbw, #wrong of one series at one size, as text."""
     if row is None:
-        return "", "", "", ""
+        return "", "", "", "", ""
     if row.status != "ok":
-        return "n/a" if row.status == "unsupported" else "failed", "", "", ""
+        return "n/a" if row.status == "unsupported" else "failed", "", "", "", ""
     wrong = "N/A" if row.wrong is None else str(row.wrong)
-    return f"{row.time_us:.2f}", f"{row.algbw_gbps:.2f}", f"{row.busbw_gbps:.2f}", wrong
+    spread = spread_pct(row)
+    return (
+        f"{row.time_us:.2f}",
+        "-" if spread is None else f"{spread:.1f}",
+        f"{row.algbw_gbps:.2f}",
+        f"{row.busbw_gbps:.2f}",
+        wrong,
+    )
 
 
-def _ratio(rows: dict[str, Row], other: str) -> str:
-    a, b = rows.get("fastcomm"), rows.get(other)
-    if a is None or b is None or a.status != "ok" or b.status != "ok" or not b.busbw_gbps:
+def _ok(row: Optional[Row]) -> bool:
+    return row is not None and row.status == "ok" and bool(row.busbw_gbps)
+
+
+def _ratio(rows: dict[str, Row], pair: tuple[str, str]) -> str:
+    a, b = rows.get(pair[0]), rows.get(pair[1])
+    if not (_ok(a) and _ok(b)):
         return "-"
     return f"{a.busbw_gbps / b.busbw_gbps:.2f}"
 
 
-def _ratio_backends(backends: Sequence[str]) -> list[str]:
-    return [b for b in backends if b != "fastcomm"] if "fastcomm" in backends else []
+def _ratio_pairs(series: Sequence[str]) -> list[tuple[str, str]]:
+    """(fastcomm series, peer series) pairs that get a busbw ratio column: every series named
+    fastcomm or fastcomm(...) against every other series."""
+    ours = [s for s in series if s.split("(")[0] == "fastcomm"]
+    peers = [s for s in series if s not in ours]
+    return [(a, b) for a in ours for b in peers]
+
+
+def summarize(rows: Sequence[Row], series: Sequence[str]) -> list[dict[str, Any]]:
+    """Per op and ratio pair: the smallest busbw ratio over BW_RANGE and the largest time
+    difference (ours minus peer, us; > 0: ours slower) below LATENCY_BELOW."""
+    out = []
+    for op in dict.fromkeys(r.op for r in rows):
+        by_size: dict[int, dict[str, Row]] = {}
+        for r in rows:
+            if r.op == op:
+                by_size.setdefault(r.size_bytes, {})[r.backend] = r
+        for ours, peer in _ratio_pairs(series):
+            both = [(s, p[ours], p[peer]) for s, p in by_size.items() if _ok(p.get(ours))]
+            both = [(s, a, b) for s, a, b in both if _ok(b)]
+            # Split ops round sizes down to whole elements per rank: allow a little slack.
+            bw = [
+                (a.busbw_gbps / b.busbw_gbps, s)
+                for s, a, b in both
+                if BW_RANGE[0] * 0.99 <= s <= BW_RANGE[1]
+            ]
+            lat = [(a.time_us - b.time_us, s) for s, a, b in both if s < LATENCY_BELOW * 0.99]
+            worst_bw, worst_lat = min(bw, default=None), max(lat, default=None)
+            out.append(
+                {
+                    "op": op,
+                    "series": ours,
+                    "peer": peer,
+                    "min_busbw_ratio": worst_bw and worst_bw[0],
+                    "min_busbw_ratio_size": worst_bw and worst_bw[1],
+                    "max_latency_diff_us": worst_lat and worst_lat[0],
+                    "max_latency_diff_size": worst_lat and worst_lat[1],
+                }
+            )
+    return out
+
+
+def summary_text(item: dict[str, Any]) -> str:
+    """One summary line of `summarize`."""
+    lo, hi = format_size(BW_RANGE[0]), format_size(BW_RANGE[1])
+    text = f"{item['series']} vs {item['peer']}: min busbw ratio "
+    if item["min_busbw_ratio"] is None:
+        text += f"- (no size in {lo}..{hi})"
+    else:
+        text += (
+            f"{item['min_busbw_ratio']:.2f} at {format_size(item['min_busbw_ratio_size'])} "
+            f"(over {lo}..{hi})"
+        )
+    text += "; max latency difference "
+    if item["max_latency_diff_us"] is None:
+        text += f"- (no size below {format_size(LATENCY_BELOW)})"
+    else:
+        text += (
+            f"{item['max_latency_diff_us']:+.2f} us at "
+            f"{format_size(item['max_latency_diff_size'])} (below {format_size(LATENCY_BELOW)}; "
+            f"+ = {item['series']} slower)"
+        )
+    return text
 
 
 def _op_title(op: str, dtype: str, world: int, device: str) -> str:
@@ -520,32 +700,32 @@ def _avg_busbw(rows: Sequence[Row], backends: Sequence[str]) -> str:
 
 
 class TextTable:
-    """nccl-tests style table, one line per size, backends side by side."""
+    """nccl-tests style table, one line per size, series side by side."""
 
-    WIDTHS = (11, 8, 8, 7)  # time, algbw, busbw, #wrong
+    WIDTHS = (11, 6, 8, 8, 7)  # time, ±%, algbw, busbw, #wrong
 
     def __init__(
         self, op: str, backends: Sequence[str], dtype: str, world: int, device: str
     ) -> None:
         self.op, self.backends = op, list(backends)
         self.title = _op_title(op, dtype, world, device)
-        self.ratios = _ratio_backends(backends)
-        self.rw = max([len(f"fastcomm/{b}") + 2 for b in self.ratios] + [0])
+        self.pairs = _ratio_pairs(backends)
+        self.rw = max([len(f"{a}/{b}") + 2 for a, b in self.pairs] + [0])
 
     def header(self) -> str:
         block = sum(self.WIDTHS)
         l1 = " " * 24 + "".join(f" {b} ".center(block - 1, "-") + " " for b in self.backends)
-        l1 += "".join(f"{'busbw ratio':>{self.rw}}" for _ in self.ratios)
+        l1 += "".join(f"{'busbw ratio':>{self.rw}}" for _ in self.pairs)
         l2 = f"{'size':>12}{'count':>12}"
         l3 = f"{'(B)':>12}{'(elements)':>12}"
         for _ in self.backends:
             l2 += "".join(
-                f"{h:>{w}}" for h, w in zip(("time", "algbw", "busbw", "#wrong"), self.WIDTHS)
+                f"{h:>{w}}" for h, w in zip(("time", "±", "algbw", "busbw", "#wrong"), self.WIDTHS)
             )
             l3 += "".join(
-                f"{h:>{w}}" for h, w in zip(("(us)", "(GB/s)", "(GB/s)", ""), self.WIDTHS)
+                f"{h:>{w}}" for h, w in zip(("(us)", "(%)", "(GB/s)", "(GB/s)", ""), self.WIDTHS)
             )
-        l2 += "".join(f"{'fastcomm/' + b:>{self.rw}}" for b in self.ratios)
+        l2 += "".join(f"{a + '/' + b:>{self.rw}}" for a, b in self.pairs)
         lines = ("", "  " + self.title, l1, l2, l3)
         return "\n".join(("#" + line[1:]).rstrip() for line in lines)
 
@@ -554,43 +734,73 @@ class TextTable:
         text = f"{point[0].size_bytes:>12}{point[0].count:>12}"
         for b in self.backends:
             text += "".join(f"{c:>{w}}" for c, w in zip(_cells(rows.get(b)), self.WIDTHS))
-        return text + "".join(f"{_ratio(rows, b):>{self.rw}}" for b in self.ratios)
+        return text + "".join(f"{_ratio(rows, p):>{self.rw}}" for p in self.pairs)
 
     def footer(self, rows: Sequence[Row]) -> str:
         lines = [f"# avg busbw (GB/s): {_avg_busbw(rows, self.backends) or 'none'}"]
+        lines += [f"# {summary_text(item)}" for item in summarize(rows, self.backends)]
         notes = {(r.backend, r.status, r.error) for r in rows if r.status != "ok"}
         for backend, status, error in sorted(notes, key=str):
             lines.append(f"# {backend}: {self.op} {status}: {error or 'on another rank'}")
         return "\n".join(lines)
 
 
-def render_markdown(data: dict[str, Any]) -> str:
-    """A Markdown report of one result file: how it was made, then one table per op."""
-    meta, rows = data["meta"], [Row(**r) for r in data["results"]]
-    backends = meta["backends"]
+def _meta_lines(meta: dict[str, Any]) -> list[str]:
+    """The bullet list at the top of a Markdown report."""
     out = [
-        f"# Collectives: {meta['label'] or meta['device']['name']}",
-        "",
         f"- Date: {meta['timestamp']}; host {meta['hostname']} "
         f"({len(meta['hosts'])} host(s): {', '.join(meta['hosts'])})",
         f"- Launcher: `{meta['launcher_cmdline'] or 'unknown'}`",
         f"- Command: `{shlex.join(meta['argv'])}`",
         f"- World: {meta['world_size']} ranks ({meta['local_world_size']} per host); device "
         f"{meta['device']['type']}: {meta['device']['name']}",
+    ]
+    sim = meta.get("sim_nodes")
+    if sim and sim.get("nodes", 1) > 1:
+        out.append(
+            f"- Simulated nodes: {sim['nodes']} x {sim['ranks_per_node']} ranks; host ids by "
+            f"rank: {', '.join(sim['host_id_by_rank'])}; set by the benchmark: "
+            f"{', '.join(f'`{k}={v}`' for k, v in sim['set'].items()) or 'none'}; kept as "
+            f"given: {', '.join(f'`{k}={v}`' for k, v in sim['kept'].items()) or 'none'}"
+        )
+    if meta.get("wire_dtype", "none") != "none":
+        out.append(
+            f"- fastcomm wire dtype: {meta['wire_dtype']} (busbw is the effective busbw: "
+            f"computed from the {meta['dtype']} bytes, as for the other series; the check "
+            f"allows a relative error of {meta.get('check_rtol', {})})"
+        )
+    out += [
         f"- Versions: {', '.join(f'{k} {v}' for k, v in meta['versions'].items() if v)}",
         f"- Environment: {', '.join(f'`{k}={v}`' for k, v in meta['env'].items()) or 'none set'}",
         f"- Skipped backends: "
         f"{', '.join(f'{k} ({v})' for k, v in meta['skipped'].items()) or 'none'}",
         f"- Timing: {meta['timing']}",
     ]
-    ratios = _ratio_backends(backends)
+    return out
+
+
+def render_markdown(data: dict[str, Any]) -> str:
+    """A Markdown report of one result file: how it was made, then one table per op."""
+    meta, rows = data["meta"], [Row(**r) for r in data["results"]]
+    backends = meta["backends"]
+    out = [f"# Collectives: {meta['label'] or meta['device']['name']}", ""]
+    out += _meta_lines(meta)
+    for launch in meta.get("sweep", {}).get("launches", []):
+        env = " ".join(f"{k}={v}" for k, v in launch["env"].items())
+        out.append(
+            f"- Launch `{launch['name']}` (exit {launch['returncode']}): "
+            f"`{(env + ' ') if env else ''}{shlex.join(launch['cmd'])}`"
+        )
+    pairs = _ratio_pairs(backends)
     for op in dict.fromkeys(r.op for r in rows):
         op_rows = [r for r in rows if r.op == op]
         title = _op_title(op, meta["dtype"], meta["world_size"], meta["device"]["type"])
+        with_setting = [b for b in backends if any(r.setting for r in op_rows if r.backend == b)]
         head = ["size (B)", "count"]
         for b in backends:
-            head += [f"{b} time (us)", f"{b} algbw (GB/s)", f"{b} busbw (GB/s)", f"{b} #wrong"]
-        head += [f"fastcomm/{b} busbw" for b in ratios]
+            head += [f"{b} time (us)", f"{b} ±%", f"{b} algbw (GB/s)", f"{b} busbw (GB/s)"]
+            head += [f"{b} #wrong"] + ([f"{b} setting"] if b in with_setting else [])
+        head += [f"{a}/{b} busbw" for a, b in pairs]
         out += ["", f"## {title}", "", "| " + " | ".join(head) + " |"]
         out.append("|" + "---:|" * len(head))
         for size in dict.fromkeys(r.size_bytes for r in op_rows):
@@ -599,17 +809,55 @@ def render_markdown(data: dict[str, Any]) -> str:
             cells = [str(size), str(first.count)]
             for b in backends:
                 cells += list(_cells(point.get(b)))
-            cells += [_ratio(point, b) for b in ratios]
+                if b in with_setting:
+                    cells.append((point[b].setting or "") if b in point else "")
+            cells += [_ratio(point, p) for p in pairs]
             out.append("| " + " | ".join(cells) + " |")
         out += ["", f"Average busbw (GB/s): {_avg_busbw(op_rows, backends) or 'none'}"]
+        summary = summarize(op_rows, backends)
+        if summary:
+            out += [""] + [f"- {summary_text(item)}" for item in summary]
+        out += _setting_table(meta, op)
     return "\n".join(out) + "\n"
+
+
+def _setting_table(meta: dict[str, Any], op: str) -> list[str]:
+    """Merged sweeps (run_multinode_sweep.py): busbw of the peer at every setting and size."""
+    sweep = meta.get("sweep", {})
+    per_size = sweep.get("busbw_by_setting", {}).get(op)
+    if not per_size:
+        return []
+    settings = list(dict.fromkeys(s for v in per_size.values() for s in v))
+    best = sweep.get("best_setting", {}).get(op, {})
+    out = [
+        "",
+        (
+            f"{sweep['peer']} busbw (GB/s) by setting (NCCL_SOCKET_NTHREADS x "
+            "NCCL_NSOCKS_PERTHREAD, NCCL_BUFFSIZE); the best per size in bold:"
+        ),
+        "",
+        "| size (B) | " + " | ".join(settings) + " |",
+        "|" + "---:|" * (len(settings) + 1),
+    ]
+    for size, values in sorted(per_size.items(), key=lambda kv: int(kv[0])):
+        cells = []
+        for s in settings:
+            v = values.get(s)
+            text = "" if s not in values else ("bad" if v is None else f"{v:.3g}")
+            cells.append(f"**{text}**" if best.get(size) == s else text)
+        out.append(f"| {size} | " + " | ".join(cells) + " |")
+    wins = sweep.get("best_wins", {}).get(op, {})
+    if wins:
+        out += ["", "Sizes won: " + ", ".join(f"{k} {v}" for k, v in wins.items())]
+    return out
 
 
 # ----------------------------------------------------------------------------- plotting
 
 
 def plot_results(datasets: Sequence[dict[str, Any]], path: str) -> bool:
-    """busbw vs size, one panel per op, one line per backend (and per file when merging).
+    """busbw vs size, one panel per op, one line per series (and per file when merging); a
+    shaded band spans the busbw of the slowest and the fastest repeat where recorded.
 
     Returns False (with a warning) when matplotlib is not installed.
     """
@@ -627,8 +875,13 @@ def plot_results(datasets: Sequence[dict[str, Any]], path: str) -> bool:
         return False
     ops = list(dict.fromkeys(r["op"] for d in datasets for r in d["results"]))
     named = dict.fromkeys(b for d in datasets for b in d["meta"]["backends"])
-    extra = [b for b in named if b not in BACKEND_COLORS]
-    colors = BACKEND_COLORS | {b: f"C{i + len(BACKEND_COLORS)}" for i, b in enumerate(extra)}
+    # A series such as nccl(default) takes its backend's colour unless that is in use.
+    colors = {b: c for b, c in BACKEND_COLORS.items() if b in named}
+    spare = (f"C{i}" for i in range(len(BACKEND_COLORS), 100))
+    for b in named:
+        if b not in colors:
+            base = BACKEND_COLORS.get(b.split("(")[0])
+            colors[b] = base if base and base not in colors.values() else next(spare)
     styles = ("-", "--", ":", "-.")
     ncols = min(3, max(1, len(ops)))
     nrows = max(1, math.ceil(len(ops) / ncols))
@@ -657,6 +910,16 @@ def plot_results(datasets: Sequence[dict[str, Any]], path: str) -> bool:
                     markersize=3,
                     label=f"{prefix}{b}",
                 )
+                band = [r for r in pts if r.get("time_us_repeat_min") and r.get("repeats", 1) > 1]
+                if band:
+                    ax.fill_between(
+                        [r["size_bytes"] for r in band],
+                        [r["busbw_gbps"] * r["time_us"] / r["time_us_repeat_max"] for r in band],
+                        [r["busbw_gbps"] * r["time_us"] / r["time_us_repeat_min"] for r in band],
+                        color=colors[b],
+                        alpha=0.15,
+                        linewidth=0,
+                    )
                 bad = [r for r in pts if r["wrong"]]
                 if bad:
                     ax.plot(
@@ -757,7 +1020,12 @@ def _local_info(device: torch.device) -> dict[str, Any]:
 
 
 def collect_metadata(
-    bench: Bench, torchext: Any, skipped: dict[str, str], device: torch.device
+    bench: Bench,
+    torchext: Any,
+    skipped: dict[str, str],
+    device: torch.device,
+    sim: dict[str, Any],
+    wire: str,
 ) -> dict[str, Any]:
     """Everything needed to reproduce and cite a run (collective: call on every rank)."""
     infos: list[Any] = [None] * bench.world
@@ -796,22 +1064,75 @@ def collect_metadata(
             "name": " / ".join(dict.fromkeys(i["device_name"] for i in infos)),
         },
         "dtype": a.dtype,
-        "backends": bench.backends,
+        "backends": [bench.series[b] for b in bench.backends],  # the series, as in the rows
+        "series": {bench.series[b]: b for b in bench.backends},  # series -> backend
         "skipped": skipped,
         "versions": versions,
         "git": _git_state(),
         "env": env0,
         "env_differs_by_rank": {r: d for r, d in env_diff.items() if d},
+        "repeats": a.repeats,
+        "sim_nodes": sim
+        | {"host_id_by_rank": [i["env"].get("FASTCOMM_HOST_ID", "") for i in infos]},
+        "wire_dtype": wire,
+        "check_rtol": {bench.series[b]: t for b, t in bench.rtol.items() if t},
+        "busbw_basis": f"bytes of the {a.dtype} buffers (with a compressed wire dtype: "
+        "effective busbw)",
         "timing": (
-            f"host time after warm-up (up to {a.warmup} iterations) and a barrier, "
+            f"per size, each backend: warm-up (up to {a.warmup} iterations), then {a.repeats} "
+            f"repeats, backends interleaved, of: barrier, "
             f"{'torch.cuda.synchronize() before and after, ' if device.type == 'cuda' else ''}"
-            f"divided by iterations (up to {a.iters}, fewer for big sizes: about "
-            f"{a.time_per_size:g} s per point, at least {a.min_iters}), max over ranks"
+            f"host time of a loop divided by its iterations (up to {a.iters}, fewer for big "
+            f"sizes: about {a.time_per_size:g} s per size for all backends, at least "
+            f"{a.min_iters}); max over ranks per repeat, median over repeats"
         ),
     }
 
 
 # ----------------------------------------------------------------------------- main
+
+
+def apply_sim_nodes(nodes: int) -> dict[str, Any]:
+    """Give this process the identity of simulated node k = LOCAL_RANK // (LOCAL_WORLD_SIZE / N).
+
+    Sets FASTCOMM_HOST_ID and NCCL_HOSTID to simnode<k> (k counts on over torchrun's nodes via
+    GROUP_RANK) and the NCCL socket network (SIM_NCCL_NET_ENV) where not set already. Must run
+    before any process group exists: NCCL reads these once per process. Returns the record
+    stored in the JSON metadata (rank 0's).
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if nodes == 1:
+        return {"nodes": 1, "ranks_per_node": local_world, "set": {}, "kept": {}}
+    if local_world % nodes:
+        raise ValueError(
+            f"--sim-nodes {nodes} does not divide LOCAL_WORLD_SIZE={local_world} ranks per host"
+        )
+    per_node = local_world // nodes
+    node = int(os.environ.get("GROUP_RANK", "0")) * nodes + local_rank // per_node
+    for key in ("FASTCOMM_HOST_ID", "NCCL_HOSTID"):
+        os.environ[key] = f"simnode{node}"
+    done: dict[str, str] = {}
+    kept: dict[str, str] = {}
+    for key, value in SIM_NCCL_NET_ENV.items():
+        if key in os.environ:
+            kept[key] = os.environ[key]
+        else:
+            os.environ[key] = done[key] = value
+    return {
+        "nodes": nodes,
+        "ranks_per_node": per_node,
+        "host_id_vars": ["FASTCOMM_HOST_ID", "NCCL_HOSTID"],
+        "set": done,  # network variables the benchmark set
+        "kept": kept,  # network variables the user had set, used as given
+    }
+
+
+def apply_wire_dtype(choice: Optional[str]) -> str:
+    """Set FASTCOMM_WIRE_DTYPE from --wire-dtype (if given); the value in effect."""
+    if choice is not None:
+        os.environ["FASTCOMM_WIRE_DTYPE"] = choice
+    return os.environ.get("FASTCOMM_WIRE_DTYPE", "none").strip().lower() or "none"
 
 
 def select_backends(wanted: Sequence[str], device: str) -> tuple[list[str], dict[str, str], Any]:
@@ -873,8 +1194,15 @@ def run(args: argparse.Namespace) -> int:
             "run under torchrun, e.g. torchrun --nproc_per_node=4 " + sys.argv[0], file=sys.stderr
         )
         return 2
-    backends, skipped, torchext = select_backends(args.backends, args.device)
     rank = int(os.environ["RANK"])
+    try:
+        sim = apply_sim_nodes(args.sim_nodes)
+    except ValueError as exc:
+        if rank == 0:
+            print(exc, file=sys.stderr)
+        return 2
+    wire = apply_wire_dtype(args.wire_dtype)
+    backends, skipped, torchext = select_backends(args.backends, args.device)
     if "fastcomm" in skipped:
         # Asked for and unusable: a broken build must not pass as a peer-only run.
         if rank == 0:
@@ -892,17 +1220,29 @@ def run(args: argparse.Namespace) -> int:
     # hands the default group's backend to NCCL as split_from and fails when that
     # backend is not NCCL. Communicators are created during warm-up instead.
     dist.init_process_group(backend=backends[0])
-    bench = Bench(args, backends, device)
-    meta = collect_metadata(bench, torchext, skipped, device)
+    world = dist.get_world_size()
+    series = {b: f"{b}({wire})" if b == "fastcomm" and wire != "none" else b for b in backends}
+    rtol = {"fastcomm": wire_rtol(wire, world)} if "fastcomm" in backends else {}
+    bench = Bench(args, backends, device, series, rtol)
+    meta = collect_metadata(bench, torchext, skipped, device, sim, wire)
     if rank == 0:
         print(f"# bench_collectives {meta['timestamp']} {meta['label']}")
         print(
             f"# {meta['world_size']} ranks on {', '.join(meta['hosts'])}; {meta['device']['name']}"
         )
         print("# " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v))
-        print(f"# backends: {', '.join(backends)}")
+        print(f"# backends: {', '.join(meta['backends'])}")
         for name, reason in skipped.items():
             print(f"# skipped {name}: {reason}")
+        if sim["nodes"] > 1:
+            print(
+                f"# simulated nodes: {sim['nodes']} x {sim['ranks_per_node']} ranks, host ids "
+                f"{' '.join(meta['sim_nodes']['host_id_by_rank'])}; set "
+                f"{' '.join(f'{k}={v}' for k, v in sim['set'].items()) or '-'}; kept "
+                f"{' '.join(f'{k}={v}' for k, v in sim['kept'].items()) or '-'}"
+            )
+        if meta["check_rtol"]:
+            print(f"# check: relative tolerance {meta['check_rtol']} (wire dtype {wire})")
         print(f"# timing: {meta['timing']}")
         print("# env: " + (" ".join(f"{k}={v}" for k, v in meta["env"].items()) or "-"), flush=True)
     rows: list[Row] = []
@@ -913,7 +1253,9 @@ def run(args: argparse.Namespace) -> int:
     if rank == 0:
         verdict = "N/A (--no-check)" if not args.check else ("OK" if wrong == 0 else "FAILED")
         print(f"# total #wrong: {wrong} {verdict}; failed points: {failed}", flush=True)
-        write_outputs({"schema": SCHEMA, "meta": meta, "results": [asdict(r) for r in rows]}, args)
+        data = {"schema": SCHEMA, "meta": meta, "results": [asdict(r) for r in rows]}
+        data["summary"] = summarize(rows, meta["backends"])
+        write_outputs(data, args)
     dist.barrier(group=bench.ctrl)
     dist.destroy_process_group()
     return 1 if wrong or failed else 0

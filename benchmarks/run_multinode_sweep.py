@@ -1,0 +1,464 @@
+r"""Simulated multi-node sweep: fastcomm against NCCL at its default and at its best socket setting.
+
+NCCL reads its socket variables once per process, so every NCCL setting needs its own torchrun
+launch of bench_collectives.py. This driver runs, one after the other, on one machine:
+
+  1. fastcomm and the peer (NCCL) side by side, NCCL at its default;
+  2. the peer alone, once per setting of a small sweep: NCCL_SOCKET_NTHREADS x
+     NCCL_NSOCKS_PERTHREAD in --socket-settings, times NCCL_BUFFSIZE in --buffsizes;
+  3. optionally fastcomm alone with --wire-dtype bf16|fp16;
+
+all with the same --sim-nodes, --device, --ops, sizes and iteration options, and with
+NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1. It then merges the
+result files into one with the series "fastcomm", "nccl(default)", "nccl(best)" (per op and
+size the best busbw of the default and all swept settings, the winning setting recorded per
+size) and "fastcomm(bf16)", prints the Markdown report and writes --json, --plot and --md.
+
+    python benchmarks/run_multinode_sweep.py --nproc-per-node 4 --sim-nodes 2 \
+        --json sweep.json --plot sweep.png --md sweep.md --wire-dtype bf16
+
+On a machine without GPUs the driver can be exercised with Gloo as the peer:
+
+    python benchmarks/run_multinode_sweep.py --device cpu --nproc-per-node 2 --sim-nodes 2 \
+        --peer gloo --no-fastcomm --max-bytes 1M --json /tmp/sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import bench_collectives as bc  # noqa: E402 - next to this file, not an installed module
+
+BENCH = os.path.join(HERE, "bench_collectives.py")
+# Set (overriding the environment) for every launch.
+LAUNCH_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+# What the sweep varies; removed from the inherited environment so "default" means NCCL's own.
+SWEPT_VARS = ("NCCL_SOCKET_NTHREADS", "NCCL_NSOCKS_PERTHREAD", "NCCL_BUFFSIZE")
+DEFAULT_SETTING = "default"
+# bench_collectives options passed through to every launch when given here.
+PASSTHROUGH = (
+    ("--dtype", str),
+    ("--factor", int),
+    ("--warmup", int),
+    ("--iters", int),
+    ("--min-iters", int),
+    ("--repeats", int),
+    ("--time-per-size", float),
+)
+
+
+@dataclass
+class Launch:
+    """One torchrun launch of bench_collectives.py."""
+
+    name: str  # also the file name of its JSON and its --label
+    role: str  # "main" (fastcomm + peer at default), "peer" (one swept setting), "wire"
+    backends: list[str]
+    setting: str = DEFAULT_SETTING  # the peer setting, as shown in tables
+    env: dict[str, str] = field(default_factory=dict)  # set for this launch only
+    wire_dtype: Optional[str] = None
+    cmd: list[str] = field(default_factory=list)
+    json: str = ""
+    returncode: Optional[int] = None
+    seconds: Optional[float] = None
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _socket_settings(text: str) -> list[tuple[int, int]]:
+    """'1x1,2x8,4x4' -> [(1, 1), (2, 8), (4, 4)] (NCCL_SOCKET_NTHREADS x NCCL_NSOCKS_PERTHREAD)."""
+    out = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        try:
+            threads, socks = (int(v) for v in item.lower().split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not THREADSxSOCKS: {item!r}") from None
+        if threads < 1 or socks < 1:
+            raise argparse.ArgumentTypeError(f"need positive counts: {item!r}")
+        out.append((threads, socks))
+    return out
+
+
+def _buffsizes(text: str) -> list[Optional[int]]:
+    """'default,16777216' -> [None, 16777216] (None: NCCL_BUFFSIZE not set); 16M works too."""
+    out: list[Optional[int]] = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        out.append(None if item.lower() == DEFAULT_SETTING else bc.parse_size(item))
+    return out
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Command line of the driver (see --help)."""
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--nproc-per-node",
+        "--gpus",
+        type=int,
+        default=4,
+        help="ranks (GPUs) of the one machine (default: %(default)s)",
+    )
+    p.add_argument(
+        "--sim-nodes",
+        type=int,
+        default=2,
+        help="simulated nodes, passed to every launch (default: %(default)s)",
+    )
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    p.add_argument("--ops", default="all_reduce", help="passed through (default: %(default)s)")
+    p.add_argument("--min-bytes", default="1K", help="passed through (default: %(default)s)")
+    p.add_argument("--max-bytes", default="1G", help="passed through (default: %(default)s)")
+    for flag, kind in PASSTHROUGH:
+        p.add_argument(flag, type=kind, help="passed through when given")
+    p.add_argument(
+        "--bench-args",
+        default="",
+        help="more bench_collectives options for every launch, as one shell-quoted string",
+    )
+    p.add_argument(
+        "--peer",
+        default="nccl",
+        help="the backend swept against fastcomm (default: %(default)s; gloo to try the "
+        "driver without GPUs: the NCCL_* variables are then set but unused)",
+    )
+    p.add_argument(
+        "--fastcomm",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure fastcomm in the first launch, beside the peer at its default",
+    )
+    p.add_argument(
+        "--socket-settings",
+        type=_socket_settings,
+        default="1x1,2x8,4x4",
+        help="NCCL_SOCKET_NTHREADS x NCCL_NSOCKS_PERTHREAD pairs (default: %(default)s)",
+    )
+    p.add_argument(
+        "--buffsizes",
+        type=_buffsizes,
+        default="default,16777216",
+        help="NCCL_BUFFSIZE values, 'default' = unset (default: %(default)s)",
+    )
+    p.add_argument(
+        "--wire-dtype",
+        choices=("none", *bc.WIRE_DTYPES),
+        default="none",
+        help="when not none, one more launch of fastcomm alone with this "
+        "FASTCOMM_WIRE_DTYPE, the series fastcomm(<dtype>) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--out-dir",
+        help="folder of the per-launch JSON files (default: a new folder under the temp dir)",
+    )
+    p.add_argument("--json", metavar="PATH", help="write the merged result")
+    p.add_argument("--plot", metavar="PATH", help="write busbw vs size of the merged result")
+    p.add_argument("--md", metavar="PATH", help="write the Markdown report of the merged result")
+    p.add_argument("--label", default="", help="label of the merged result")
+    p.add_argument(
+        "--torchrun",
+        default=f"{shlex.quote(sys.executable)} -m torch.distributed.run",
+        help="launcher command (default: %(default)s)",
+    )
+    p.add_argument(
+        "--launch-timeout",
+        type=float,
+        help="seconds after which a launch is stopped (its process group killed)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the launches, run nothing")
+    p.add_argument(
+        "--merge-only",
+        action="store_true",
+        help="run nothing: merge the JSON files an earlier run left in --out-dir",
+    )
+    args = p.parse_args(argv)
+    if args.nproc_per_node < 1 or args.sim_nodes < 1 or args.nproc_per_node % args.sim_nodes:
+        p.error("--sim-nodes must divide --nproc-per-node")
+    if args.merge_only and not args.out_dir:
+        p.error("--merge-only needs --out-dir")
+    if args.peer == "fastcomm":
+        p.error("--peer must be another backend than fastcomm")
+    return args
+
+
+# ----------------------------------------------------------------------------- launches
+
+
+def setting_label(threads: int, socks: int, buffsize: Optional[int]) -> str:
+    """'4x4' or '4x4 buf=16M' (NCCL_SOCKET_NTHREADS x NCCL_NSOCKS_PERTHREAD, NCCL_BUFFSIZE)."""
+    text = f"{threads}x{socks}"
+    return text if buffsize is None else f"{text} buf={bc.format_size(buffsize)}"
+
+
+def plan_launches(args: argparse.Namespace, out_dir: str, fallback: bool = False) -> list[Launch]:
+    """The launches of the sweep, in run order, with their commands; with `fallback`, one more
+    at the end: the peer alone at its default (for when the main launch failed)."""
+    main_backends = (["fastcomm"] if args.fastcomm else []) + [args.peer]
+    launches = [Launch("main", "main", main_backends)]
+    for threads, socks in args.socket_settings:
+        for buffsize in args.buffsizes:
+            env = {"NCCL_SOCKET_NTHREADS": str(threads), "NCCL_NSOCKS_PERTHREAD": str(socks)}
+            if buffsize is not None:
+                env["NCCL_BUFFSIZE"] = str(buffsize)
+            label = setting_label(threads, socks, buffsize)
+            name = f"{args.peer}-" + label.replace(" buf=", "-buf")
+            launches.append(Launch(name, "peer", [args.peer], label, env))
+    if args.wire_dtype != "none":
+        launches.append(
+            Launch(f"fastcomm-{args.wire_dtype}", "wire", ["fastcomm"], wire_dtype=args.wire_dtype)
+        )
+    if fallback:
+        launches.append(Launch(f"{args.peer}-{DEFAULT_SETTING}", "peer", [args.peer]))
+    base = shlex.split(args.torchrun) + [
+        "--standalone",
+        f"--nproc_per_node={args.nproc_per_node}",
+        BENCH,
+        "--device",
+        args.device,
+        "--ops",
+        args.ops,
+        "--sim-nodes",
+        str(args.sim_nodes),
+        "--min-bytes",
+        args.min_bytes,
+        "--max-bytes",
+        args.max_bytes,
+    ]
+    for flag, _ in PASSTHROUGH:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            base += [flag, str(value)]
+    for launch in launches:
+        launch.json = os.path.join(out_dir, f"{launch.name}.json")
+        launch.cmd = base + ["--backends", ",".join(launch.backends)]
+        if launch.wire_dtype:
+            launch.cmd += ["--wire-dtype", launch.wire_dtype]
+        launch.cmd += ["--json", launch.json, "--label", launch.name]
+        launch.cmd += shlex.split(args.bench_args)
+    return launches
+
+
+def launch_env(launch: Launch) -> dict[str, str]:
+    """The environment of one launch: ours without the swept variables, plus its own."""
+    env = {k: v for k, v in os.environ.items() if k not in SWEPT_VARS}
+    return env | LAUNCH_ENV | launch.env
+
+
+def run_launch(launch: Launch, timeout: Optional[float]) -> None:
+    """Run one launch to its end (or its timeout), recording exit status and duration."""
+    shown = " ".join(f"{k}={v}" for k, v in (LAUNCH_ENV | launch.env).items())
+    print(f"\n### launch {launch.name}: {shown} {shlex.join(launch.cmd)}", flush=True)
+    if os.path.exists(launch.json):
+        os.remove(launch.json)  # never merge a stale file
+    start = time.monotonic()
+    # A session of its own, so a timeout can stop torchrun and all its ranks together.
+    proc = subprocess.Popen(launch.cmd, env=launch_env(launch), start_new_session=True)
+    try:
+        launch.returncode = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"### launch {launch.name}: timed out after {timeout:g} s, stopping it", flush=True)
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        launch.returncode = 124
+    except KeyboardInterrupt:
+        os.killpg(proc.pid, signal.SIGTERM)
+        raise
+    launch.seconds = round(time.monotonic() - start, 1)
+    print(f"### launch {launch.name}: exit {launch.returncode} in {launch.seconds} s", flush=True)
+
+
+# ----------------------------------------------------------------------------- merging
+
+
+def _row_key(row: dict[str, Any]) -> tuple[str, int]:
+    return row["op"], row["size_bytes"]
+
+
+def _usable(row: dict[str, Any]) -> bool:
+    """A candidate for "best": measured and not wrong."""
+    return row["status"] == "ok" and bool(row["busbw_gbps"]) and not row.get("wrong")
+
+
+def merge(
+    launches: Sequence[Launch], loaded: dict[str, dict[str, Any]], args: argparse.Namespace
+) -> dict[str, Any]:
+    """One bench_collectives result (same schema) with the series of the sweep."""
+    peer = args.peer
+    default_series, best_series = f"{peer}({DEFAULT_SETTING})", f"{peer}(best)"
+    rows: list[dict[str, Any]] = []  # in series order, re-sorted below
+
+    def take(name: str, backend: str, series: str, setting: Optional[str]) -> None:
+        for row in loaded.get(name, {}).get("results", []):
+            if row["backend"] == backend:
+                rows.append(dict(row, backend=series, setting=setting))
+
+    # Candidates of the peer: its default run beside fastcomm, then every swept setting.
+    candidates: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for launch in launches:
+        if launch.role in ("main", "peer"):
+            for row in loaded.get(launch.name, {}).get("results", []):
+                if row["backend"] == peer:
+                    candidates.setdefault(_row_key(row), []).append(
+                        dict(row, setting=launch.setting)
+                    )
+    if args.fastcomm:
+        take("main", "fastcomm", "fastcomm", None)
+    defaults = [la.name for la in launches if la.setting == DEFAULT_SETTING and la.role != "wire"]
+    defaults = [name for name in defaults if name in loaded]
+    if defaults:
+        take(defaults[0], peer, default_series, None)
+    best_setting: dict[str, dict[str, str]] = {}
+    table: dict[str, dict[str, dict[str, Optional[float]]]] = {}
+    for (op, size), rows_here in candidates.items():
+        usable = [r for r in rows_here if _usable(r)]
+        best = max(usable, key=lambda r: r["busbw_gbps"]) if usable else rows_here[0]
+        if not usable:
+            best = dict(best, setting=None)
+        rows.append(dict(best, backend=best_series))
+        if best["setting"]:
+            best_setting.setdefault(op, {})[str(size)] = best["setting"]
+        table.setdefault(op, {})[str(size)] = {
+            r["setting"]: (r["busbw_gbps"] if _usable(r) else None) for r in rows_here
+        }
+    for launch in launches:
+        if launch.role == "wire":
+            series = f"fastcomm({launch.wire_dtype})"
+            take(launch.name, series, series, None)
+
+    series_order = (["fastcomm"] if args.fastcomm else []) + [default_series, best_series]
+    series_order += [f"fastcomm({la.wire_dtype})" for la in launches if la.role == "wire"]
+    series_order = [s for s in series_order if any(r["backend"] == s for r in rows)]
+    ops = list(dict.fromkeys(r["op"] for d in loaded.values() for r in d["results"]))
+    rank = {s: k for k, s in enumerate(series_order)}
+    rows.sort(key=lambda r: (ops.index(r["op"]), r["size_bytes"], rank.get(r["backend"], 99)))
+
+    base_name = "main" if "main" in loaded else next(iter(loaded))
+    meta = copy.deepcopy(loaded[base_name]["meta"])
+    meta.pop("source", None)
+    wins: dict[str, dict[str, int]] = {}
+    for op, per_size in best_setting.items():
+        for setting in per_size.values():
+            wins.setdefault(op, {}).setdefault(setting, 0)
+            wins[op][setting] += 1
+    meta.update(
+        {
+            "label": args.label or f"simulated {args.sim_nodes}-node sweep",
+            "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "argv": list(sys.argv),
+            "launcher_cmdline": shlex.join([sys.executable] + sys.argv),
+            "backends": series_order,
+            "series": {s: (peer if s.startswith(peer + "(") else "fastcomm") for s in series_order},
+            "skipped": {k: v for d in loaded.values() for k, v in d["meta"]["skipped"].items()},
+            "sweep": {
+                "peer": peer,
+                "base_launch": base_name,
+                "best_rule": "per op and size, the highest busbw over the peer's default and "
+                "every swept setting, among points with no wrong element",
+                "settings": [la.setting for la in launches if la.role in ("main", "peer")],
+                "best_setting": best_setting,  # op -> size (str) -> winning setting
+                "best_wins": wins,  # op -> setting -> number of sizes it won
+                "busbw_by_setting": table,  # op -> size (str) -> setting -> busbw (None: bad)
+                "launch_env": LAUNCH_ENV,
+                "launches": [
+                    {
+                        "name": la.name,
+                        "setting": la.setting if la.role != "wire" else None,
+                        "backends": la.backends,
+                        "env": LAUNCH_ENV | la.env,
+                        "cmd": la.cmd,
+                        "json": la.json,
+                        "returncode": la.returncode,
+                        "seconds": la.seconds,
+                        "loaded": la.name in loaded,
+                    }
+                    for la in launches
+                ],
+            },
+        }
+    )
+    wire = [la for la in launches if la.role == "wire" and la.name in loaded]
+    if wire:
+        meta["wire_dtype"] = wire[0].wire_dtype
+        meta["check_rtol"] = loaded[wire[0].name]["meta"].get("check_rtol", {})
+    merged = {"schema": bc.SCHEMA, "meta": meta, "results": rows}
+    merged["summary"] = bc.summarize([bc.Row(**r) for r in rows], series_order)
+    return merged
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the launches (unless --merge-only), merge, report; 1 when a launch failed."""
+    args = parse_args(argv)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out_dir = args.out_dir or os.path.join(tempfile.gettempdir(), f"fastcomm-sweep-{stamp}")
+    launches = plan_launches(args, out_dir)
+    if args.dry_run:
+        for la in launches:
+            env = " ".join(f"{k}={v}" for k, v in (LAUNCH_ENV | la.env).items())
+            print(f"{env} {shlex.join(la.cmd)}")
+        return 0
+    os.makedirs(out_dir, exist_ok=True)
+    print(f"### {len(launches)} launches, results in {out_dir}", flush=True)
+    dropped = {k: os.environ[k] for k in SWEPT_VARS if k in os.environ}
+    if dropped:
+        print(f"### note: not passing {dropped} on: the sweep sets these itself", flush=True)
+    if not args.merge_only:
+        for la in list(launches):
+            run_launch(la, args.launch_timeout)
+            if la.role == "main" and args.fastcomm and not os.path.exists(la.json):
+                # fastcomm failed the whole launch: measure the peer's default on its own.
+                alone = plan_launches(args, out_dir, fallback=True)[-1]
+                print(f"### no result from {la.name}: adding {alone.name}", flush=True)
+                launches.insert(launches.index(la) + 1, alone)
+                run_launch(alone, args.launch_timeout)
+    elif args.fastcomm and not os.path.exists(launches[0].json):
+        launches.insert(1, plan_launches(args, out_dir, fallback=True)[-1])
+    loaded: dict[str, dict[str, Any]] = {}
+    for la in launches:
+        if os.path.exists(la.json):
+            loaded[la.name] = bc.load_results([la.json])[0]
+        else:
+            print(f"### launch {la.name}: no result file {la.json}", file=sys.stderr)
+    if not loaded:
+        print("### nothing to merge", file=sys.stderr)
+        return 1
+    merged = merge(launches, loaded, args)
+    print()
+    print(bc.render_markdown(merged), flush=True)
+    outputs = argparse.Namespace(json=args.json, md=args.md, plot=args.plot, label=args.label)
+    bc.write_outputs(merged, outputs)
+    failed = [la.name for la in launches if la.returncode not in (0, None)]
+    missing = [la.name for la in launches if la.name not in loaded]
+    if failed or missing:
+        print(f"### failed launches: {failed or 'none'}; without results: {missing or 'none'}")
+    return 1 if failed or missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
