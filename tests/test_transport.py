@@ -389,7 +389,7 @@ def test_peer_never_connects(name: str) -> None:
         assert timeout_s * 0.9 < res[r] < timeout_s + 10, res
 
 
-def test_unknown_transport() -> None:
+def test_unknown_transport(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed as dist
     import torchext._C as C
 
@@ -403,3 +403,9 @@ def test_unknown_transport() -> None:
     ep = C._TransportEndpoint(store, 0, 1, name="tcp", prefix="alone")
     ep.close()
     ep.close()
+    # FASTCOMM_SOCKET_IFNAME: an exact name or a prefix; no match is a clear error.
+    monkeypatch.setenv("FASTCOMM_SOCKET_IFNAME", "no-such-if")
+    with pytest.raises(ValueError, match="FASTCOMM_SOCKET_IFNAME=no-such-if matches no"):
+        C._TransportEndpoint(store, 0, 1, name="tcp", prefix="noif")
+    monkeypatch.setenv("FASTCOMM_SOCKET_IFNAME", "l")  # prefix of lo
+    C._TransportEndpoint(store, 0, 1, name="tcp", prefix="lo").close()

@@ -1142,11 +1142,16 @@ std::vector<std::vector<Fd>> TcpTransport::handshake(const c10::intrusive_ptr<c1
 
     // Addresses of the peers this rank connects to, as they appear.
     if (now >= nextStoreCheck) {
+      std::vector<int> absent;  // asked this round already (one store round trip per peer)
       for (auto& o : outs) {
         if (o.st != St::NeedHandle) continue;
         if (!handles.count(o.peer)) {
+          if (std::find(absent.begin(), absent.end(), o.peer) != absent.end()) continue;
           const std::string key = storeKey(o.peer);
-          if (!store->check({key})) continue;
+          if (!store->check({key})) {
+            absent.push_back(o.peer);
+            continue;
+          }
           auto raw = store->get(key);
           PeerHandle h;
           if (!decodeHandle(std::string(raw.begin(), raw.end()), &h)) {
