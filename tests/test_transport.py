@@ -91,15 +91,37 @@ def _endpoint(store: Any, rank: int, world: int, name: str, config: Any = None, 
 
 
 
+def _store_server_sockets() -> set[str]:
+    """Inodes of the sockets on the store's port: the store's host (rank 0) has one per
+    client, and they come and go with the other processes, not with the transport."""
+    port = int(os.environ["MASTER_PORT"])
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    cols = line.split()
+                    if int(cols[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(cols[9])
+        except OSError:
+            pass
+    return inodes
+
+
 def _resources() -> tuple[dict[str, str], int]:
-    """(open fds -> what they are, thread count) of this process."""
+    """(open fds -> what they are, thread count) of this process, without the store's
+    server-side sockets."""
     gc.collect()
+    skip = {f"socket:[{i}]" for i in _store_server_sockets()}
     fds = {}
     for fd in os.listdir("/proc/self/fd"):
         try:
-            fds[fd] = os.readlink(f"/proc/self/fd/{fd}")
+            target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:  # the listing's own fd
-            pass
+            continue
+        if target not in skip:
+            fds[fd] = target
     return fds, len(os.listdir("/proc/self/task"))
 
 
@@ -335,6 +357,7 @@ ABSENT = 2
 def _never_connects(rank: int, world: int, name: str, timeout_s: float) -> float:
     chk = Checker(f"rank {rank}")
     store = _store(rank, world)
+    _barrier(store, world, "baseline")  # every store client is connected
     if rank == ABSENT:
         store.wait(["nc/done"], timedelta(seconds=60))
         return 0.0
