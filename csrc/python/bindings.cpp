@@ -5,6 +5,7 @@
 #include <torch/python.h>
 
 #include "backend/process_group.hpp"
+#include "python/transport_bindings.hpp"
 
 #ifdef FASTCOMM_WITH_CUDA
 #include <nccl.h>
@@ -72,4 +73,6 @@ PYBIND11_MODULE(_C, m) {
     return py::none();
 #endif
   });
+
+  fastcomm::bindTransport(m);
 }
