@@ -77,6 +77,31 @@ def _sources(cuda: bool) -> list[str]:
     return cpp + sorted(glob.glob(os.path.join("kernels", "**", "*.cu"), recursive=True))
 
 
+def _shared_libstdcxx() -> list[str]:
+    """Link the C++ runtime torch uses (libstdc++.so.6), never a static copy.
+
+    Where the toolchain lacks the libstdc++.so development link (minimal
+    images), `g++ -shared` quietly links libstdc++.a into the extension: a
+    second copy of the iostream/locale machinery beside torch's, and
+    stringstreams then crash on threads we start. Naming the shared object
+    first resolves every C++ runtime symbol against it.
+    """
+    if not sys.platform.startswith("linux"):
+        return []
+    import subprocess
+
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        path = subprocess.run(
+            [cxx, "-print-file-name=libstdc++.so.6"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    if not os.path.isabs(path) or not os.path.exists(path):
+        return []
+    return [f"-L{os.path.dirname(path)}", "-l:libstdc++.so.6"]
+
+
 def _extension():
     cuda = _want_cuda()
     # The language standard follows torch (C++17 for 2.11, C++20 for newer headers);
@@ -114,7 +139,7 @@ def _extension():
         library_dirs=library_dirs,
         libraries=libraries,
         extra_compile_args=extra,
-        extra_link_args=extra_link + ["-lrt"],
+        extra_link_args=_shared_libstdcxx() + extra_link + ["-lrt"],
     )
 
 

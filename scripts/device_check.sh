@@ -2,7 +2,7 @@
 # Runs on a lent GPU machine (torch preinstalled, no network), from the repo
 # root: builds the extension, runs the GPU tests and the benchmarks, and
 # leaves logs and JSON in $OUT (at most 8 files come back).
-#   scripts/device_check.sh build tests bench cpubench ops   (any subset, in order)
+#   scripts/device_check.sh build tests bench cpubench cpubench2x2 ops   (any subset, in order)
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
@@ -55,7 +55,9 @@ for stage in "${stages[@]}"; do
       "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
         benchmarks/bench_collectives.py --device cuda --backends fastcomm,nccl \
         --ops all_reduce,all_gather,reduce_scatter,broadcast --min-bytes 1K --max-bytes 1G \
+        --repeats 5 --time-per-size 2 \
         --json "$OUT/bench_cuda_${NGPU}gpu.json" --plot "$OUT/bench_cuda_${NGPU}gpu.png" \
+        --md "$OUT/bench_cuda_${NGPU}gpu.md" \
         --label "device_check bench" ${BENCH_ARGS:-} 2>&1 | grep -v "^W1" | tee -a "$LOG"
       ;;
     cpubench)
@@ -65,6 +67,14 @@ for stage in "${stages[@]}"; do
         --ops all_reduce --min-bytes 1K --max-bytes 256M \
         --json "$OUT/bench_cpu_4rank.json" --plot "$OUT/bench_cpu_4rank.png" \
         --label "device_check cpubench" 2>&1 | grep -v "^W1" | tee -a "$LOG"
+      ;;
+    cpubench2x2)
+      say "collectives benchmark, 4 CPU ranks as 2 simulated nodes x 2 (tcp on loopback), fastcomm vs gloo"
+      OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc_per_node=4 \
+        benchmarks/bench_collectives.py --device cpu --backends fastcomm,gloo --sim-nodes 2 \
+        --ops all_reduce --min-bytes 1K --max-bytes 256M --repeats 3 \
+        --json "$OUT/bench_cpu_2x2.json" --plot "$OUT/bench_cpu_2x2.png" --md "$OUT/bench_cpu_2x2.md" \
+        --label "device_check cpubench2x2" 2>&1 | grep -v "^W1" | tee -a "$LOG"
       ;;
     ops)
       say "matmul ops"

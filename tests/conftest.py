@@ -55,13 +55,28 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             pytest.skip(f"needs {need} CUDA GPU(s), found {have}")
 
 
+def _creator_alive(path: str) -> bool:
+    """Segments are named /fastcomm-<pidns>-<creator pid>-...: one whose creator still
+    runs belongs to a live group (possibly another test session on this machine)."""
+    parts = os.path.basename(path).split("-")
+    try:
+        pid = int(parts[2])
+        os.kill(pid, 0)
+    except (IndexError, ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _shm_entries() -> set[str]:
-    return set(glob.glob(SHM_PATTERN))
+    return {p for p in glob.glob(SHM_PATTERN) if not _creator_alive(p)}
 
 
 @pytest.fixture(scope="session", autouse=True)
 def no_leaked_shared_memory() -> Iterator[None]:
-    """Fail the session if /dev/shm/fastcomm* entries created during it remain."""
+    """Fail the session if /dev/shm/fastcomm* entries created during it remain after
+    their creator exited (live ones may belong to a concurrent session)."""
     before = _shm_entries()
     yield
     leaked = sorted(_shm_entries() - before)

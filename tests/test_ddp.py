@@ -32,7 +32,9 @@ def _model(seed: int) -> nn.Module:
     )
 
 
-_TEACHER = torch.randn(16, 4, generator=torch.Generator().manual_seed(99))
+# Scaled so targets (and losses) are O(1): the 1e-6 parity bound is then several float32
+# ulps, whatever order a backend sums the gradients in.
+_TEACHER = 0.25 * torch.randn(16, 4, generator=torch.Generator().manual_seed(99))
 
 
 def _batch(step: int, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -131,6 +131,7 @@ ProcessGroupFastComm::ProcessGroupFastComm(const c10::intrusive_ptr<c10d::Store>
       options_(c10::make_intrusive<Options>("fastcomm", timeout)) {
   options_->global_ranks_in_group = globalRanks_;
   options_->group_name = groupName_;
+  if (cfg_.crashBacktrace) installCrashBacktrace();
   topo_ = Topology::exchange(store_, rank, size, localHostId(cfg_), timeout_);
   if (rank == 0) {
     FASTCOMM_LOG(Info, "group '" << groupName_ << "' of " << size << " ranks, timeout "
@@ -331,13 +332,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::deferErrorInBlock(
   }
 }
 
-CudaCollectives& ProcessGroupFastComm::cuda(const at::Tensor& sample) {
+CudaCollectives& ProcessGroupFastComm::cuda(const at::Tensor& sample, const char* op) {
 #ifdef FASTCOMM_WITH_CUDA
   checkUsable();
   std::lock_guard<std::mutex> lock(cudaMu_);
   if (!cuda_) {
-    cuda_ = std::make_unique<CudaCollectives>(store_, rank_, size_, timeout_, cfg_, stats_,
-                                              sample.device());
+    try {
+      cuda_ = std::make_unique<CudaCollectives>(store_, rank_, size_, timeout_, cfg_, stats_,
+                                                sample.device());
+    } catch (const c10::DistBackendError& e) {
+      if (op == nullptr) throw;
+      throwCommError(std::string("fastcomm: ") + op + ": " + e.what());
+    }
     std::lock_guard<std::mutex> coalesceLock(coalesceMu_);
     if (coalescing_) {  // the first CUDA op of the group came inside a block
       coalescingCuda_ = true;
@@ -377,7 +383,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::broadcast(std::vector<at::T
 #ifdef FASTCOMM_WITH_CUDA
     auto info = FASTCOMM_CUDA_INFO(kBroadcast, nbytes(t), opts);
     info.type = c10d::OpType::BROADCAST;
-    return remember(cuda(t).broadcast(t, opts.rootRank, info));
+    return remember(cuda(t, info.name).broadcast(t, opts.rootRank, info));
 #else
     cuda(t);
 #endif
@@ -400,7 +406,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allreduce(std::vector<at::T
 #ifdef FASTCOMM_WITH_CUDA
     auto info = FASTCOMM_CUDA_INFO(kAllReduce, nbytes(t), opts);
     info.type = c10d::OpType::ALLREDUCE;
-    return remember(cuda(t).allreduce({real}, op, info));
+    return remember(cuda(t, info.name).allreduce({real}, op, info));
 #else
     cuda(t);
 #endif
@@ -429,7 +435,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allreduce_coalesced(
 #ifdef FASTCOMM_WITH_CUDA
     auto info = FASTCOMM_CUDA_INFO(kAllReduceCoalesced, bytes, opts);
     info.type = c10d::OpType::ALLREDUCE_COALESCED;
-    return remember(cuda(tensors[0]).allreduce(reals, op, info));
+    return remember(cuda(tensors[0], info.name).allreduce(reals, op, info));
 #else
     cuda(tensors[0]);
 #endif
@@ -462,7 +468,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::reduce(std::vector<at::Tens
 #ifdef FASTCOMM_WITH_CUDA
     auto info = FASTCOMM_CUDA_INFO(kReduce, nbytes(t), opts);
     info.type = c10d::OpType::REDUCE;
-    return remember(cuda(t).reduce(real, op, root, info));
+    return remember(cuda(t, info.name).reduce(real, op, root, info));
 #else
     cuda(t);
 #endif
@@ -497,7 +503,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allgather(
 #ifdef FASTCOMM_WITH_CUDA
     auto info = FASTCOMM_CUDA_INFO(kAllGather, nbytes(in), opts);
     info.type = c10d::OpType::ALLGATHER;
-    return remember(cuda(in).allgather(outs, in, info));
+    return remember(cuda(in, info.name).allgather(outs, in, info));
 #else
     cuda(in);
 #endif
@@ -525,7 +531,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::_allgather_base(
 #ifdef FASTCOMM_WITH_CUDA
     auto info = FASTCOMM_CUDA_INFO(kAllGatherInto, nbytes(input), opts);
     info.type = c10d::OpType::_ALLGATHER_BASE;
-    return remember(cuda(input).allgather({output}, input, info));
+    return remember(cuda(input, info.name).allgather({output}, input, info));
 #else
     cuda(input);
 #endif
@@ -614,7 +620,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::gather(
 #ifdef FASTCOMM_WITH_CUDA
     auto info = FASTCOMM_CUDA_INFO(kGather, nbytes(in), opts);
     info.type = c10d::OpType::GATHER;
-    return remember(cuda(in).gather(outs, in, root, info));
+    return remember(cuda(in, info.name).gather(outs, in, root, info));
 #else
     cuda(in);
 #endif
@@ -658,7 +664,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::scatter(
 #ifdef FASTCOMM_WITH_CUDA
     auto info = FASTCOMM_CUDA_INFO(kScatter, nbytes(out), opts);
     info.type = c10d::OpType::SCATTER;
-    return remember(cuda(out).scatter(out, ins, root, info));
+    return remember(cuda(out, info.name).scatter(out, ins, root, info));
 #else
     cuda(out);
 #endif
@@ -700,7 +706,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::reduce_scatter(
 #ifdef FASTCOMM_WITH_CUDA
     auto info = FASTCOMM_CUDA_INFO(kReduceScatter, nbytes(out) * size_, opts);
     info.type = c10d::OpType::REDUCE_SCATTER;
-    return remember(cuda(out).reduceScatter(realOut, realIns, op, info));
+    return remember(cuda(out, info.name).reduceScatter(realOut, realIns, op, info));
 #else
     cuda(out);
 #endif
@@ -733,7 +739,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::_reduce_scatter_base(
 #ifdef FASTCOMM_WITH_CUDA
     auto info = FASTCOMM_CUDA_INFO(kReduceScatterTensor, nbytes(input), opts);
     info.type = c10d::OpType::_REDUCE_SCATTER_BASE;
-    return remember(cuda(input).reduceScatter(realOut, {realIn}, op, info));
+    return remember(cuda(input, info.name).reduceScatter(realOut, {realIn}, op, info));
 #else
     cuda(input);
 #endif
@@ -832,7 +838,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::alltoall_base(
 #ifdef FASTCOMM_WITH_CUDA
     auto info = FASTCOMM_CUDA_INFO(kAllToAllSingle, nbytes(input), opts);
     info.type = c10d::OpType::ALLTOALL_BASE;
-    return remember(cuda(input).alltoall({output}, {input}, sendCounts, recvCounts, info));
+    return remember(cuda(input, info.name).alltoall({output}, {input}, sendCounts, recvCounts, info));
 #else
     cuda(input);
 #endif
@@ -878,7 +884,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::alltoall(std::vector<at::Te
 #ifdef FASTCOMM_WITH_CUDA
     auto info = FASTCOMM_CUDA_INFO(kAllToAll, bytes, opts);
     info.type = c10d::OpType::ALLTOALL;
-    return remember(cuda(inputs[0]).alltoall(outputs, inputs, sendCounts, recvCounts, info));
+    return remember(cuda(inputs[0], info.name).alltoall(outputs, inputs, sendCounts, recvCounts, info));
 #else
     cuda(inputs[0]);
 #endif
@@ -920,7 +926,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::sendNow(std::vector<at::Ten
   if (t.is_cuda()) {
 #ifdef FASTCOMM_WITH_CUDA
     auto info = CudaOpInfo{kSend, kSendTitle, c10d::OpType::SEND, ++p2pSeq_, timeout_, nbytes(t)};
-    return remember(cuda(t).send(t, dstRank, info));
+    return remember(cuda(t, info.name).send(t, dstRank, info));
 #else
     cuda(t);
 #endif
@@ -948,7 +954,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::recvNow(std::vector<at::Ten
   if (t.is_cuda()) {
 #ifdef FASTCOMM_WITH_CUDA
     auto info = CudaOpInfo{kRecv, kRecvTitle, c10d::OpType::RECV, ++p2pSeq_, timeout_, nbytes(t)};
-    return remember(cuda(t).recv(t, srcRank, info));
+    return remember(cuda(t, info.name).recv(t, srcRank, info));
 #else
     cuda(t);
 #endif

@@ -40,6 +40,9 @@ class ProcessGroupFastComm : public c10d::Backend {
   const std::string getBackendName() const override { return "fastcomm"; }
   c10::intrusive_ptr<Options> getBackendOptions() override { return options_; }
   uint64_t getSequenceNumberForGroup() override { return seq_.load(); }
+  // Sequence numbers start at 0 in every new group; torch 2.11's split_group
+  // calls this (newer torch made it a no-op).
+  void setSequenceNumberForGroup() override {}
   bool supportsSplitting() const override { return true; }
   bool supportsCoalescing() const override { return true; }
   void setTimeout(std::chrono::milliseconds timeout) override;
@@ -119,7 +122,8 @@ class ProcessGroupFastComm : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvNow(std::vector<at::Tensor>& tensors, int srcRank, int tag);
   HostComm& host(const OpContext& ctx);  // created on first use, on the host lane
   SerialLane& p2pLane(int peer, bool sending);
-  CudaCollectives& cuda(const at::Tensor& sample);
+  // `op` names the collective that creates the communicator (in its errors).
+  CudaCollectives& cuda(const at::Tensor& sample, const char* op = nullptr);
   void checkUsable() const;
   void markBroken(std::exception_ptr error);
   c10::intrusive_ptr<c10d::Work> remember(c10::intrusive_ptr<c10d::Work> work);

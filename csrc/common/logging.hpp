@@ -11,6 +11,9 @@ namespace fastcomm {
 LogLevel logLevel();
 void setLogLevel(LogLevel level);
 void logLine(LogLevel level, const std::string& line);
+// FASTCOMM_CRASH_BACKTRACE=1: a segfault prints the native stack of the
+// crashing thread (Python's faulthandler shows only Python frames).
+void installCrashBacktrace();
 
 }  // namespace fastcomm
 

@@ -20,11 +20,14 @@ at::Tensor view(void* p, int64_t n, at::ScalarType t) {
   return at::from_blob(p, {n}, at::TensorOptions().dtype(t).device(at::kCPU));
 }
 
-[[noreturn]] void failTimeout(const OpContext& ctx, const std::vector<int>& pending) {
-  throwCommError("fastcomm: " + ctx.describe() + " timed out after " +
-                 std::to_string(ctx.timeout.count()) +
-                 " ms (timeout) waiting for group rank(s) " + formatRanks(pending) +
-                 " across the inter-node transport");
+// Thrown inside the pipelines, turned into the user-facing error by named(),
+// which knows how to ask why a peer is missing.
+struct RingTimeout {
+  std::vector<int> pending;
+};
+
+[[noreturn]] void failTimeout(const OpContext&, const std::vector<int>& pending) {
+  throw RingTimeout{pending};
 }
 
 bool done(std::unique_ptr<transport::Request>& r, const OpContext&) {
@@ -56,6 +59,14 @@ template <typename Fn>
 void RingComm::named(const OpContext& ctx, Fn fn) {
   try {
     fn();
+  } catch (const RingTimeout& t) {
+    std::string why;
+    for (int peer : t.pending)
+      if (peerReason_) why += peerReason_(peer);
+    throwCommError("fastcomm: " + ctx.describe() + " timed out after " +
+                   std::to_string(ctx.timeout.count()) +
+                   " ms (timeout) waiting for group rank(s) " + formatRanks(t.pending) +
+                   " across the inter-node transport" + why);
   } catch (const transport::TransportError& e) {
     throwCommError("fastcomm: " + ctx.describe() + ": inter-node transfer with group rank [" +
                    std::to_string(e.peer()) + "] failed (timeout " +

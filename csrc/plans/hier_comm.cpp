@@ -6,6 +6,7 @@
 #include <cstring>
 #include <future>
 #include <sstream>
+#include <thread>
 
 #include "common/logging.hpp"
 
@@ -62,8 +63,9 @@ HierComm::HierComm(const c10::intrusive_ptr<c10d::Store>& store, const Topology&
   cfg_.chunkBytes = std::stoll(field(plan, "chunk"));
 
   if (localSize_ > 1) {
-    intra_ = std::make_unique<ShmComm>(store_, "fastcomm/shm", topo_.nodeRanks[topo_.myNode],
-                                       topo_.localRank, cfg_, ctx);
+    // One segment per node, so one store key per node.
+    intra_ = std::make_unique<ShmComm>(store_, "fastcomm/shm/node" + std::to_string(topo_.myNode),
+                                       topo_.nodeRanks[topo_.myNode], topo_.localRank, cfg_, ctx);
   }
   // Collective traffic and user send/recv use separate transports, so their
   // in-order message streams never interleave.
@@ -136,12 +138,20 @@ void HierComm::abort(const std::string& why) {
 }
 
 std::string HierComm::peerReason(int peer) {
+  // A peer that failed too publishes why (abort()); it may be timing out at
+  // this very moment, so give it a moment to say so.
+  const auto until = Clock::now() + std::chrono::seconds(2);
+  const std::string key = "fastcomm/failed/" + std::to_string(peer);
   try {
-    const std::string key = "fastcomm/failed/" + std::to_string(peer);
-    if (store_->check({key})) {
-      return " (group rank " + std::to_string(peer) + " had failed: " + storeGet(store_, key) + ")";
-    }
+    do {
+      if (store_->check({key})) {
+        return " (group rank " + std::to_string(peer) + " failed too: " + storeGet(store_, key) +
+               ")";
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    } while (Clock::now() < until);
   } catch (...) {
+    // The store went away with its host: nothing more to learn.
   }
   return "";
 }

@@ -607,6 +607,9 @@ void CudaCollectives::Impl::abort(const std::string& why) {
     if (!error_) error_ = e;
     works.swap(inflight_);
   }
+  // Fail the works before aborting: the abort lets their end events fire, and
+  // a waiter that sees the event must already see the error too.
+  for (auto& w : works) w->fail(e);
   {
     c10::cuda::CUDAGuard guard(device_);
     std::lock_guard<std::mutex> lock(issueMu_);
@@ -614,7 +617,6 @@ void CudaCollectives::Impl::abort(const std::string& why) {
     if (comm_ != nullptr) ncclCommAbort(comm_);
     comm_ = nullptr;
   }
-  for (auto& w : works) w->fail(e);
 }
 
 // ---- public API ----------------------------------------------------------------

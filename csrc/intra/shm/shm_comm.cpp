@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <new>
@@ -267,11 +268,32 @@ void ShmComm::wake() {
   if (hdr_->sleepers.load() != 0) futexWakeAll(&hdr_->bell);
 }
 
+namespace {
+
+// A process that exited but was not reaped yet (a zombie, e.g. a rank whose
+// launcher has not waited for it) still answers kill(pid, 0): read its state.
+bool processAlive(int pid) {
+  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+  FILE* f = std::fopen(path, "r");
+  if (f == nullptr) return true;  // no /proc: trust kill()
+  char buf[256] = {};
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  // "pid (comm) S ...": the state follows the last ')'.
+  const char* close = std::strrchr(buf, ')');
+  if (n == 0 || close == nullptr || close[1] == '\0' || close[2] == '\0') return true;
+  return close[2] != 'Z' && close[2] != 'X';
+}
+
+}  // namespace
+
 std::vector<int> ShmComm::deadMembers(const std::vector<int>& among) const {
   std::vector<int> dead;
   for (int i : among) {
     const int pid = ctl_[i].pid.load();
-    if (pid > 0 && kill(pid, 0) != 0 && errno == ESRCH) dead.push_back(i);
+    if (pid > 0 && !processAlive(pid)) dead.push_back(i);
   }
   return dead;
 }
