@@ -31,9 +31,10 @@ def _want_cuda() -> bool:
     if torch.version.cuda is None:
         _log("torch has no CUDA: CPU-only build")
         return False
-    if cpp_extension.CUDA_HOME is None or shutil.which(
-        os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")
-    ) is None:
+    if (
+        cpp_extension.CUDA_HOME is None
+        or shutil.which(os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")) is None
+    ):
         _log("nvcc not found: CPU-only build")
         return False
     return True
@@ -121,7 +122,9 @@ def _extension():
         include_dirs.append(inc)
         library_dirs.append(lib)
         # The nvidia-nccl wheel ships only libnccl.so.2 (no dev symlink).
-        extra_link += [f"-l:{os.path.basename(sorted(glob.glob(os.path.join(lib, 'libnccl.so*')))[-1])}"]
+        extra_link += [
+            f"-l:{os.path.basename(sorted(glob.glob(os.path.join(lib, 'libnccl.so*')))[-1])}"
+        ]
         extra_link += [f"-Wl,-rpath,{lib}"]
         if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
             # No GPU to detect (CI): build for Ampere and Hopper.

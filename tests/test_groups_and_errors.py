@@ -22,13 +22,13 @@ from _harness import BACKEND, Checker, RankFailure, free_port, gen, is_gloo, run
 # ------------------------------------------------------------------------------ helpers
 
 
-
 def _new_group(ranks: list[int]) -> tuple[dist.ProcessGroup, list[int]]:
     """new_group in the order given where torch supports it (sort_ranks); older torch
     (2.11) sorts the ranks. Returns the group and its members in group-rank order."""
     if "sort_ranks" in inspect.signature(dist.new_group).parameters:
         return dist.new_group(ranks, sort_ranks=False), list(ranks)
     return dist.new_group(ranks), sorted(ranks)
+
 
 def _group_checks(chk: Checker, grp: Any, members: list[int], key: str, device: str) -> None:
     """Run a set of collectives on ``grp`` (whose group rank i is global rank
@@ -534,7 +534,9 @@ def _check_failure_message(chk: Checker, msg: str, missing: int) -> None:
     chk.true("timeout" in low, f"error does not contain 'timeout': {msg!r}")
 
 
-def peer_failure_fn(rank: int, ws: int, mode: str, warm_up: bool, device: str = "cpu") -> dict[str, Any]:
+def peer_failure_fn(
+    rank: int, ws: int, mode: str, warm_up: bool, device: str = "cpu"
+) -> dict[str, Any]:
     """mode "dies": rank 1 exits (os._exit) instead of calling all_reduce;
     mode "sleeps": rank 1 stays alive but never calls it.
 

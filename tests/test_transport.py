@@ -89,8 +89,6 @@ def _endpoint(store: Any, rank: int, world: int, name: str, config: Any = None, 
         os.environ.pop("FASTCOMM_TCP_THREADS", None)
 
 
-
-
 def _store_server_sockets() -> set[str]:
     """Inodes of the sockets on the store's port: the store's host (rank 0) has one per
     client, and they come and go with the other processes, not with the transport."""
@@ -233,9 +231,7 @@ def _two_rank_suite(rank: int, world: int, name: str) -> None:
         chk.true(ep.isend(1, sends[max_in_flight]) is None, "isend above the limit not refused")
         chk.true(not any(h.test() for h in hr + hs), "a request completed with no peer posts")
         store.set("retry/full", "1")
-        ep.exchange(
-            [(1, t) for t in sends[max_in_flight:]], [(1, b) for b in bufs[max_in_flight:]]
-        )
+        ep.exchange([(1, t) for t in sends[max_in_flight:]], [(1, b) for b in bufs[max_in_flight:]])
         for h in hr + hs:
             h.wait()
             chk.true(h.test(), "a waited request does not test complete")
@@ -340,7 +336,9 @@ def _peer_killed(rank: int, world: int, name: str) -> float:
     elapsed = time.monotonic() - t0
     chk.true(elapsed < 10, f"the failure took {elapsed:.1f} s to show: {msg}")
     # Later requests to the dead rank fail at once; the survivors still talk.
-    _expect_error(chk, lambda: ep.send(VICTIM, torch.zeros(1)), "send to the dead", f"rank {VICTIM}")
+    _expect_error(
+        chk, lambda: ep.send(VICTIM, torch.zeros(1)), "send to the dead", f"rank {VICTIM}"
+    )
     a = _payload(5 << 20, "surv", rank, survivor)
     got = torch.empty_like(a)
     ep.exchange([(survivor, a)], [(survivor, got)])

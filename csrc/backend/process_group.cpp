@@ -511,7 +511,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allgather(
   at::Tensor src = in.contiguous();
   at::Tensor flat = at::empty({size_, in.numel()}, in.options());
   return runHost(kAllGather, kAllGatherTitle, c10d::OpType::ALLGATHER, inputs, outs, nbytes(in),
-                 signature(kAllGather, in), [src, flat, outs](HostComm& comm, const OpContext& ctx) {
+                 signature(kAllGather, in),
+                 [src, flat, outs](HostComm& comm, const OpContext& ctx) {
                    comm.allgather(src.data_ptr(), flat.data_ptr(), nbytes(src), ctx);
                    for (size_t i = 0; i < outs.size(); ++i)
                      outs[i].copy_(flat[static_cast<int64_t>(i)].view(outs[i].sizes()));
@@ -838,7 +839,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::alltoall_base(
 #ifdef FASTCOMM_WITH_CUDA
     auto info = FASTCOMM_CUDA_INFO(kAllToAllSingle, nbytes(input), opts);
     info.type = c10d::OpType::ALLTOALL_BASE;
-    return remember(cuda(input, info.name).alltoall({output}, {input}, sendCounts, recvCounts, info));
+    return remember(
+        cuda(input, info.name).alltoall({output}, {input}, sendCounts, recvCounts, info));
 #else
     cuda(input);
 #endif
@@ -884,7 +886,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::alltoall(std::vector<at::Te
 #ifdef FASTCOMM_WITH_CUDA
     auto info = FASTCOMM_CUDA_INFO(kAllToAll, bytes, opts);
     info.type = c10d::OpType::ALLTOALL;
-    return remember(cuda(inputs[0], info.name).alltoall(outputs, inputs, sendCounts, recvCounts, info));
+    return remember(
+        cuda(inputs[0], info.name).alltoall(outputs, inputs, sendCounts, recvCounts, info));
 #else
     cuda(inputs[0]);
 #endif

@@ -98,7 +98,8 @@ std::string Config::describe() const {
      << " transport=" << transport << " wire_dtype=" << wireDtype << " chunk_bytes=" << chunkBytes
      << " oneshot_bytes=" << oneShotBytes << " p2p_bytes=" << p2pBytes << " spin_us=" << spinMicros
      << " tcp_sockets=" << tcpSocketsPerPeer << " tcp_threads=" << tcpThreads
-     << " socket_ifname=" << (socketIfname.empty() ? "<auto>" : socketIfname) << " check=" << check << " blocking_wait=" << blockingWait << " cuda_timing=" << cudaTiming;
+     << " socket_ifname=" << (socketIfname.empty() ? "<auto>" : socketIfname) << " check=" << check
+     << " blocking_wait=" << blockingWait << " cuda_timing=" << cudaTiming;
   return os.str();
 }
 

@@ -55,14 +55,13 @@ class HostComm {
   virtual void broadcast(void* data, int64_t bytes, int root, const OpContext& ctx) = 0;
   // `out` holds size() blocks of `bytes`, in rank order.
   virtual void allgather(const void* in, void* out, int64_t bytes, const OpContext& ctx) = 0;
-  virtual void gather(const void* in, void* out, int64_t bytes, int root,
-                      const OpContext& ctx) = 0;
+  virtual void gather(const void* in, void* out, int64_t bytes, int root, const OpContext& ctx) = 0;
   virtual void scatter(const void* in, void* out, int64_t bytes, int root,
                        const OpContext& ctx) = 0;
   // `in` holds size() blocks of `count` elements; this rank's block reduced
   // over all ranks lands in `out`.
-  virtual void reduceScatter(const void* in, void* out, int64_t count, at::ScalarType dt,
-                             RedOp op, const OpContext& ctx) = 0;
+  virtual void reduceScatter(const void* in, void* out, int64_t count, at::ScalarType dt, RedOp op,
+                             const OpContext& ctx) = 0;
   // sendBytes/sendOffsets index the input by destination, recvBytes/recvOffsets
   // the output by source; the pairwise sizes are checked against each other.
   virtual void alltoall(const void* in, const std::vector<int64_t>& sendBytes,

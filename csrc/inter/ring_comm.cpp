@@ -96,8 +96,8 @@ struct Piece {
 template <typename PieceOf, typename Prepare, typename Process>
 void ringPipeline(transport::Transport& transport, transport::Connection* left,
                   transport::Connection* right, int steps, int64_t K, PieceOf pieceOf,
-                  int64_t sendPieceBytes, int64_t recvPieceBytes, Prepare prepare,
-                  Process process, const OpContext& ctx) {
+                  int64_t sendPieceBytes, int64_t recvPieceBytes, Prepare prepare, Process process,
+                  const OpContext& ctx) {
   const int64_t total = static_cast<int64_t>(steps) * K;
   std::vector<std::unique_ptr<transport::Request>> sends(kWindow), recvs(kWindow);
   int64_t sendPosted = 0, sendDone = 0, recvPosted = 0, processed = 0;
@@ -196,8 +196,8 @@ void RingComm::reduceScatterPhase(char* data, const Blocks& b, at::ScalarType dt
     }
     return nullptr;
   };
-  ringPipeline(transport_, conns_[mod(r - 1, n)], conns_[mod(r + 1, n)], n - 1, K, pieceOf,
-               wsize, wsize, prepare, process, ctx);
+  ringPipeline(transport_, conns_[mod(r - 1, n)], conns_[mod(r + 1, n)], n - 1, K, pieceOf, wsize,
+               wsize, prepare, process, ctx);
   if (wire && b.len[r] > 0) {
     // Round this rank's finished block as the wire will, so every rank ends
     // with the same values.
@@ -238,8 +238,8 @@ void RingComm::allgatherPhase(char* data, const Blocks& b, int64_t esize, bool w
     view(d, p.len, at::kFloat).copy_(view(s, p.len, wireType(wire_)));
     return nullptr;
   };
-  ringPipeline(transport_, conns_[mod(r - 1, n)], conns_[mod(r + 1, n)], n - 1, K, pieceOf,
-               wsize, wsize, prepare, process, ctx);
+  ringPipeline(transport_, conns_[mod(r - 1, n)], conns_[mod(r + 1, n)], n - 1, K, pieceOf, wsize,
+               wsize, prepare, process, ctx);
 }
 
 void RingComm::allreduce(void* data, int64_t count, at::ScalarType dt, RedOp op,
@@ -274,7 +274,8 @@ void RingComm::reduceScatter(void* data, int64_t blockCount, at::ScalarType dt, 
     b.off.push_back(i * blockCount);
     b.len.push_back(blockCount);
   }
-  named(ctx, [&] { reduceScatterPhase(static_cast<char*>(data), b, dt, op, useWire(dt, op), ctx); });
+  named(ctx,
+        [&] { reduceScatterPhase(static_cast<char*>(data), b, dt, op, useWire(dt, op), ctx); });
 }
 
 void RingComm::allgather(void* data, int64_t blockBytes, const OpContext& ctx) {
@@ -289,44 +290,46 @@ void RingComm::allgather(void* data, int64_t blockBytes, const OpContext& ctx) {
 
 void RingComm::broadcast(void* data, int64_t bytes, int root, const OpContext& ctx) {
   named(ctx, [&] {
-  const int n = size();
-  if (n == 1 || bytes == 0) return;
-  const int pos = mod(me_ - root, n);  // distance from the root along the chain
-  transport::Connection* left = conns_[mod(me_ - 1, n)];
-  transport::Connection* right = conns_[mod(me_ + 1, n)];
-  const bool receives = pos != 0, forwards = pos != n - 1;
-  char* p = static_cast<char*>(data);
-  const int64_t K = (bytes + chunkBytes_ - 1) / chunkBytes_;
-  auto piece = [&](int64_t k) { return std::min(chunkBytes_, bytes - k * chunkBytes_); };
-  std::vector<std::unique_ptr<transport::Request>> sends(kWindow), recvs(kWindow);
-  int64_t sendPosted = 0, sendDone = 0, recvPosted = 0, arrived = 0;
-  const int64_t sendTotal = forwards ? K : 0, recvTotal = receives ? K : 0;
-  while (arrived < recvTotal || sendDone < sendTotal) {
-    bool progressed = false;
-    while (sendDone < sendPosted && done(sends[sendDone % kWindow], ctx)) ++sendDone, progressed = true;
-    while (sendPosted < sendTotal && sendPosted - sendDone < kWindow &&
-           (!receives || sendPosted < arrived)) {
-      auto req = right->isend(p + sendPosted * chunkBytes_, piece(sendPosted), nullptr);
-      if (!req) break;
-      sends[sendPosted % kWindow] = std::move(req);
-      ++sendPosted, progressed = true;
+    const int n = size();
+    if (n == 1 || bytes == 0) return;
+    const int pos = mod(me_ - root, n);  // distance from the root along the chain
+    transport::Connection* left = conns_[mod(me_ - 1, n)];
+    transport::Connection* right = conns_[mod(me_ + 1, n)];
+    const bool receives = pos != 0, forwards = pos != n - 1;
+    char* p = static_cast<char*>(data);
+    const int64_t K = (bytes + chunkBytes_ - 1) / chunkBytes_;
+    auto piece = [&](int64_t k) { return std::min(chunkBytes_, bytes - k * chunkBytes_); };
+    std::vector<std::unique_ptr<transport::Request>> sends(kWindow), recvs(kWindow);
+    int64_t sendPosted = 0, sendDone = 0, recvPosted = 0, arrived = 0;
+    const int64_t sendTotal = forwards ? K : 0, recvTotal = receives ? K : 0;
+    while (arrived < recvTotal || sendDone < sendTotal) {
+      bool progressed = false;
+      while (sendDone < sendPosted && done(sends[sendDone % kWindow], ctx))
+        ++sendDone, progressed = true;
+      while (sendPosted < sendTotal && sendPosted - sendDone < kWindow &&
+             (!receives || sendPosted < arrived)) {
+        auto req = right->isend(p + sendPosted * chunkBytes_, piece(sendPosted), nullptr);
+        if (!req) break;
+        sends[sendPosted % kWindow] = std::move(req);
+        ++sendPosted, progressed = true;
+      }
+      while (recvPosted < recvTotal && recvPosted - arrived < kWindow) {
+        auto req = left->irecv(p + recvPosted * chunkBytes_, piece(recvPosted), nullptr);
+        if (!req) break;
+        recvs[recvPosted % kWindow] = std::move(req);
+        ++recvPosted, progressed = true;
+      }
+      while (arrived < recvPosted && done(recvs[arrived % kWindow], ctx))
+        ++arrived, progressed = true;
+      if (progressed) continue;
+      if (ctx.expired()) {
+        std::vector<int> pending;
+        if (arrived < recvTotal) pending.push_back(left->peer());
+        if (sendDone < sendTotal) pending.push_back(right->peer());
+        failTimeout(ctx, pending);
+      }
+      transport_.waitForProgress(kProgressSleep);
     }
-    while (recvPosted < recvTotal && recvPosted - arrived < kWindow) {
-      auto req = left->irecv(p + recvPosted * chunkBytes_, piece(recvPosted), nullptr);
-      if (!req) break;
-      recvs[recvPosted % kWindow] = std::move(req);
-      ++recvPosted, progressed = true;
-    }
-    while (arrived < recvPosted && done(recvs[arrived % kWindow], ctx)) ++arrived, progressed = true;
-    if (progressed) continue;
-    if (ctx.expired()) {
-      std::vector<int> pending;
-      if (arrived < recvTotal) pending.push_back(left->peer());
-      if (sendDone < sendTotal) pending.push_back(right->peer());
-      failTimeout(ctx, pending);
-    }
-    transport_.waitForProgress(kProgressSleep);
-  }
   });
 }
 

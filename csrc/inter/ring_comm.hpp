@@ -61,8 +61,7 @@ class RingComm {
   void reduceScatterPhase(char* data, const Blocks& b, at::ScalarType dt, RedOp op, bool wire,
                           const OpContext& ctx);
   // All-gather phase: block index() is final here; afterwards all are.
-  void allgatherPhase(char* data, const Blocks& b, int64_t esize, bool wire,
-                      const OpContext& ctx);
+  void allgatherPhase(char* data, const Blocks& b, int64_t esize, bool wire, const OpContext& ctx);
   bool useWire(at::ScalarType dt, RedOp op) const;
   // Runs `fn`, turning a transport failure into an error naming the op and
   // the peer.

@@ -118,8 +118,8 @@ std::string HierComm::describe() const {
        << " ranks on the transport (no intra-node phases)";
   } else {
     os << localSize_ << " ranks each; intra-node: "
-       << (localSize_ > 1 ? "shared memory" : "none (one rank per node)") << "; inter-node: "
-       << localSize_ << " rail ring(s) of " << numNodes_ << " ranks";
+       << (localSize_ > 1 ? "shared memory" : "none (one rank per node)")
+       << "; inter-node: " << localSize_ << " rail ring(s) of " << numNodes_ << " ranks";
   }
   os << "; transport " << coll_->name() << "; wire dtype " << cfg_.wireDtype << "; chunk "
      << cfg_.chunkBytes << " B";
@@ -340,8 +340,8 @@ void HierComm::allgather(const void* in, void* out, int64_t bytes, const OpConte
   });
 }
 
-void HierComm::reduceScatter(const void* in, void* out, int64_t count, at::ScalarType dt,
-                             RedOp op, const OpContext& ctx) {
+void HierComm::reduceScatter(const void* in, void* out, int64_t count, at::ScalarType dt, RedOp op,
+                             const OpContext& ctx) {
   const RedOp phaseOp = op == RedOp::Avg ? RedOp::Sum : op;
   const int64_t esize = static_cast<int64_t>(c10::elementSize(dt));
   const int64_t bytes = count * esize;
@@ -423,8 +423,7 @@ void HierComm::alltoall(const void* in, const std::vector<int64_t>& sendBytes,
 void HierComm::pairwise(const void* in, const std::vector<int64_t>& sendBytes,
                         const std::vector<int64_t>& sendOffsets, void* out,
                         const std::vector<int64_t>& recvBytes,
-                        const std::vector<int64_t>& recvOffsets, bool exact,
-                        const OpContext& ctx) {
+                        const std::vector<int64_t>& recvOffsets, bool exact, const OpContext& ctx) {
   const int P = topo_.size, me = topo_.rank;
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);

@@ -92,8 +92,8 @@ class HierComm final : public HostComm {
   std::unique_ptr<transport::Transport> coll_, p2p_;
   std::vector<std::unique_ptr<transport::Connection>> collConns_, p2pConns_;
   std::vector<transport::Connection*> collTo_, p2pTo_;  // by group rank
-  std::unique_ptr<RingComm> ring_;  // the rail (or, flat, every rank)
-  std::unique_ptr<SerialLane> interLane_;  // runs the inter phase of pipelined plans
+  std::unique_ptr<RingComm> ring_;                      // the rail (or, flat, every rank)
+  std::unique_ptr<SerialLane> interLane_;               // runs the inter phase of pipelined plans
   std::vector<char> scratch_, scratch2_;
 };
 

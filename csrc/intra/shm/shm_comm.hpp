@@ -52,7 +52,8 @@ class ShmComm final : public HostComm {
   // same order on every member. Buffers are contiguous host memory; roots are
   // local indices.
   void barrier(const OpContext& ctx) override;
-  void allreduce(void* data, int64_t count, at::ScalarType dt, RedOp op, const OpContext& ctx) override;
+  void allreduce(void* data, int64_t count, at::ScalarType dt, RedOp op,
+                 const OpContext& ctx) override;
   void reduce(void* data, int64_t count, at::ScalarType dt, RedOp op, int root,
               const OpContext& ctx) override;
   void broadcast(void* data, int64_t bytes, int root, const OpContext& ctx) override;
