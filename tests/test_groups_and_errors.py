@@ -222,6 +222,7 @@ def split_group_fn(rank: int, ws: int, device: str) -> None:
         chk.true(set(mem3) == want, f"split-of-split members {mem3}, expected {sorted(want)}")
         _group_checks(chk, sub3, mem3, f"split-of-split{mem3}", device)
     _world_check(chk, "world after nested split", device)
+    dist.destroy_process_group()  # tear down every group here, not at interpreter exit
     chk.raise_if_failed()
 
 

@@ -189,3 +189,50 @@ def test_two_torchrun_invocations() -> None:
     for node, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"node {node} torchrun exited {p.returncode}:\n{out[-4000:]}"
     assert "all results correct" in outs[0], outs[0][-2000:]
+
+
+def timeline_fn(rank: int, ws: int, path: str) -> dict[str, Any]:
+    import torchext
+
+    t = gen("timeline", rank, (4 << 20,), torch.float32, "SUM")  # 16 MiB: 32 chunks of 512K
+    torchext.timeline()  # drop anything earlier
+    dist.all_reduce(t)
+    events = torchext.timeline()
+    if rank == 0:
+        torchext.save_timeline(path, events)
+    return {"events": events}
+
+
+def test_timeline_shows_intra_and_inter_phases_overlapping(tmp_path: Any) -> None:
+    """FASTCOMM_TIMELINE=1: the pipelined all_reduce over 2x2 nodes records every chunk's
+    three phases, and some network phase runs while a shared-memory phase of another
+    chunk does (the pipeline overlaps); rank 0 writes a Chrome trace."""
+    path = str(tmp_path / "timeline.json")
+    env = nodes_env([0, 0, 1, 1], FASTCOMM_TIMELINE="1", FASTCOMM_CHUNK_BYTES="256K")
+    res = run_ranks(4, timeline_fn, path, env=env)
+    for rank, r in enumerate(res):
+        ev = r["events"]
+        names = {e["name"] for e in ev}
+        assert {
+            "intra reduce-scatter (shm)",
+            "inter all-reduce (rail ring)",
+            "intra all-gather (shm)",
+        } <= names, (rank, names)
+        chunks = {e["chunk"] for e in ev if e["name"].startswith("inter")}
+        assert chunks == set(range(len(chunks))) and len(chunks) == 32, (rank, sorted(chunks))
+        inter = [e for e in ev if e["thread"] == "fc-inter"]
+        intra = [e for e in ev if e["thread"] == "fc-host"]
+        overlaps = sum(
+            1
+            for a in inter
+            for b in intra
+            if a["chunk"] != b["chunk"]
+            and a["start_us"] < b["end_us"]
+            and b["start_us"] < a["end_us"]
+        )
+        assert overlaps > 0, f"rank {rank}: no inter phase overlapped an intra phase"
+    import json
+
+    with open(path) as f:
+        trace = json.load(f)
+    assert any(e.get("ph") == "X" for e in trace["traceEvents"])

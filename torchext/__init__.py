@@ -24,6 +24,8 @@ __all__ = [
     "reset_stats",
     "has_cuda",
     "nccl_version",
+    "timeline",
+    "save_timeline",
     "ops",
     "nn",
 ]
@@ -64,3 +66,45 @@ def stats(group: Optional[dist.ProcessGroup] = None) -> dict[str, dict[str, floa
 def reset_stats(group: Optional[dist.ProcessGroup] = None) -> None:
     """Zero the statistics of a fastcomm group (default: the world group)."""
     _backend(group).reset_stats()
+
+
+def timeline() -> list[dict[str, Any]]:
+    """The pipeline phases recorded since the last call (needs ``FASTCOMM_TIMELINE=1``
+    when the group is created): dicts with ``name``, ``thread``, ``chunk``,
+    ``start_us`` and ``end_us`` (microseconds on one clock per process)."""
+    return [
+        {"name": n, "thread": t, "chunk": c, "start_us": s, "end_us": e}
+        for n, t, c, s, e in _C._timeline()
+    ]
+
+
+def save_timeline(path: str, events: Optional[list[dict[str, Any]]] = None) -> int:
+    """Writes ``events`` (default: :func:`timeline`) as a Chrome trace (open it in
+    chrome://tracing or Perfetto): one row per thread, so overlapping phases show
+    side by side. Returns the number of events written."""
+    import json
+    import os
+
+    events = timeline() if events is None else events
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    threads = sorted({e["thread"] for e in events})
+    trace = [
+        {
+            "name": e["name"],
+            "cat": "fastcomm",
+            "ph": "X",
+            "pid": rank,
+            "tid": threads.index(e["thread"]),
+            "ts": e["start_us"],
+            "dur": max(0, e["end_us"] - e["start_us"]),
+            "args": {"chunk": e["chunk"]},
+        }
+        for e in events
+    ]
+    trace += [
+        {"name": "thread_name", "ph": "M", "pid": rank, "tid": i, "args": {"name": t}}
+        for i, t in enumerate(threads)
+    ]
+    with open(os.fspath(path), "w") as f:
+        json.dump({"traceEvents": trace}, f)
+    return len(events)

@@ -10,6 +10,7 @@
 #include <numeric>
 
 #include "common/logging.hpp"
+#include "common/timeline.hpp"
 #include "common/reduce.hpp"
 
 #ifdef FASTCOMM_WITH_CUDA
@@ -132,6 +133,7 @@ ProcessGroupFastComm::ProcessGroupFastComm(const c10::intrusive_ptr<c10d::Store>
   options_->global_ranks_in_group = globalRanks_;
   options_->group_name = groupName_;
   if (cfg_.crashBacktrace) installCrashBacktrace();
+  if (cfg_.timeline) Timeline::setEnabled(true);
   topo_ = Topology::exchange(store_, rank, size, localHostId(cfg_), timeout_);
   if (rank == 0) {
     FASTCOMM_LOG(Info, "group '" << groupName_ << "' of " << size << " ranks, timeout "

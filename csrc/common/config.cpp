@@ -78,6 +78,7 @@ Config Config::fromEnv() {
   if (const char* v = env("FASTCOMM_SOCKET_IFNAME")) c.socketIfname = v;
   c.check = flag("FASTCOMM_CHECK", false);
   c.crashBacktrace = flag("FASTCOMM_CRASH_BACKTRACE", false);
+  c.timeline = flag("FASTCOMM_TIMELINE", false);
   c.blockingWait = flag("FASTCOMM_BLOCKING_WAIT", false);
   c.cudaTiming = flag("FASTCOMM_CUDA_TIMING", true);
   if (const char* v = env("FASTCOMM_LOG")) {

@@ -40,6 +40,8 @@ struct Config {
   // FASTCOMM_SOCKET_IFNAME: interface (or prefix) whose address the tcp
   // transport listens on; empty picks one automatically.
   std::string socketIfname;
+  // FASTCOMM_TIMELINE=1: record pipeline phases (torchext.timeline()).
+  bool timeline = false;
   // FASTCOMM_CRASH_BACKTRACE=1: print a native backtrace on a segfault.
   bool crashBacktrace = false;
   LogLevel logLevel = LogLevel::Warn;

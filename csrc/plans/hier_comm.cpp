@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "common/logging.hpp"
+#include "common/timeline.hpp"
 
 namespace fastcomm {
 namespace {
@@ -225,11 +226,13 @@ void HierComm::allreduce(void* data, int64_t count, at::ScalarType dt, RedOp op,
           std::memset(pad + len * esize, 0, (s * L - len) * esize);
           src = pad;
         }
+        TimelineScope scope("intra reduce-scatter (shm)", "fc-host", k);
         intra_->reduceScatter(src, shardBuf(k), s, dt, phaseOp, ctx);
       };
       auto allgather = [&](int64_t k) {
         const int64_t len = std::min(chunk, count - k * chunk), s = shardLen(k);
         char* dst = bytes + k * chunk * esize;
+        TimelineScope scope("intra all-gather (shm)", "fc-host", k);
         intra_->allgather(shardBuf(k), len == chunk ? dst : pad, s * esize, ctx);
         if (len != chunk) std::memcpy(dst, pad, len * esize);
       };
@@ -237,6 +240,7 @@ void HierComm::allreduce(void* data, int64_t count, at::ScalarType dt, RedOp op,
       auto submitInter = [&](int64_t k) {
         auto job = std::make_shared<std::packaged_task<void()>>(
             [this, k, &shardBuf, &shardLen, dt, phaseOp, &ctx] {
+              TimelineScope scope("inter all-reduce (rail ring)", "fc-inter", k);
               ring_->allreduce(shardBuf(k), shardLen(k), dt, phaseOp, ctx);
             });
         inter.push_back(job->get_future());

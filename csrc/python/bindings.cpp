@@ -5,6 +5,7 @@
 #include <torch/python.h>
 
 #include "backend/process_group.hpp"
+#include "common/timeline.hpp"
 #include "python/transport_bindings.hpp"
 
 #ifdef FASTCOMM_WITH_CUDA
@@ -59,6 +60,15 @@ PYBIND11_MODULE(_C, m) {
       .def("topology", [](fastcomm::ProcessGroupFastComm& pg) { return pg.topology().describe(); })
       .def("config", [](fastcomm::ProcessGroupFastComm& pg) { return pg.config().describe(); });
 
+  m.def(
+      "_timeline",
+      [] {
+        py::list out;
+        for (const auto& e : fastcomm::Timeline::drain())
+          out.append(py::make_tuple(e.name, e.thread, e.chunk, e.startUs, e.endUs));
+        return out;
+      },
+      "Drains the recorded pipeline phases: (name, thread, chunk, start_us, end_us).");
   m.def("has_cuda", [] {
 #ifdef FASTCOMM_WITH_CUDA
     return true;
