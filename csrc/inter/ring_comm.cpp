@@ -158,8 +158,8 @@ void ringPipeline(transport::Transport& transport, transport::Connection* left,
 
 }  // namespace
 
-void RingComm::reduceScatterPhase(char* data, const Blocks& b, at::ScalarType dt, RedOp op,
-                                  bool wire, const OpContext& ctx) {
+void RingComm::phase(char* data, const Blocks& b, at::ScalarType dt, RedOp op, bool reduce,
+                     bool wire, const OpContext& ctx) {
   const int n = size(), r = me_;
   if (n == 1) return;
   const int64_t esize = static_cast<int64_t>(c10::elementSize(dt));
@@ -167,17 +167,22 @@ void RingComm::reduceScatterPhase(char* data, const Blocks& b, at::ScalarType dt
   const int64_t maxLen = *std::max_element(b.len.begin(), b.len.end());
   const int64_t pieceElems = std::max<int64_t>(1, chunkBytes_ / esize);
   const int64_t K = std::max<int64_t>(1, (maxLen + pieceElems - 1) / pieceElems);
-  // Step s sends block r-1-s and receives block r-2-s: after n-1 steps block
-  // r has been reduced over every rank.
+  // Reduce-scatter: step s sends block r-1-s and reduces the received block
+  // r-2-s into its own, so after n-1 steps block r is complete here.
+  // All-gather: step s forwards block r-s and receives block r-1-s.
+  const int shift = reduce ? 1 : 0;
   auto pieceOf = [&](int step, bool sending, int64_t j) {
-    const int blk = mod(sending ? r - 1 - step : r - 2 - step, n);
+    const int blk = mod(sending ? r - shift - step : r - shift - 1 - step, n);
     Piece p;
     p.off = b.off[blk] + j * pieceElems;
     p.len = std::max<int64_t>(0, std::min(pieceElems, b.len[blk] - j * pieceElems));
     return p;
   };
-  char* recvSlots = scratch(kWindow * pieceElems * (wsize + (wire ? wsize : 0)));
-  char* sendSlots = recvSlots + kWindow * pieceElems * wsize;
+  // Received pieces land in staging slots unless an all-gather can take them
+  // in place; 16-bit wire pieces are staged both ways.
+  const bool stageRecv = reduce || wire;
+  char* recvSlots = scratch(kWindow * pieceElems * wsize * ((stageRecv ? 1 : 0) + (wire ? 1 : 0)));
+  char* sendSlots = recvSlots + (stageRecv ? kWindow * pieceElems * wsize : 0);
   auto prepare = [&](const Piece& p, int64_t slot) -> const void* {
     if (!wire) return data + p.off * esize;
     char* s = sendSlots + slot * pieceElems * wsize;
@@ -185,10 +190,13 @@ void RingComm::reduceScatterPhase(char* data, const Blocks& b, at::ScalarType dt
     return s;
   };
   auto process = [&](const Piece& p, int64_t slot, bool postOnly) -> void* {
+    char* d = data + p.off * esize;
+    if (!stageRecv) return d;  // all-gather: received in place
     char* s = recvSlots + slot * pieceElems * wsize;
     if (postOnly) return s;
-    char* d = data + p.off * esize;
-    if (wire) {
+    if (!reduce) {
+      view(d, p.len, dt).copy_(view(s, p.len, wireType(wire_)));
+    } else if (wire) {
       view(d, p.len, dt).add_(view(s, p.len, wireType(wire_)));
     } else {
       const void* ins[2] = {d, s};
@@ -198,48 +206,12 @@ void RingComm::reduceScatterPhase(char* data, const Blocks& b, at::ScalarType dt
   };
   ringPipeline(transport_, conns_[mod(r - 1, n)], conns_[mod(r + 1, n)], n - 1, K, pieceOf, wsize,
                wsize, prepare, process, ctx);
-  if (wire && b.len[r] > 0) {
+  if (reduce && wire && b.len[r] > 0) {
     // Round this rank's finished block as the wire will, so every rank ends
     // with the same values.
     auto mine = view(data + b.off[r] * esize, b.len[r], dt);
     mine.copy_(mine.to(wireType(wire_)));
   }
-}
-
-void RingComm::allgatherPhase(char* data, const Blocks& b, int64_t esize, bool wire,
-                              const OpContext& ctx) {
-  const int n = size(), r = me_;
-  if (n == 1) return;
-  const int64_t wsize = wire ? 2 : esize;
-  const int64_t maxLen = *std::max_element(b.len.begin(), b.len.end());
-  const int64_t pieceElems = std::max<int64_t>(1, chunkBytes_ / esize);
-  const int64_t K = std::max<int64_t>(1, (maxLen + pieceElems - 1) / pieceElems);
-  // Step s forwards block r-s and receives block r-1-s.
-  auto pieceOf = [&](int step, bool sending, int64_t j) {
-    const int blk = mod(sending ? r - step : r - 1 - step, n);
-    Piece p;
-    p.off = b.off[blk] + j * pieceElems;
-    p.len = std::max<int64_t>(0, std::min(pieceElems, b.len[blk] - j * pieceElems));
-    return p;
-  };
-  char* recvSlots = wire ? scratch(2 * kWindow * pieceElems * wsize) : nullptr;
-  char* sendSlots = wire ? recvSlots + kWindow * pieceElems * wsize : nullptr;
-  auto prepare = [&](const Piece& p, int64_t slot) -> const void* {
-    if (!wire) return data + p.off * esize;
-    char* s = sendSlots + slot * pieceElems * wsize;
-    view(s, p.len, wireType(wire_)).copy_(view(data + p.off * esize, p.len, at::kFloat));
-    return s;
-  };
-  auto process = [&](const Piece& p, int64_t slot, bool postOnly) -> void* {
-    char* d = data + p.off * esize;
-    if (!wire) return d;  // received in place
-    char* s = recvSlots + slot * pieceElems * wsize;
-    if (postOnly) return s;
-    view(d, p.len, at::kFloat).copy_(view(s, p.len, wireType(wire_)));
-    return nullptr;
-  };
-  ringPipeline(transport_, conns_[mod(r - 1, n)], conns_[mod(r + 1, n)], n - 1, K, pieceOf, wsize,
-               wsize, prepare, process, ctx);
 }
 
 void RingComm::allreduce(void* data, int64_t count, at::ScalarType dt, RedOp op,
@@ -260,8 +232,8 @@ void RingComm::allreduce(void* data, int64_t count, at::ScalarType dt, RedOp op,
   }
   const bool wire = useWire(dt, op);
   named(ctx, [&] {
-    reduceScatterPhase(static_cast<char*>(data), b, dt, op, wire, ctx);
-    allgatherPhase(static_cast<char*>(data), b, esize, wire, ctx);
+    phase(static_cast<char*>(data), b, dt, op, /*reduce=*/true, wire, ctx);
+    phase(static_cast<char*>(data), b, dt, op, /*reduce=*/false, wire, ctx);
   });
 }
 
@@ -275,7 +247,7 @@ void RingComm::reduceScatter(void* data, int64_t blockCount, at::ScalarType dt, 
     b.len.push_back(blockCount);
   }
   named(ctx,
-        [&] { reduceScatterPhase(static_cast<char*>(data), b, dt, op, useWire(dt, op), ctx); });
+        [&] { phase(static_cast<char*>(data), b, dt, op, /*reduce=*/true, useWire(dt, op), ctx); });
 }
 
 void RingComm::allgather(void* data, int64_t blockBytes, const OpContext& ctx) {
@@ -285,7 +257,10 @@ void RingComm::allgather(void* data, int64_t blockBytes, const OpContext& ctx) {
     b.off.push_back(i * blockBytes);
     b.len.push_back(blockBytes);
   }
-  named(ctx, [&] { allgatherPhase(static_cast<char*>(data), b, 1, /*wire=*/false, ctx); });
+  named(ctx, [&] {
+    phase(static_cast<char*>(data), b, at::kByte, RedOp::Sum, /*reduce=*/false, /*wire=*/false,
+          ctx);
+  });
 }
 
 void RingComm::broadcast(void* data, int64_t bytes, int root, const OpContext& ctx) {

@@ -57,11 +57,11 @@ class RingComm {
   struct Blocks {
     std::vector<int64_t> off, len;  // in elements
   };
-  // Reduce-scatter phase: afterwards block index() is reduced here.
-  void reduceScatterPhase(char* data, const Blocks& b, at::ScalarType dt, RedOp op, bool wire,
-                          const OpContext& ctx);
-  // All-gather phase: block index() is final here; afterwards all are.
-  void allgatherPhase(char* data, const Blocks& b, int64_t esize, bool wire, const OpContext& ctx);
+  // One ring pass over `b`: with `reduce` a reduce-scatter (afterwards block
+  // index() is reduced here), else an all-gather (block index() is final
+  // here; afterwards all are).
+  void phase(char* data, const Blocks& b, at::ScalarType dt, RedOp op, bool reduce, bool wire,
+             const OpContext& ctx);
   bool useWire(at::ScalarType dt, RedOp op) const;
   // Runs `fn`, turning a transport failure into an error naming the op and
   // the peer.
