@@ -10,8 +10,8 @@
 #include <numeric>
 
 #include "common/logging.hpp"
-#include "common/timeline.hpp"
 #include "common/reduce.hpp"
+#include "common/timeline.hpp"
 
 #ifdef FASTCOMM_WITH_CUDA
 #include "backend/cuda/cuda_collectives.hpp"
@@ -270,10 +270,11 @@ c10::intrusive_ptr<HostWork> ProcessGroupFastComm::runP2P(
       c10::make_intrusive<HostWork>(rank_, type, title, ctx.seq, std::vector<at::Tensor>{tensor},
                                     std::vector<at::Tensor>{tensor});
   stats_.addCall(name, static_cast<uint64_t>(nbytes(tensor)));
-  // The segment is created by the host lane (a collective step); wait for it
-  // there so point-to-point lanes never race its creation.
+  // The host communicator (shm segment, transports) is created by the host
+  // lane (a collective step); wait for it there so point-to-point lanes never
+  // race its creation.
   if (!host_) {
-    std::lock_guard<std::mutex> lock(shmInitMu_);
+    std::lock_guard<std::mutex> lock(hostInitMu_);
     if (!host_) {
       auto ready = std::make_shared<std::promise<void>>();
       auto done = ready->get_future();

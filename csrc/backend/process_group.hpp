@@ -145,7 +145,7 @@ class ProcessGroupFastComm : public c10d::Backend {
   std::atomic<uint64_t> p2pSeq_{0};
 
   std::unique_ptr<HostComm> host_;  // touched only on the host lane after creation
-  std::mutex shmInitMu_;
+  std::mutex hostInitMu_;
 
   mutable std::mutex brokenMu_;
   std::exception_ptr broken_;
