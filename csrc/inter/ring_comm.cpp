@@ -30,7 +30,7 @@ struct RingTimeout {
   throw RingTimeout{pending};
 }
 
-bool done(std::unique_ptr<transport::Request>& r, const OpContext&) {
+bool done(std::unique_ptr<transport::Request>& r) {
   if (!r || r->test()) {
     r.reset();
     return true;
@@ -104,7 +104,7 @@ void ringPipeline(transport::Transport& transport, transport::Connection* left,
   while (processed < total || sendDone < total) {
     bool progressed = false;
     // Retire finished sends in order (frees their staging slots).
-    while (sendDone < sendPosted && done(sends[sendDone % kWindow], ctx)) {
+    while (sendDone < sendPosted && done(sends[sendDone % kWindow])) {
       ++sendDone;
       progressed = true;
     }
@@ -138,7 +138,7 @@ void ringPipeline(transport::Transport& transport, transport::Connection* left,
       progressed = true;
     }
     // Process arrived pieces in order.
-    while (processed < recvPosted && done(recvs[processed % kWindow], ctx)) {
+    while (processed < recvPosted && done(recvs[processed % kWindow])) {
       const int step = static_cast<int>(processed / K);
       const Piece p = pieceOf(step, /*sending=*/false, processed % K);
       if (p.len > 0) process(p, processed % kWindow, /*postOnly=*/false);
@@ -279,7 +279,7 @@ void RingComm::broadcast(void* data, int64_t bytes, int root, const OpContext& c
     const int64_t sendTotal = forwards ? K : 0, recvTotal = receives ? K : 0;
     while (arrived < recvTotal || sendDone < sendTotal) {
       bool progressed = false;
-      while (sendDone < sendPosted && done(sends[sendDone % kWindow], ctx))
+      while (sendDone < sendPosted && done(sends[sendDone % kWindow]))
         ++sendDone, progressed = true;
       while (sendPosted < sendTotal && sendPosted - sendDone < kWindow &&
              (!receives || sendPosted < arrived)) {
@@ -294,8 +294,7 @@ void RingComm::broadcast(void* data, int64_t bytes, int root, const OpContext& c
         recvs[recvPosted % kWindow] = std::move(req);
         ++recvPosted, progressed = true;
       }
-      while (arrived < recvPosted && done(recvs[arrived % kWindow], ctx))
-        ++arrived, progressed = true;
+      while (arrived < recvPosted && done(recvs[arrived % kWindow])) ++arrived, progressed = true;
       if (progressed) continue;
       if (ctx.expired()) {
         std::vector<int> pending;

@@ -661,18 +661,23 @@ void Worker::handleRead(Sock* s) {
     deregister(s);
     return;
   }
+  // A recv() that returned n <= 0 (not EINTR): nothing more for now, the
+  // peer closed, or the socket broke.
+  auto recvEnded = [&](ssize_t n, int err) {
+    if (n < 0 && (err == EAGAIN || err == EWOULDBLOCK)) return;
+    if (n == 0) {
+      socketEof(s);
+    } else {
+      socketFailed(s, err, "recv");
+    }
+  };
   for (int iter = 0; iter < 32; ++iter) {
     if (!s->rop) {
       char* dst = reinterpret_cast<char*>(&s->rhdr) + s->rgot;
       ssize_t n = ::recv(s->fd.get(), dst, sizeof(FrameHeader) - s->rgot, 0);
       if (n <= 0) {
-        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
         if (n < 0 && errno == EINTR) continue;
-        if (n == 0) {
-          socketEof(s);
-        } else {
-          socketFailed(s, errno, "recv");
-        }
+        recvEnded(n, errno);
         return;
       }
       s->rgot += static_cast<size_t>(n);
@@ -691,13 +696,8 @@ void Worker::handleRead(Sock* s) {
       int err = errno;
       p->unpin(s->rop);
       if (n <= 0) {
-        if (n < 0 && (err == EAGAIN || err == EWOULDBLOCK)) return;
         if (n < 0 && err == EINTR) continue;
-        if (n == 0) {
-          socketEof(s);
-        } else {
-          socketFailed(s, err, "recv");
-        }
+        recvEnded(n, err);
         return;
       }
       s->rdst += n;
