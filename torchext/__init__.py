@@ -57,8 +57,9 @@ def stats(group: Optional[dist.ProcessGroup] = None) -> dict[str, dict[str, floa
 
     Returns ``{collective: {"count", "bytes", "time_us"}}`` where ``bytes`` is the
     size of the local input per call, summed, and ``time_us`` the time the
-    collective spent running (host time on CPU, GPU time between its events on
-    CUDA, as far as completed).
+    collective spent running: host time on CPU; on CUDA, GPU time between a
+    pair of timing events, recorded only with ``FASTCOMM_CUDA_TIMING=1`` (they
+    cost GPU time, so by default CUDA collectives count calls and bytes only).
     """
     return _backend(group).stats()
 

@@ -80,7 +80,7 @@ Config Config::fromEnv() {
   c.crashBacktrace = flag("FASTCOMM_CRASH_BACKTRACE", false);
   c.timeline = flag("FASTCOMM_TIMELINE", false);
   c.blockingWait = flag("FASTCOMM_BLOCKING_WAIT", false);
-  c.cudaTiming = flag("FASTCOMM_CUDA_TIMING", true);
+  c.cudaTiming = flag("FASTCOMM_CUDA_TIMING", false);
   if (const char* v = env("FASTCOMM_LOG")) {
     std::string l = oneOf("FASTCOMM_LOG", v, {"warn", "info", "debug"});
     c.logLevel = l == "warn" ? LogLevel::Warn : l == "info" ? LogLevel::Info : LogLevel::Debug;

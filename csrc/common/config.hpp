@@ -30,8 +30,11 @@ struct Config {
   // FASTCOMM_BLOCKING_WAIT=1: work.wait() on CUDA blocks the host until the
   // collective completes (or fails), like TORCH_NCCL_BLOCKING_WAIT.
   bool blockingWait = false;
-  // FASTCOMM_CUDA_TIMING=0 turns off GPU timing of collectives in stats.
-  bool cudaTiming = true;
+  // FASTCOMM_CUDA_TIMING=1 times CUDA collectives for stats() with a pair of
+  // timing events each. Off by default, as in ProcessGroupNCCL
+  // (TORCH_NCCL_ENABLE_TIMING): on 4x H200 the pair cost 7-9 us of GPU time per
+  // collective (benchmarks/results/2026-11-21-4xH200-cuda-timing-events-probe.md).
+  bool cudaTiming = false;
   // FASTCOMM_TCP_SOCKETS: sockets per peer connection of the tcp transport
   // (one stream cannot fill a fast link: NCCL_NSOCKS_PERTHREAD likewise).
   int tcpSocketsPerPeer = 4;
