@@ -56,13 +56,12 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def _creator_alive(path: str) -> bool:
-    """Segments are named /fastcomm-<pidns>-<creator pid>-...: one whose creator still
-    runs belongs to a live group (possibly another test session on this machine)."""
-    parts = os.path.basename(path).split("-")
+    """Segments are named /fastcomm-[<kind>-]<pidns>-<creator pid>-...: one whose creator
+    still runs belongs to a live group (possibly another test session on this machine)."""
+    numbers = [p for p in os.path.basename(path).split("-")[1:] if p.isdigit()]
     try:
-        pid = int(parts[2])
-        os.kill(pid, 0)
-    except (IndexError, ValueError, ProcessLookupError):
+        os.kill(int(numbers[1]), 0)
+    except (IndexError, ValueError, OverflowError, ProcessLookupError):
         return False
     except PermissionError:
         return True

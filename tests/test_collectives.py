@@ -862,12 +862,6 @@ def layout_env(layout: str) -> Any:
     return lambda rank: {"FASTCOMM_HOST_ID": f"simnode{nodes[rank]}"}
 
 
-def layout_skip_reason(layout: str, case: Case) -> str | None:
-    if layout and case.kind == "recv_anysource":
-        return "recv(src=None) across nodes is not supported yet"
-    return None
-
-
 def _case_param(case: Case) -> Any:
     reason = gloo_skip_reason(case)
     marks = [pytest.mark.skip(reason=reason)] if reason else []
@@ -892,7 +886,7 @@ def _selected_cases(session: pytest.Session, device: str, ws: int, layout: str) 
         ):
             continue
         case = cs.params["case"]
-        if gloo_skip_reason(case) is None and layout_skip_reason(layout, case) is None:
+        if gloo_skip_reason(case) is None:
             names.append(case.name)
     return names
 
@@ -933,9 +927,6 @@ def group_results(
 def test_collective(
     device: str, ws: int, layout: str, case: Case, group_results: list[dict[str, Any]]
 ) -> None:
-    reason = layout_skip_reason(layout, case)
-    if reason:
-        pytest.skip(reason)
     errors = []
     for rank, per_rank in enumerate(group_results):
         if case.name not in per_rank:

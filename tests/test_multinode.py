@@ -17,8 +17,17 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-
-from _harness import BACKEND, Checker, RankFailure, gen, is_gloo, run_ranks
+from _harness import (
+    BACKEND,
+    Checker,
+    RankFailure,
+    dtype_of,
+    gen,
+    is_gloo,
+    reduce_op,
+    run_ranks,
+    valid_ops,
+)
 from test_ddp import ddp_parity_fn
 from test_groups_and_errors import peer_failure_fn
 
@@ -82,10 +91,36 @@ def wire_fn(rank: int, ws: int) -> dict[str, Any]:
     return {}
 
 
-def test_bf16_wire_compression() -> None:
+@pytest.mark.parametrize("layout", [[0, 0, 1, 1], [0, 1, 2]], ids=["2x2", "3x1"])
+def test_bf16_wire_compression(layout: list[int]) -> None:
     """FASTCOMM_WIRE_DTYPE=bf16: float32 sums within bf16 rounding, bit-identical on all
-    ranks; integer sums exact."""
-    run_ranks(4, wire_fn, env=nodes_env([0, 0, 1, 1], FASTCOMM_WIRE_DTYPE="bf16"))
+    ranks; integer sums exact. 3x1 folds the third node into recursive doubling."""
+    run_ranks(len(layout), wire_fn, env=nodes_env(layout, FASTCOMM_WIRE_DTYPE="bf16"))
+
+
+def odd_rail_fn(rank: int, ws: int) -> None:
+    """All-reduce on a rail of 3 nodes: recursive doubling with a folded member for
+    small messages, the ring above 64 KiB; every dtype and op against the reference,
+    and the same values on every rank."""
+    chk = Checker(f"rank {rank}")
+    for dtype_name in ("float32", "float64", "bfloat16", "int32", "uint8", "bool"):
+        dtype = dtype_of(dtype_name)
+        for op in valid_ops(dtype_name):
+            for n in (1, 37, 4099, 40000):
+                key = f"rail3/{dtype_name}/{op}/{n}"
+                inputs = [gen(key, r, (n,), dtype, op) for r in range(ws)]
+                t = inputs[rank].clone()
+                dist.all_reduce(t, op=reduce_op(op))
+                chk.reduced(t, inputs, op, f"{dtype_name} {op} n={n}")
+                everyone = [torch.empty_like(t) for _ in range(ws)]
+                dist.all_gather(everyone, t)
+                for r in range(ws):
+                    chk.equal(everyone[r], t, f"{dtype_name} {op} n={n}: rank {r} vs mine")
+    chk.raise_if_failed()
+
+
+def test_allreduce_on_a_rail_of_three_nodes() -> None:
+    run_ranks(3, odd_rail_fn, env=nodes_env([0, 1, 2]), timeout_s=180)
 
 
 def agree_fn(rank: int, ws: int) -> dict[str, Any]:
@@ -143,6 +178,55 @@ def leak_fn(rank: int, ws: int) -> dict[str, Any]:
     time.sleep(0.5)
     after = (_task_count(), _fd_count())
     return {"before": before, "after": after}
+
+
+def recv_any_fn(rank: int, ws: int) -> None:
+    """Rank 0 receives with src=None from ranks on its own node (shared memory) and on
+    the other (transport), and tags filter. Headers that a recv from any source read
+    ahead (tag 3 while it looked for tag 7) go to the later recv(src=peer) they belong
+    to. With no sender, the error comes within the group's timeout."""
+    chk = Checker(f"rank {rank}")
+    shape = (257,)
+
+    def expect(tag: int, src: int) -> torch.Tensor:
+        return gen(f"any/{tag}", src, shape, torch.float32)
+
+    if rank == 0:
+        for tag, explicit in ((7, False), (3, True), (5, False)):
+            seen = []
+            for peer in range(1, ws):
+                buf = torch.full(shape, float("nan"))
+                src = dist.recv(buf, src=peer if explicit else None, tag=tag)
+                seen.append(src)
+                chk.equal(buf, expect(tag, src), f"tag-{tag} data from {src}")
+            chk.true(sorted(seen) == list(range(1, ws)), f"tag-{tag} senders {seen}")
+    else:
+        dist.send(expect(7, rank), dst=0, tag=7)
+        works = [dist.isend(expect(tag, rank), dst=0, tag=tag) for tag in (3, 5)]
+        for w in works:
+            w.wait()
+    dist.barrier()
+    pg = dist.new_group(backend="fastcomm", timeout=timedelta(seconds=3))
+    dist.barrier(group=pg)  # everyone has set the group up; nobody sends
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            dist.recv(torch.empty(shape), src=None, tag=11, group=pg)
+        except RuntimeError as e:
+            took = time.monotonic() - start
+            chk.true("any source" in str(e) and "3000 ms" in str(e), f"unclear error: {e}")
+            chk.true(took < 3 + 5, f"the error took {took:.1f} s")
+        else:
+            chk.fail("recv(src=None) with no sender returned")
+    dist.barrier()
+    chk.raise_if_failed()
+
+
+@pytest.mark.parametrize(
+    "layout", [[0, 0, 1, 1], [0, 1, 0, 1], [0, 1, 2, 3]], ids=["2x2", "2x2i", "4x1"]
+)
+def test_recv_from_any_source_across_nodes(layout: list[int]) -> None:
+    run_ranks(4, recv_any_fn, env=nodes_env(layout), timeout_s=120)
 
 
 def test_no_thread_or_fd_leaks_after_destroy() -> None:

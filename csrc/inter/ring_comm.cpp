@@ -237,6 +237,78 @@ void RingComm::allreduce(void* data, int64_t count, at::ScalarType dt, RedOp op,
   });
 }
 
+void RingComm::exchange(int peer, const void* sendBuf, void* recvBuf, int64_t bytes,
+                        const OpContext& ctx) {
+  transport::Connection* c = conns_[peer];
+  std::unique_ptr<transport::Request> recv, send;
+  if (recvBuf) recv = c->irecv(recvBuf, bytes, nullptr);
+  if (sendBuf) send = c->isend(sendBuf, bytes, nullptr);
+  TORCH_INTERNAL_ASSERT((!recvBuf || recv) && (!sendBuf || send),
+                        "fastcomm: the transport refused a first request");
+  // `&`, not `&&`: both requests are tested (and retired) on every pass.
+  while (!(done(recv) & done(send))) {
+    if (ctx.expired()) failTimeout(ctx, {c->peer()});
+    transport_.waitForProgress(kProgressSleep);
+  }
+}
+
+void RingComm::allreduceSmall(void* data, int64_t count, at::ScalarType dt, RedOp op,
+                              const OpContext& ctx) {
+  TORCH_INTERNAL_ASSERT(op != RedOp::Avg, "RingComm::allreduceSmall: the caller divides for AVG");
+  const int n = size();
+  if (n == 1 || count == 0) return;
+  int p2 = 1;
+  while (p2 * 2 <= n) p2 *= 2;
+  const int extra = n - p2;  // members p2.. fold into members 0..extra-1 first
+  const bool wire = useWire(dt, op);
+  const int64_t esize = static_cast<int64_t>(c10::elementSize(dt));
+  const int64_t wsize = wire ? 2 : esize;
+  char* d = static_cast<char*>(data);
+  char* mineW = scratch(2 * count * wsize);  // this rank's data as sent (wire only)
+  char* theirs = mineW + count * wsize;
+  auto outgoing = [&]() -> const void* {
+    if (!wire) return d;
+    view(mineW, count, wireType(wire_)).copy_(view(d, count, dt));
+    return mineW;
+  };
+  // Both partners compute op(mine, theirs) from the same two operands (with a
+  // 16-bit wire: both rounded), and the ops commute, so they end bit-identical.
+  auto combine = [&] {
+    if (wire) {
+      auto mine = view(d, count, dt);
+      mine.copy_(view(mineW, count, wireType(wire_)));
+      mine.add_(view(theirs, count, wireType(wire_)));
+    } else {
+      const void* ins[2] = {d, theirs};
+      reduceInto(d, ins, 2, count, dt, op, 1);
+    }
+  };
+  named(ctx, [&] {
+    if (me_ >= p2) {
+      exchange(me_ - p2, outgoing(), nullptr, count * wsize, ctx);
+      exchange(me_ - p2, nullptr, wire ? theirs : d, count * wsize, ctx);
+      if (wire) view(d, count, dt).copy_(view(theirs, count, wireType(wire_)));
+      return;
+    }
+    if (me_ < extra) {
+      exchange(me_ + p2, nullptr, theirs, count * wsize, ctx);
+      if (wire) outgoing();
+      combine();
+    }
+    for (int mask = 1; mask < p2; mask <<= 1) {
+      exchange(me_ ^ mask, outgoing(), theirs, count * wsize, ctx);
+      combine();
+    }
+    if (wire) {
+      // Round the result as the wire would, so the folded members, which
+      // receive it in 16 bits, hold the same values.
+      auto mine = view(d, count, dt);
+      mine.copy_(mine.to(wireType(wire_)));
+    }
+    if (me_ < extra) exchange(me_ + p2, outgoing(), nullptr, count * wsize, ctx);
+  });
+}
+
 void RingComm::reduceScatter(void* data, int64_t blockCount, at::ScalarType dt, RedOp op,
                              const OpContext& ctx) {
   TORCH_INTERNAL_ASSERT(op != RedOp::Avg, "RingComm::reduceScatter: the caller divides for AVG");

@@ -1,5 +1,7 @@
 // Collectives among a few ranks on different nodes (a rail, or every rank in
-// the flat fallback) over the inter-node transport, as rings.
+// the flat fallback) over the inter-node transport: rings for bandwidth, and
+// recursive doubling for small all-reduces (log2(n) exchanges instead of the
+// ring's 2(n-1) steps).
 //
 // Every block moves in pieces of about FASTCOMM_CHUNK_BYTES, and a piece goes
 // on to the next step as soon as it is reduced, so receiving piece j+1,
@@ -42,6 +44,9 @@ class RingComm {
 
   // In place. `op` must not be Avg (the caller divides once at the end).
   void allreduce(void* data, int64_t count, at::ScalarType dt, RedOp op, const OpContext& ctx);
+  // The same by recursive doubling, whole buffers at each exchange: for
+  // messages where latency, not bandwidth, counts.
+  void allreduceSmall(void* data, int64_t count, at::ScalarType dt, RedOp op, const OpContext& ctx);
   // `data` holds size() blocks of `blockCount` elements; afterwards block
   // index() holds their reduction (the other blocks are clobbered).
   void reduceScatter(void* data, int64_t blockCount, at::ScalarType dt, RedOp op,
@@ -63,6 +68,9 @@ class RingComm {
   void phase(char* data, const Blocks& b, at::ScalarType dt, RedOp op, bool reduce, bool wire,
              const OpContext& ctx);
   bool useWire(at::ScalarType dt, RedOp op) const;
+  // Sends `sendBuf` to and receives `recvBuf` from member `peer` (either may
+  // be null), both of `bytes`, and waits for both.
+  void exchange(int peer, const void* sendBuf, void* recvBuf, int64_t bytes, const OpContext& ctx);
   // Runs `fn`, turning a transport failure into an error naming the op and
   // the peer.
   template <typename Fn>

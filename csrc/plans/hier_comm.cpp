@@ -15,13 +15,9 @@ namespace fastcomm {
 namespace {
 
 // All-reduces up to this size skip the sharding: all-reduce in the node, then
-// every rail all-reduces the whole (small) buffer. Latency, not bandwidth.
+// every rail all-reduces the whole (small) buffer by recursive doubling.
+// Latency, not bandwidth.
 constexpr int64_t kSmallBytes = 64 << 10;
-
-struct P2PHeader {
-  int64_t tag;
-  int64_t bytes;
-};
 
 std::string storeGet(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key) {
   auto v = store->get(key);
@@ -85,7 +81,11 @@ HierComm::HierComm(const c10::intrusive_ptr<c10d::Store>& store, const Topology&
   collTo_.assign(P, nullptr);
   p2pTo_.assign(P, nullptr);
   for (size_t i = 0; i < collPeers.size(); ++i) collTo_[collPeers[i]] = collConns_[i].get();
-  for (size_t i = 0; i < p2pPeers.size(); ++i) p2pTo_[p2pPeers[i]] = p2pConns_[i].get();
+  inbox_.resize(P);
+  for (size_t i = 0; i < p2pPeers.size(); ++i) {
+    p2pTo_[p2pPeers[i]] = p2pConns_[i].get();
+    inbox_[p2pPeers[i]] = std::make_unique<Inbox>();
+  }
 
   std::vector<int> members;
   int me = 0;
@@ -120,7 +120,8 @@ std::string HierComm::describe() const {
   } else {
     os << localSize_ << " ranks each; intra-node: "
        << (localSize_ > 1 ? "shared memory" : "none (one rank per node)")
-       << "; inter-node: " << localSize_ << " rail ring(s) of " << numNodes_ << " ranks";
+       << "; inter-node: " << localSize_ << " rail(s) of " << numNodes_
+       << " ranks (rings; recursive doubling for all-reduces up to " << kSmallBytes << " B)";
   }
   os << "; transport " << coll_->name() << "; wire dtype " << cfg_.wireDtype << "; chunk "
      << cfg_.chunkBytes << " B";
@@ -193,11 +194,16 @@ void HierComm::allreduce(void* data, int64_t count, at::ScalarType dt, RedOp op,
   const int64_t esize = static_cast<int64_t>(c10::elementSize(dt));
   char* bytes = static_cast<char*>(data);
   guarded(ctx, [&] {
+    const bool small = count * esize <= kSmallBytes;
     if (flat_ || localSize_ == 1) {
-      ring_->allreduce(data, count, dt, phaseOp, ctx);
-    } else if (count * esize <= kSmallBytes || count < localSize_) {
+      if (small) {
+        ring_->allreduceSmall(data, count, dt, phaseOp, ctx);
+      } else {
+        ring_->allreduce(data, count, dt, phaseOp, ctx);
+      }
+    } else if (small || count < localSize_) {
       intra_->allreduce(data, count, dt, phaseOp, ctx);
-      ring_->allreduce(data, count, dt, phaseOp, ctx);
+      ring_->allreduceSmall(data, count, dt, phaseOp, ctx);
     } else {
       // Chunk k: reduce-scatter in the node (this thread), all-reduce of this
       // rank's shard with the rail (inter lane), all-gather in the node (this
@@ -492,19 +498,30 @@ void HierComm::send(const void* data, int64_t bytes, int peer, int tag, const Op
   transport::waitAll(*p2p_, {h.get(), d.get()}, {peer, peer}, ctx);
 }
 
-void HierComm::recv(void* data, int64_t bytes, int peer, int tag, const OpContext& ctx) {
-  if (intra_ && sameNode(peer)) {
-    intra_->recv(data, bytes, localIndex(peer), tag, ctx);
-    return;
+bool HierComm::headerArrived(Inbox& box, int peer, const OpContext& ctx) {
+  if (box.arrived) return true;
+  if (!box.pending) {
+    box.pending = p2pTo_[peer]->irecv(&box.header, sizeof(box.header), nullptr);
+    TORCH_INTERNAL_ASSERT(box.pending, "fastcomm: transport refused a receive");
   }
-  P2PHeader header{};
-  auto h = p2pTo_[peer]->irecv(&header, sizeof(header), nullptr);
-  TORCH_INTERNAL_ASSERT(h, "fastcomm: transport refused a receive");
-  transport::waitAll(*p2p_, {h.get()}, {peer}, ctx);
-  if (header.tag != tag || header.bytes != bytes) {
+  try {
+    box.arrived = box.pending->test();
+  } catch (const transport::TransportError& e) {
+    box.pending.reset();
+    throwCommError("fastcomm: " + ctx.describe() + " failed: communication with rank " +
+                   std::to_string(e.peer()) + " broke: " + e.what() + peerReason(e.peer()));
+  }
+  if (box.arrived) box.pending.reset();
+  return box.arrived;
+}
+
+void HierComm::takeMessage(Inbox& box, void* data, int64_t bytes, int peer, int tag,
+                           const OpContext& ctx) {
+  box.arrived = false;
+  if (box.header.tag != tag || box.header.bytes != bytes) {
     throwCommError("fastcomm: " + ctx.describe() + ": the next message from group rank " +
-                   std::to_string(peer) + " has tag " + std::to_string(header.tag) + " and " +
-                   std::to_string(header.bytes) + " bytes, but this recv expects tag " +
+                   std::to_string(peer) + " has tag " + std::to_string(box.header.tag) + " and " +
+                   std::to_string(box.header.bytes) + " bytes, but this recv expects tag " +
                    std::to_string(tag) + " and " + std::to_string(bytes) + " bytes");
   }
   auto d = p2pTo_[peer]->irecv(data, bytes, nullptr);
@@ -512,9 +529,51 @@ void HierComm::recv(void* data, int64_t bytes, int peer, int tag, const OpContex
   transport::waitAll(*p2p_, {d.get()}, {peer}, ctx);
 }
 
+void HierComm::recv(void* data, int64_t bytes, int peer, int tag, const OpContext& ctx) {
+  if (intra_ && sameNode(peer)) {
+    intra_->recv(data, bytes, localIndex(peer), tag, ctx);
+    return;
+  }
+  Inbox& box = *inbox_[peer];
+  std::lock_guard<std::mutex> lock(box.mu);
+  if (!headerArrived(box, peer, ctx)) {
+    transport::waitAll(*p2p_, {box.pending.get()}, {peer}, ctx);
+    box.pending.reset();
+    box.arrived = true;
+  }
+  takeMessage(box, data, bytes, peer, tag, ctx);
+}
+
 int HierComm::recvAny(void* data, int64_t bytes, int tag, const OpContext& ctx) {
-  TORCH_CHECK(false, "fastcomm: recv from any source (src=None) is not supported yet in a group ",
-              "spanning ", numNodes_, " nodes; pass src=");
+  // Polls the node's shared-memory rings and the header receives posted to
+  // every other-node peer. A header with another tag stays for the recv it
+  // belongs to.
+  auto pause = std::chrono::microseconds(20);
+  for (;;) {
+    if (intra_) {
+      const int l = intra_->tryRecvAny(data, bytes, tag, ctx);
+      if (l >= 0) return topo_.nodeRanks[topo_.myNode][l];
+    }
+    for (int peer = 0; peer < topo_.size; ++peer) {
+      if (!inbox_[peer]) continue;
+      Inbox& box = *inbox_[peer];
+      std::unique_lock<std::mutex> lock(box.mu, std::try_to_lock);
+      if (!lock.owns_lock()) continue;  // a recv(src=peer) is reading from it
+      if (headerArrived(box, peer, ctx) && box.header.tag == tag) {
+        takeMessage(box, data, bytes, peer, tag, ctx);
+        return peer;
+      }
+    }
+    if (ctx.expired()) {
+      throwCommError("fastcomm: " + ctx.describe() + ": recv from any source timed out after " +
+                     std::to_string(ctx.timeout.count()) + " ms: no message with tag " +
+                     std::to_string(tag) + " arrived from any rank");
+    }
+    // Shared-memory arrivals do not wake the transport, so the sleep is short
+    // and grows only to 1 ms.
+    p2p_->waitForProgress(pause);
+    pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(1));
+  }
 }
 
 }  // namespace fastcomm

@@ -16,6 +16,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -83,6 +84,25 @@ class HierComm final : public HostComm {
                 bool viaTransportOnly, const OpContext& ctx);
   void divide(void* data, int64_t count, at::ScalarType dt) const;
 
+  // The next user-message header from a peer on another node. The transport
+  // cannot peek, so a recv from any source posts a header receive to every
+  // such peer and keeps it posted; whichever recv comes next for that peer
+  // (any source with a matching tag, or recv(src=peer)) takes it over.
+  struct P2PHeader {
+    int64_t tag = 0;
+    int64_t bytes = 0;
+  };
+  struct Inbox {
+    std::mutex mu;  // a recv(src=peer) holds it while it waits
+    P2PHeader header;
+    std::unique_ptr<transport::Request> pending;  // posted, not yet complete
+    bool arrived = false;                         // `header` holds the next message's
+  };
+  // Posts or tests `peer`'s header receive; true once the header is in.
+  bool headerArrived(Inbox& box, int peer, const OpContext& ctx);
+  // Receives the payload announced by box.header into `data`.
+  void takeMessage(Inbox& box, void* data, int64_t bytes, int peer, int tag, const OpContext& ctx);
+
   c10::intrusive_ptr<c10d::Store> store_;
   Topology topo_;
   Config cfg_;
@@ -95,6 +115,7 @@ class HierComm final : public HostComm {
   std::unique_ptr<RingComm> ring_;                      // the rail (or, flat, every rank)
   std::unique_ptr<SerialLane> interLane_;               // runs the inter phase of pipelined plans
   std::vector<char> scratch_, scratch2_;
+  std::vector<std::unique_ptr<Inbox>> inbox_;  // by group rank; peers reached by p2p_
 };
 
 }  // namespace fastcomm

@@ -686,21 +686,29 @@ void ShmComm::recv(void* data, int64_t bytes, int peer, int tag, const OpContext
   ringRead(peer, data, bytes, ctx);
 }
 
+int ShmComm::tryRecvAny(void* data, int64_t bytes, int tag, const OpContext& ctx) {
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == me_) continue;
+    // A peer whose ring a recv(src=peer) is reading belongs to that recv.
+    std::unique_lock<std::mutex> lock(recvLocks_[peer], std::try_to_lock);
+    if (!lock.owns_lock()) continue;
+    MsgHeader h{};
+    if (!ringPeek(peer, &h, sizeof(h)) || h.tag != tag) continue;
+    ringRead(peer, &h, sizeof(h), ctx);
+    checkHeader(h, bytes, tag, groupRanks_[peer], ctx);
+    ringRead(peer, data, bytes, ctx);
+    return peer;
+  }
+  return -1;
+}
+
 int ShmComm::recvAny(void* data, int64_t bytes, int tag, const OpContext& ctx) {
   std::vector<int> peers;
   for (int i = 0; i < size_; ++i)
     if (i != me_) peers.push_back(i);
   while (true) {
-    for (int peer : peers) {
-      std::unique_lock<std::mutex> lock(recvLocks_[peer], std::try_to_lock);
-      if (!lock.owns_lock()) continue;
-      MsgHeader h{};
-      if (!ringPeek(peer, &h, sizeof(h)) || h.tag != tag) continue;
-      ringRead(peer, &h, sizeof(h), ctx);
-      checkHeader(h, bytes, tag, groupRanks_[peer], ctx);
-      ringRead(peer, data, bytes, ctx);
-      return peer;
-    }
+    const int peer = tryRecvAny(data, bytes, tag, ctx);
+    if (peer >= 0) return peer;
     waitFor(
         [&] {
           for (int peer : peers) {

@@ -77,6 +77,9 @@ class ShmComm final : public HostComm {
   // message must match.
   void send(const void* data, int64_t bytes, int peer, int tag, const OpContext& ctx) override;
   void recv(void* data, int64_t bytes, int peer, int tag, const OpContext& ctx) override;
+  // One look at every peer's ring: receives a waiting message with `tag` and
+  // returns its sender's index, or -1 (never waits).
+  int tryRecvAny(void* data, int64_t bytes, int tag, const OpContext& ctx);
   // Receives the first message with `tag` from any peer; returns its index.
   int recvAny(void* data, int64_t bytes, int tag, const OpContext& ctx) override;
 
