@@ -87,8 +87,8 @@ def _zero_copy(rank: int, world: int) -> None:
     ep.exchange([(peer, src)], [(peer, dst3)])
     chk.equal(dst3, _payload(n, "zc", peer, rank), "unregistered: data")
 
-    # Dropping the last handle on a registration deregisters it.
-    del mr_view, mr_src, mr_other
+    # Dropping the last handle on a registration (requests hold theirs) deregisters it.
+    del hr, hs, mr_view, mr_src, mr_other
     c4 = ep.counters()
     chk.true(c4["reg_cache_entries"] == 1, f"entries after releasing: {c4}")
     del mr_dst
@@ -324,12 +324,19 @@ def test_auto_transport(tmp_path: Any, emulated: list[int], expect: str) -> None
 def _forced_ib_fn(rank: int, ws: int) -> dict[str, Any]:
     import torch.distributed as dist
 
+    # A store of its own, so that rank 0 (its host) outlives the others' init.
+    store = _store(rank, ws)
+    out: dict[str, Any] = {"error": None}
     try:
-        dist.init_process_group(BACKEND, timeout=timedelta(seconds=30))
+        dist.init_process_group(
+            BACKEND, store=dist.PrefixStore("pg", store), rank=rank, world_size=ws,
+            timeout=timedelta(seconds=30),
+        )  # fmt: skip
+        dist.destroy_process_group()
     except (RuntimeError, ValueError) as e:  # the message is what is checked
-        return {"error": f"{type(e).__name__}: {e}"}
-    dist.destroy_process_group()
-    return {"error": None}
+        out["error"] = f"{type(e).__name__}: {e}"
+    _finish(store, rank, ws)
+    return out
 
 
 @pytest.mark.skipif(is_gloo(), reason="fastcomm's multi-node plans")

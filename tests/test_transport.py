@@ -331,10 +331,12 @@ def _peer_killed(rank: int, world: int, name: str) -> float:
     _all_pairs(chk, ep, rank, world, "warm", [1, 4096])
     big = 64 << 20
     if rank == VICTIM:
-        # Take part in big transfers, then die in the middle of them.
+        # Take part in big transfers, then die in the middle of them (the handles keep
+        # the buffers alive until then, as the transport requires).
+        handles = []
         for p in (0, 2):
-            ep.irecv(p, torch.empty(big, dtype=torch.uint8))
-            ep.isend(p, torch.zeros(big, dtype=torch.uint8))
+            handles.append(ep.irecv(p, torch.empty(big, dtype=torch.uint8)))
+            handles.append(ep.isend(p, torch.zeros(big, dtype=torch.uint8)))
         time.sleep(0.02)
         os._exit(3)
     survivor = 2 if rank == 0 else 0

@@ -505,6 +505,7 @@ class EmuDevice : public Device {
   std::mutex qpMu_;
   std::vector<std::shared_ptr<QpCore>> lanes_;
   uint32_t qpGen_ = 1;
+  int nextLane_ = 0;
 
   std::mutex asyncMu_;
   std::deque<AsyncEvent> async_;
@@ -540,7 +541,8 @@ class EmuQp : public Qp {
   void toRtr(const QpEndpoint& remote, const RcAttrs& rc) override {
     auto seg = mapPeer(remote.gid);
     const int lane = static_cast<int>(remote.qpn & 0xff);
-    if (lane >= kLanes || seg->lane(lane)->qpn.load() != remote.qpn) {
+    if (lane >= kLanes || seg->lane(lane)->qpn.load() != remote.qpn ||
+        seg->lane(lane)->state.load() == kLaneFree) {
       throw std::runtime_error("fastcomm: ib emulation: the peer has no QP " +
                                std::to_string(remote.qpn));
     }
@@ -712,19 +714,24 @@ std::unique_ptr<Mr> EmuDevice::regMr(void* addr, size_t length) {
 
 std::unique_ptr<Qp> EmuDevice::createQp(Cq& cq, int maxSend, int maxRecv) {
   std::lock_guard<std::mutex> lock(qpMu_);
-  for (int i = 0; i < kLanes; ++i) {
+  // Lanes are reused round-robin, so a destroyed QP's acknowledgements stay
+  // readable as long as possible.
+  for (int k = 0; k < kLanes; ++k) {
+    const int i = (nextLane_ + k) % kLanes;
     if (lanes_[i]) continue;
+    nextLane_ = i + 1;
     const uint32_t qpn = ((qpGen_++ & 0xffff) << 8) | static_cast<uint32_t>(i);
     auto core =
         std::make_shared<QpCore>(this, i, qpn, static_cast<EmuCq&>(cq).core, maxSend, maxRecv);
     LaneHeader* l = seg_->lane(i);
+    // The new QPN first: a producer of the previous QP stops writing here.
+    l->qpn.store(qpn, std::memory_order_release);
     l->head.store(0);
     l->tail.store(0);
     l->acked.store(0);
     l->nakStatus.store(0);
     l->nakMsn.store(0);
-    l->state.store(kLaneAlive);
-    l->qpn.store(qpn, std::memory_order_release);
+    l->state.store(kLaneAlive, std::memory_order_release);
     lanes_[i] = core;
     return std::make_unique<EmuQp>(std::move(core));
   }
@@ -742,9 +749,10 @@ void EmuDevice::destroyQp(const std::shared_ptr<QpCore>& qp) {
     qp->remote.reset();
   }
   std::lock_guard<std::mutex> lock(qpMu_);
-  LaneHeader* l = seg_->lane(qp->lane);
-  l->state.store(kLaneFree);
-  l->qpn.store(0, std::memory_order_release);
+  // The lane keeps the QPN and the acknowledgements it gave until it is
+  // reused: a requester may read them after we are gone (on the wire, the
+  // acknowledgements left before the QP was destroyed).
+  seg_->lane(qp->lane)->state.store(kLaneFree, std::memory_order_release);
   lanes_[qp->lane].reset();
 }
 
@@ -905,6 +913,13 @@ bool EmuDevice::checkAcks(QpCore& qp) {
   const double perTry = 4.096e-6 * static_cast<double>(1ull << std::min<int>(qp.rc.timeout, 31));
   const auto budget = std::chrono::duration<double>(perTry * (qp.rc.retryCnt + 1));
   if (Clock::now() - since < budget) return moved;
+  FASTCOMM_LOG(Info, "ib emulation: QP "
+                         << qp.qpn << " gives up on QP " << qp.remoteQpn << ": "
+                         << (!sameQp || rl->state.load() == kLaneFree ? "it was destroyed"
+                             : rl->state.load() == kLaneError         ? "it is in the error state"
+                                                              : "its process or device is gone")
+                         << ", nothing acknowledged for "
+                         << std::chrono::duration<double>(Clock::now() - since).count() << " s");
   auto& head = !qp.inflight.empty() ? qp.inflight.front() : qp.pending.front();
   complete(qp, head.wr.wrId, WcStatus::RetryExcErr, WcOpcode::RdmaWrite, 0, 0);
   if (!qp.inflight.empty()) {
@@ -920,7 +935,10 @@ bool EmuDevice::checkAcks(QpCore& qp) {
 bool EmuDevice::transmit(QpCore& qp) {
   if (qp.state != QpState::Rts || !qp.remote) return false;
   LaneHeader* rl = qp.remote->lane(qp.remoteLane);
-  if (rl->qpn.load(std::memory_order_acquire) != qp.remoteQpn) return false;  // peer QP gone
+  if (rl->qpn.load(std::memory_order_acquire) != qp.remoteQpn ||
+      rl->state.load(std::memory_order_acquire) == kLaneFree) {
+    return false;  // the peer QP is gone: nothing more goes out (the retry timer runs)
+  }
   char* data = qp.remote->laneData(qp.remoteLane);
   bool moved = false;
   while (!qp.pending.empty()) {
