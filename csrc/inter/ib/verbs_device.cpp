@@ -593,7 +593,10 @@ std::vector<PortInfo> listPorts(std::string* why) {
   int n = 0;
   ibv_device** list = a->getDeviceList(&n);
   if (list == nullptr) {
-    *why = std::string("ibv_get_device_list: ") + std::strerror(errno);
+    const int err = errno;
+    *why = std::string("libibverbs found no RDMA device (ibv_get_device_list: ") +
+           std::strerror(err) +
+           (err == ENOSYS ? "; the kernel, or this container, has no RDMA subsystem)" : ")");
     return out;
   }
   for (int i = 0; i < n; ++i) {
