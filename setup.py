@@ -78,6 +78,25 @@ def _sources(cuda: bool) -> list[str]:
     return cpp + sorted(glob.glob(os.path.join("kernels", "**", "*.cu"), recursive=True))
 
 
+def _verbs_include() -> list[str]:
+    """Where rdma-core's <infiniband/verbs.h> is (Debian: libibverbs-dev), if anywhere.
+
+    csrc/inter/ib/verbs_device.cpp compiles its libibverbs layer when the header is
+    found (__has_include); the library itself is opened at run time, so there is no
+    link dependency either way. Without the header the ib transport still builds and
+    runs on its emulation (FASTCOMM_IB_EMULATE=1). RDMA_CORE_HOME names a non-system
+    install.
+    """
+    home = os.environ.get("RDMA_CORE_HOME")
+    extra = [os.path.join(home, "include")] if home else []
+    for d in extra + ["/usr/include", "/usr/local/include"]:
+        if os.path.exists(os.path.join(d, "infiniband", "verbs.h")):
+            _log(f"rdma-core headers in {d}: the ib transport can use libibverbs")
+            return [d] if d in extra else []
+    _log("no <infiniband/verbs.h>: the ib transport runs only on its emulation")
+    return []
+
+
 def _shared_libstdcxx() -> list[str]:
     """Link the C++ runtime torch uses (libstdc++.so.6), never a static copy.
 
@@ -115,6 +134,7 @@ def _extension():
     library_dirs: list[str] = []
     libraries: list[str] = []
     extra_link = []
+    include_dirs += _verbs_include()
     if cuda:
         define_macros.append(("FASTCOMM_WITH_CUDA", "1"))
         inc, lib = _nccl_paths()
@@ -142,7 +162,7 @@ def _extension():
         library_dirs=library_dirs,
         libraries=libraries,
         extra_compile_args=extra,
-        extra_link_args=_shared_libstdcxx() + extra_link + ["-lrt"],
+        extra_link_args=_shared_libstdcxx() + extra_link + ["-lrt", "-ldl"],
     )
 
 

@@ -833,14 +833,20 @@ def run_cases(
 
 # Node layouts simulated with FASTCOMM_HOST_ID: the simulated node of each rank.
 # "" is one real node. "2x2i" interleaves the nodes, so group ranks are not
-# node-contiguous; "3+1" has uneven nodes (the flat plan).
+# node-contiguous; "3+1" has uneven nodes (the flat plan). A "-ib" layout runs the
+# inter-node transport over ib on its software RC emulation, for IB_DTYPES (every
+# collective and op of those dtypes, and the large cases): tcp covers the whole matrix.
 LAYOUTS: dict[str, list[int]] = {
     "": [],
     "2x2": [0, 0, 1, 1],
     "2x2i": [0, 1, 0, 1],
     "4x1": [0, 1, 2, 3],
     "3+1": [0, 0, 0, 1],
+    "2x2-ib": [0, 0, 1, 1],
+    "3+1-ib": [0, 0, 0, 1],
 }
+IB_DTYPES = ("float32", "bfloat16", "int64")
+IB_ENV = {"FASTCOMM_TRANSPORT": "ib", "FASTCOMM_IB_EMULATE": "1"}
 
 GROUPS = [
     pytest.param("cpu", 2, "", id="cpu-2ranks"),
@@ -849,6 +855,8 @@ GROUPS = [
     pytest.param("cpu", 4, "2x2i", id="cpu-4ranks-2x2nodes-interleaved"),
     pytest.param("cpu", 4, "4x1", id="cpu-4ranks-4x1nodes"),
     pytest.param("cpu", 4, "3+1", id="cpu-4ranks-3+1nodes"),
+    pytest.param("cpu", 4, "2x2-ib", id="cpu-4ranks-2x2nodes-ib"),
+    pytest.param("cpu", 4, "3+1-ib", id="cpu-4ranks-3+1nodes-ib"),
     pytest.param("cuda", 2, "", id="cuda-2ranks", marks=pytest.mark.cuda(world_size=2)),
     pytest.param("cuda", 4, "", id="cuda-4ranks", marks=pytest.mark.cuda(world_size=4)),
     pytest.param("cuda", 4, "2x2", id="cuda-4ranks-2x2nodes", marks=pytest.mark.cuda(world_size=4)),
@@ -859,7 +867,18 @@ def layout_env(layout: str) -> Any:
     nodes = LAYOUTS[layout]
     if not nodes:
         return None
-    return lambda rank: {"FASTCOMM_HOST_ID": f"simnode{nodes[rank]}"}
+    extra = IB_ENV if layout.endswith("-ib") else {}
+    return lambda rank: {"FASTCOMM_HOST_ID": f"simnode{nodes[rank]}", **extra}
+
+
+def layout_skip_reason(layout: str, case: Case) -> str | None:
+    if (
+        layout.endswith("-ib")
+        and case.dtype not in (None, *IB_DTYPES)
+        and not case.kind.startswith("large_")
+    ):
+        return f"the ib layouts run {', '.join(IB_DTYPES)} (tcp layouts run every dtype)"
+    return None
 
 
 def _case_param(case: Case) -> Any:
@@ -886,7 +905,7 @@ def _selected_cases(session: pytest.Session, device: str, ws: int, layout: str) 
         ):
             continue
         case = cs.params["case"]
-        if gloo_skip_reason(case) is None:
+        if gloo_skip_reason(case) is None and layout_skip_reason(layout, case) is None:
             names.append(case.name)
     return names
 
@@ -927,6 +946,9 @@ def group_results(
 def test_collective(
     device: str, ws: int, layout: str, case: Case, group_results: list[dict[str, Any]]
 ) -> None:
+    reason = layout_skip_reason(layout, case)
+    if reason:
+        pytest.skip(reason)
     errors = []
     for rank, per_rank in enumerate(group_results):
         if case.name not in per_rank:

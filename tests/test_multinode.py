@@ -46,6 +46,66 @@ def test_ddp_parity_two_nodes() -> None:
     assert res[0]["losses"][-1] < res[0]["losses"][0]
 
 
+IB_ENV = {"FASTCOMM_TRANSPORT": "ib", "FASTCOMM_IB_EMULATE": "1"}
+
+
+def test_ddp_parity_two_nodes_ib() -> None:
+    """The same over the ib transport (its software RC emulation: no RDMA hardware here)."""
+    res = run_ranks(
+        4, ddp_parity_fn, "cpu", "gloo", env=nodes_env([0, 0, 1, 1], **IB_ENV), timeout_s=240
+    )
+    assert res[0]["losses"][-1] < res[0]["losses"][0]
+
+
+QP_FAULT_TIMEOUT_S = 8.0
+
+
+def qp_fault_fn(rank: int, ws: int) -> dict[str, Any]:
+    dist.init_process_group(BACKEND, timeout=timedelta(seconds=QP_FAULT_TIMEOUT_S))
+    store = dist.distributed_c10d._get_default_store()
+    out: dict[str, Any] = {}
+    t = torch.ones(1 << 20)
+    dist.all_reduce(t)  # the connections work before the fault
+    t0 = time.monotonic()
+    try:
+        for _ in range(50):
+            dist.all_reduce(t)
+        out["message"] = None
+    except RuntimeError as e:
+        out["message"] = str(e)
+    out["elapsed"] = time.monotonic() - t0
+    store.set(f"qp_fault/done/{rank}", "1")
+    if rank == 0:  # hosts the store
+        store.wait([f"qp_fault/done/{r}" for r in range(ws)], timedelta(seconds=60))
+    dist.destroy_process_group()
+    return out
+
+
+def test_injected_qp_error_fails_every_rank() -> None:
+    """ib over 2x2 nodes; rank 2's queue pair to its rail peer (rank 0) enters the error
+    state in the middle of the all_reduces (FASTCOMM_IB_EMU_FAIL). Ranks 2 and 0 raise at
+    once, naming all_reduce, each other and what the device reported; ranks 1 and 3, whose
+    own rail is intact, raise by the group timeout naming the ranks they wait for. Nobody
+    hangs, and destroy_process_group() returns."""
+
+    def env(rank: int) -> dict[str, str]:
+        e = {"FASTCOMM_HOST_ID": f"simnode{rank // 2}", **IB_ENV}
+        if rank == 2:
+            e["FASTCOMM_IB_EMU_FAIL"] = "qp_error:after=30"
+        return e
+
+    res = run_ranks(4, qp_fault_fn, init=False, timeout_s=120, env=env)
+    for rank, r in enumerate(res):
+        msg = r["message"]
+        assert msg is not None, f"rank {rank}: 50 all_reduces succeeded despite the fault"
+        assert "all_reduce" in msg, (rank, msg)
+        assert r["elapsed"] < QP_FAULT_TIMEOUT_S + 10, (rank, r)
+    assert "IBV_EVENT_QP_FATAL" in res[2]["message"], res[2]
+    assert "group rank [0]" in res[2]["message"], res[2]
+    assert "group rank [2]" in res[0]["message"], res[0]
+    assert res[0]["elapsed"] < 8 and res[2]["elapsed"] < 8, res
+
+
 def test_killed_rank_on_other_node_fails_everyone() -> None:
     """Rank 1 (node 0) dies before an all_reduce over 2x2 nodes: ranks 0, 2 and 3 (two of
     them on the other node) raise within timeout + 10 s naming all_reduce, rank [1] and the

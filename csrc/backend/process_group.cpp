@@ -135,6 +135,15 @@ ProcessGroupFastComm::ProcessGroupFastComm(const c10::intrusive_ptr<c10d::Store>
   if (cfg_.crashBacktrace) installCrashBacktrace();
   if (cfg_.timeline) Timeline::setEnabled(true);
   topo_ = Topology::exchange(store_, rank, size, localHostId(cfg_), timeout_);
+  if (topo_.numNodes() > 1 && cfg_.transport == "ib") {
+    // Forced ib without a device fails here, at init, not at the first collective.
+    std::string why;
+    if (!transport::transportUsable("ib", cfg_, &why)) {
+      throw std::runtime_error("fastcomm: FASTCOMM_TRANSPORT=ib, but group rank " +
+                               std::to_string(rank) + " has no usable RDMA device: " + why +
+                               " (FASTCOMM_TRANSPORT=auto falls back to tcp)");
+    }
+  }
   if (rank == 0) {
     FASTCOMM_LOG(Info, "group '" << groupName_ << "' of " << size << " ranks, timeout "
                                  << timeout_.count() << " ms; " << topo_.describe()

@@ -76,6 +76,21 @@ Config Config::fromEnv() {
   if (const char* v = env("FASTCOMM_TCP_THREADS"))
     c.tcpThreads = static_cast<int>(parseBytes("FASTCOMM_TCP_THREADS", v));
   if (const char* v = env("FASTCOMM_SOCKET_IFNAME")) c.socketIfname = v;
+  if (const char* v = env("FASTCOMM_IB_HCA")) c.ibHca = v;
+  if (const char* v = env("FASTCOMM_IB_GID_INDEX")) {
+    char* end = nullptr;
+    long idx = std::strtol(v, &end, 10);
+    if (end == v || *end != '\0' || idx < -1 || idx > 255) {
+      throw std::invalid_argument(std::string("fastcomm: FASTCOMM_IB_GID_INDEX=") + v +
+                                  " is not a GID index (0..255, or -1 for automatic)");
+    }
+    c.ibGidIndex = static_cast<int>(idx);
+  }
+  if (const char* v = env("FASTCOMM_IB_QPS_PER_PEER"))
+    c.ibQpsPerPeer = static_cast<int>(parseBytes("FASTCOMM_IB_QPS_PER_PEER", v));
+  c.ibGdr = flag("FASTCOMM_IB_GDR", true);
+  c.ibEmulate = flag("FASTCOMM_IB_EMULATE", false);
+  if (const char* v = env("FASTCOMM_IB_EMU_FAIL")) c.ibEmuFail = v;
   c.check = flag("FASTCOMM_CHECK", false);
   c.crashBacktrace = flag("FASTCOMM_CRASH_BACKTRACE", false);
   c.timeline = flag("FASTCOMM_TIMELINE", false);
@@ -90,6 +105,7 @@ Config Config::fromEnv() {
   c.p2pBytes = std::max<int64_t>(4096, c.p2pBytes / 4096 * 4096);
   c.tcpSocketsPerPeer = std::min(64, std::max(1, c.tcpSocketsPerPeer));
   c.tcpThreads = std::min(64, std::max(1, c.tcpThreads));
+  c.ibQpsPerPeer = std::min(16, std::max(1, c.ibQpsPerPeer));
   return c;
 }
 
@@ -99,7 +115,10 @@ std::string Config::describe() const {
      << " transport=" << transport << " wire_dtype=" << wireDtype << " chunk_bytes=" << chunkBytes
      << " oneshot_bytes=" << oneShotBytes << " p2p_bytes=" << p2pBytes << " spin_us=" << spinMicros
      << " tcp_sockets=" << tcpSocketsPerPeer << " tcp_threads=" << tcpThreads
-     << " socket_ifname=" << (socketIfname.empty() ? "<auto>" : socketIfname) << " check=" << check
+     << " socket_ifname=" << (socketIfname.empty() ? "<auto>" : socketIfname)
+     << " ib_hca=" << (ibHca.empty() ? "<any>" : ibHca) << " ib_gid_index=" << ibGidIndex
+     << " ib_qps_per_peer=" << ibQpsPerPeer << " ib_gdr=" << ibGdr << " ib_emulate=" << ibEmulate
+     << (ibEmuFail.empty() ? "" : " ib_emu_fail=" + ibEmuFail) << " check=" << check
      << " blocking_wait=" << blockingWait << " cuda_timing=" << cudaTiming;
   return os.str();
 }

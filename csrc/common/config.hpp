@@ -43,6 +43,22 @@ struct Config {
   // FASTCOMM_SOCKET_IFNAME: interface (or prefix) whose address the tcp
   // transport listens on; empty picks one automatically.
   std::string socketIfname;
+  // FASTCOMM_IB_HCA: RDMA devices/ports the ib transport may use
+  // ("mlx5_0:1,mlx5_1", "=mlx5_0" exact, "^mlx5_1" excluded); empty: any.
+  std::string ibHca;
+  // FASTCOMM_IB_GID_INDEX: RoCE GID index; -1 chooses (RoCE v2, IPv4 first).
+  int ibGidIndex = -1;
+  // FASTCOMM_IB_QPS_PER_PEER: RC queue pairs per connection, data striped
+  // over them (one QP's ordering and per-QP engine limits cap a link).
+  int ibQpsPerPeer = 2;
+  // FASTCOMM_IB_GDR=0: no GPUDirect RDMA even where it is available.
+  bool ibGdr = true;
+  // FASTCOMM_IB_EMULATE=1: the ib transport runs on the software RC device
+  // (fcemu0) instead of libibverbs; every rank then has a usable device.
+  bool ibEmulate = false;
+  // FASTCOMM_IB_EMU_FAIL: fault injection into the emulation
+  // ("qp_error:after=N", "bad_rkey:after=N"), for tests.
+  std::string ibEmuFail;
   // FASTCOMM_TIMELINE=1: record pipeline phases (torchext.timeline()).
   bool timeline = false;
   // FASTCOMM_CRASH_BACKTRACE=1: print a native backtrace on a segfault.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "inter/ib/ib_transport.hpp"
 #include "inter/tcp/tcp_transport.hpp"
 
 namespace fastcomm {
@@ -9,11 +10,18 @@ namespace transport {
 
 std::unique_ptr<Transport> createTransport(const std::string& name, const Config& cfg) {
   if (name == "tcp") return tcp::createTcpTransport(cfg);
-  if (name == "ib") {
-    throw std::invalid_argument(
-        "fastcomm: transport 'ib' is not built yet (use FASTCOMM_TRANSPORT=tcp)");
+  if (name == "ib") return ib::createIbTransport(cfg);
+  throw std::invalid_argument("fastcomm: unknown transport '" + name + "' (known: tcp, ib)");
+}
+
+bool transportUsable(const std::string& name, const Config& cfg, std::string* why) {
+  if (name == "tcp") {
+    *why = "sockets";
+    return true;
   }
-  throw std::invalid_argument("fastcomm: unknown transport '" + name + "' (known: tcp)");
+  if (name == "ib") return ib::ibUsable(cfg, why);
+  *why = "unknown transport '" + name + "'";
+  return false;
 }
 
 void waitAll(Transport& transport, const std::vector<Request*>& requests,

@@ -1,5 +1,5 @@
 // The inter-node transport: one narrow, non-blocking interface with one
-// folder per implementation (tcp/, later ib/), modelled on NCCL's network
+// folder per implementation (tcp/, ib/), modelled on NCCL's network
 // plugin API and Gloo's transport/ (device, pair, buffer).
 //
 // Semantics every implementation keeps (tests/test_transport.py checks them):
@@ -30,6 +30,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -100,10 +101,22 @@ class Transport {
   // Stops progress threads and closes every connection; outstanding requests
   // fail. Idempotent; the destructor calls it.
   virtual void close() = 0;
+
+  // Whether registerMemory() accepts device (GPU) memory, moved without host
+  // staging (ib with GPUDirect RDMA).
+  virtual bool supportsDeviceMemory() const { return false; }
+  // Implementation counters for tests and logs (ib: bytes sent zero-copy or
+  // staged, registration cache hits and misses).
+  virtual std::map<std::string, int64_t> counters() const { return {}; }
 };
 
-// `name` is "tcp" (or later "ib"). Reads its settings from `cfg`.
+// `name` is "tcp" or "ib". Reads its settings from `cfg`.
 std::unique_ptr<Transport> createTransport(const std::string& name, const Config& cfg);
+
+// Whether this rank can run transport `name` (ib: a usable RDMA device under
+// FASTCOMM_IB_HCA, or FASTCOMM_IB_EMULATE=1); `why` names the device or says
+// why not. Cheap enough to call once per process group.
+bool transportUsable(const std::string& name, const Config& cfg, std::string* why);
 
 // Waits for all `requests` (null entries are skipped), sleeping through
 // waitForProgress. On ctx's deadline throws a comm error naming the

@@ -1,5 +1,5 @@
 // torchext._C._TransportEndpoint: one transport connected to every other rank,
-// so that tests/test_transport.py can drive any transport (tcp, later ib)
+// so that tests/test_transport.py can drive any transport (tcp, ib)
 // directly, below the process group. Private: not part of the public API.
 #include "python/transport_bindings.hpp"
 
@@ -65,10 +65,11 @@ class Endpoint {
     return *it->second;
   }
 
-  std::unique_ptr<Request> post(int peer, const at::Tensor& t, bool send) {
+  std::unique_ptr<Request> post(int peer, const at::Tensor& t, bool send,
+                                const transport::MemoryRegion* mr = nullptr) {
     char* p = bufferOf(t, send ? "isend" : "irecv");
     auto nbytes = static_cast<int64_t>(t.nbytes());
-    return send ? conn(peer).isend(p, nbytes, nullptr) : conn(peer).irecv(p, nbytes, nullptr);
+    return send ? conn(peer).isend(p, nbytes, mr) : conn(peer).irecv(p, nbytes, mr);
   }
 
   // Posts (retrying while the connection is full) and waits.
@@ -165,12 +166,21 @@ class Endpoint {
   std::map<int, std::unique_ptr<Connection>> conns_;
 };
 
-// A request from isend/irecv; keeps its tensor and the endpoint alive.
+// A registered tensor (Transport::registerMemory); keeps the tensor alive.
+struct Memory {
+  std::shared_ptr<Endpoint> ep;
+  std::unique_ptr<transport::MemoryRegion> mr;
+  at::Tensor tensor;
+};
+
+// A request from isend/irecv; keeps its tensor, its registration and the
+// endpoint alive.
 struct Handle {
   std::shared_ptr<Endpoint> ep;
   std::unique_ptr<Request> req;
   at::Tensor tensor;
   int peer;
+  std::shared_ptr<Memory> mem;
 };
 
 }  // namespace
@@ -178,6 +188,14 @@ struct Handle {
 void bindTransport(py::module_& m) {
   py::register_exception<TransportError>(m, "_TransportError", PyExc_RuntimeError);
   m.attr("_TRANSPORT_MAX_IN_FLIGHT") = transport::kMaxRequestsInFlight;
+  m.def(
+      "_transport_usable",
+      [](const std::string& name) {
+        std::string why;
+        bool ok = transport::transportUsable(name, Config::fromEnv(), &why);
+        return std::make_pair(ok, why);
+      },
+      "(usable, why): whether this process could run transport `name` under its environment.");
 
   py::class_<Handle, std::shared_ptr<Handle>>(m, "_TransportHandle")
       .def(
@@ -189,11 +207,16 @@ void bindTransport(py::module_& m) {
            }))
       .def_readonly("peer", &Handle::peer);
 
+  py::class_<Memory, std::shared_ptr<Memory>>(m, "_TransportMemory")
+      .def_property_readonly("nbytes", [](Memory& mem) { return mem.mr->bytes(); });
+
   auto post = [](bool send) {
-    return [send](std::shared_ptr<Endpoint> ep, int peer, at::Tensor t) -> py::object {
-      auto req = ep->post(peer, t, send);
+    return [send](std::shared_ptr<Endpoint> ep, int peer, at::Tensor t,
+                  std::shared_ptr<Memory> mem) -> py::object {
+      auto req = ep->post(peer, t, send, mem ? mem->mr.get() : nullptr);
       if (!req) return py::none();  // retry later: kMaxRequestsInFlight outstanding
-      return py::cast(std::make_shared<Handle>(Handle{std::move(ep), std::move(req), t, peer}));
+      return py::cast(
+          std::make_shared<Handle>(Handle{std::move(ep), std::move(req), t, peer, std::move(mem)}));
     };
   };
 
@@ -214,8 +237,22 @@ void bindTransport(py::module_& m) {
                        [](Endpoint& ep, int peer, at::Tensor t) { ep.blocking(peer, t, true); }))
       .def("recv", torch::wrap_pybind_function_no_gil(
                        [](Endpoint& ep, int peer, at::Tensor t) { ep.blocking(peer, t, false); }))
-      .def("isend", post(true), "A handle, or None when the connection is full (retry later).")
-      .def("irecv", post(false), "A handle, or None when the connection is full (retry later).")
+      .def("isend", post(true), py::arg("peer"), py::arg("tensor"), py::arg("mr") = nullptr,
+           "A handle, or None when the connection is full (retry later). `mr`: a registration "
+           "(register_memory) covering the tensor.")
+      .def("irecv", post(false), py::arg("peer"), py::arg("tensor"), py::arg("mr") = nullptr,
+           "A handle, or None when the connection is full (retry later).")
+      .def(
+          "register_memory",
+          [](std::shared_ptr<Endpoint> ep, at::Tensor t) {
+            char* p = bufferOf(t, "register_memory");
+            auto mr = ep->transport().registerMemory(p, static_cast<int64_t>(t.nbytes()));
+            return std::make_shared<Memory>(Memory{std::move(ep), std::move(mr), t});
+          },
+          "Registers the tensor's memory with the transport (ib: the registration cache).")
+      .def("counters", [](Endpoint& ep) { return ep.transport().counters(); })
+      .def_property_readonly("supports_device_memory",
+                             [](Endpoint& ep) { return ep.transport().supportsDeviceMemory(); })
       .def("exchange",
            torch::wrap_pybind_function_no_gil(
                [](Endpoint& ep, const std::vector<std::pair<int, at::Tensor>>& sends,
