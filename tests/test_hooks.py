@@ -202,12 +202,31 @@ def _check_ddp(chk: Checker, rank: int, ws: int, group: Any, label: str) -> None
         chk.true(all(torch.equal(t, flat) for t in gathered), f"{what}: ranks disagree")
 
 
+def _check_coalesced_future(chk: Checker, rank: int, ws: int) -> None:
+    """The future of a coalesced block's work: complete with every output, after them."""
+    ins = [
+        [gen(f"coalesced|{i}", r, (5 + 7 * i,), torch.float32) for r in range(ws)] for i in range(3)
+    ]
+    ts = [x[rank].clone() for x in ins]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for t in ts:
+            dist.all_reduce(t)
+    values = [v for w in cm.works for v in w.get_future().wait()]
+    chk.true(
+        sorted(v.data_ptr() for v in values) == sorted(t.data_ptr() for t in ts),
+        "coalesced future: its value is not the block's outputs",
+    )
+    for i, t in enumerate(ts):
+        chk.reduced(t, ins[i], "SUM", f"coalesced all_reduce {i} via the future")
+
+
 def hooks_cpu_fn(rank: int, ws: int) -> dict[str, Any]:
     chk = Checker(f"rank {rank}")
     gloo = dist.new_group(backend="gloo")
     for label, group in ((BACKEND, dist.group.WORLD), ("gloo", gloo)):
         _check_direct(chk, rank, ws, group, label)
         _check_ddp(chk, rank, ws, group, label)
+    _check_coalesced_future(chk, rank, ws)
     chk.raise_if_failed()
     return {"ok": True}
 
@@ -436,6 +455,58 @@ def watched_then_capture_fn(rank: int, ws: int) -> dict[str, Any]:
 @pytest.mark.cuda(2)
 def test_capture_while_eager_works_are_watched() -> None:
     run_ranks(2, watched_then_capture_fn, timeout_s=240)
+
+
+def coalesced_capture_fn(rank: int, ws: int) -> dict[str, Any]:
+    """A coalesced block of all_reduces captured, waited through the group work's future:
+    that future must be CUDA-aware (else the capture ends with the communication stream
+    not joined), complete during the capture, and each replay must recompute the sums."""
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    a = torch.empty(1000, device=device)
+    b = torch.empty(3, 7, device=device)
+    dist.all_reduce(a)  # communicator set up eagerly
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        with dist._coalescing_manager(async_ops=True) as cm:
+            dist.all_reduce(a)
+            dist.all_reduce(b)
+        futs = [w.get_future() for w in cm.works]
+        done = all(f.done() for f in futs)
+        for f in futs:
+            f.wait()
+        a.mul_(2)
+    assert done, "the coalesced work's future was not complete during the capture"
+    for replay in range(2):
+        ins = [
+            gen(f"coalesced|{replay}|{i}", rank, t.shape, torch.float32)
+            for i, t in enumerate((a, b))
+        ]
+        a.copy_(ins[0].to(device))
+        b.copy_(ins[1].to(device))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (t, scale) in enumerate(((a, 2.0), (b, 1.0))):
+            exact, bound = _average_bound(
+                [gen(f"coalesced|{replay}|{i}", r, t.shape, torch.float32) for r in range(ws)],
+                None,
+                torch.float32,
+            )
+            torch.testing.assert_close(
+                t.cpu().double(), scale * ws * exact, rtol=0, atol=float(scale * ws * bound.max())
+            )
+    # eagerly too: the future orders the current stream after the block
+    with dist._coalescing_manager(async_ops=True) as cm:
+        dist.all_reduce(a.fill_(1.0))
+    cm.works[0].get_future().wait()
+    torch.testing.assert_close(a, torch.full_like(a, float(ws)))
+    return {}
+
+
+@pytest.mark.cuda(2)
+def test_coalesced_future_in_capture() -> None:
+    run_ranks(2, coalesced_capture_fn, timeout_s=240)
 
 
 def blocking_wait_capture_fn(rank: int, ws: int) -> dict[str, Any]:

@@ -560,9 +560,10 @@ void CudaCollectives::Impl::watchdogLoop() {
   // queries in every thread of the process whose own mode is global, and
   // eager works issued before the capture may still be queued here. This
   // thread never captures and queries only events of eager works (captured
-  // ones are never queued), so other threads' captures do not concern it.
+  // ones are never queued), so other threads' captures do not concern it
+  // (ProcessGroupNCCL's watchdog does the same).
   cudaStreamCaptureMode captureMode = cudaStreamCaptureModeThreadLocal;
-  C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&captureMode));
+  C10_CUDA_CHECK_WARN(cudaThreadExchangeStreamCaptureMode(&captureMode));
   auto nextHeartbeat = Clock::now();
   while (true) {
     c10::intrusive_ptr<CudaWork> expired;
