@@ -88,7 +88,9 @@ def _average_bound(
     return exact, (n + 2) * fi.eps * magnitude + (n + 2) * spacing
 
 
-def _check_direct(chk: Checker, rank: int, ws: int, group: Any, label: str) -> None:
+def _check_direct(
+    chk: Checker, rank: int, ws: int, group: Any, label: str, device: str = "cpu"
+) -> None:
     """Each hook on a hand-made bucket, for several sizes and each form of state."""
     states = {"None": None, "group": group, "state object": _State(group)}
     if group is not None and group is not dist.group.WORLD:
@@ -97,8 +99,8 @@ def _check_direct(chk: Checker, rank: int, ws: int, group: Any, label: str) -> N
         for state_name, state in states.items():
             for numel in (1, 1000, 65539):
                 key = f"direct|{label}|{name}|{state_name}|{numel}"
-                buf = gen(key, rank, (numel,), torch.float32)
-                original = buf.clone()
+                buf = gen(key, rank, (numel,), torch.float32).to(device)
+                original = buf.clone().cpu()  # .cpu() alone aliases a CPU buffer
                 fut = _hook(name)(state, _Bucket(buf))
                 value = fut.wait()
                 what = f"{label} {name}(state={state_name}) on {numel} elements"
@@ -111,18 +113,19 @@ def _check_direct(chk: Checker, rank: int, ws: int, group: Any, label: str) -> N
                 inputs = [gen(key, r, (numel,), torch.float32) for r in range(ws)]
                 chk.true(torch.equal(inputs[rank], original), f"{what}: inputs not reproducible")
                 exact, bound = _average_bound(inputs, WIRE[name], torch.float32)
-                err = (buf.to(torch.float64) - exact).abs()
+                got = buf.cpu()
+                err = (got.to(torch.float64) - exact).abs()
                 bad = ~(err <= bound)
                 if bool(bad.any()):
                     i = int(torch.nonzero(bad)[0])
                     chk.fail(
                         f"{what}: {int(bad.sum())} element(s) off, first at {i}: got "
-                        f"{buf[i].item()!r}, expected {exact[i].item()!r} +- {bound[i].item():.3g}"
+                        f"{got[i].item()!r}, expected {exact[i].item()!r} +- {bound[i].item():.3g}"
                     )
                 if WIRE[name] is not None:
                     # the sum really travelled in 16 bits: every result is a 16-bit number
                     chk.true(
-                        torch.equal(buf, buf.to(WIRE[name]).to(torch.float32)),
+                        torch.equal(got, got.to(WIRE[name]).to(torch.float32)),
                         f"{what}: results are not {WIRE[name]} values (no compression?)",
                     )
 
@@ -144,12 +147,14 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train(
-    start: nn.Module, group: Any, hook: str | None, rank: int
+    start: nn.Module, group: Any, hook: str | None, rank: int, device: str = "cpu"
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """STEPS steps of plain SGD under DDP; returns the first step's (averaged) gradients
-    and the final parameters."""
-    ddp = DDP(copy.deepcopy(start), process_group=group, bucket_cap_mb=0.002,
-              gradient_as_bucket_view=True)  # fmt: skip
+    and the final parameters (on the CPU)."""
+    dev = torch.device(device)
+    ddp = DDP(copy.deepcopy(start).to(dev), process_group=group, bucket_cap_mb=0.002,
+              gradient_as_bucket_view=True,
+              device_ids=[dev.index] if dev.type == "cuda" else None)  # fmt: skip
     if hook is not None:
         ddp.register_comm_hook(group, _hook(hook))
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
@@ -157,26 +162,28 @@ def _train(
     for step in range(STEPS):
         x, y = _batch(step, rank)
         opt.zero_grad(set_to_none=False)
-        nn.functional.mse_loss(ddp(x), y).backward()
+        nn.functional.mse_loss(ddp(x.to(dev)), y.to(dev)).backward()
         if step == 0:
-            first = [p.grad.detach().clone() for p in ddp.parameters()]
+            first = [p.grad.detach().clone().cpu() for p in ddp.parameters()]
         opt.step()
-    return first, [p.detach().clone() for p in ddp.module.parameters()]
+    return first, [p.detach().clone().cpu() for p in ddp.module.parameters()]
 
 
-def _local_grads(start: nn.Module, rank: int) -> list[torch.Tensor]:
-    model = copy.deepcopy(start)
+def _local_grads(start: nn.Module, rank: int, device: str = "cpu") -> list[torch.Tensor]:
+    model = copy.deepcopy(start).to(device)
     x, y = _batch(0, rank)
-    nn.functional.mse_loss(model(x), y).backward()
-    return [p.grad.detach().clone() for p in model.parameters()]
+    nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
+    return [p.grad.detach().clone().cpu() for p in model.parameters()]
 
 
-def _check_ddp(chk: Checker, rank: int, ws: int, group: Any, label: str) -> None:
+def _check_ddp(
+    chk: Checker, rank: int, ws: int, group: Any, label: str, device: str = "cpu"
+) -> None:
     start = _model(1234)
-    local = [_local_grads(start, r) for r in range(ws)]  # every rank's step-0 gradients
-    _, default_params = _train(start, group, None, rank)
+    local = [_local_grads(start, r, device) for r in range(ws)]  # every rank's step-0 grads
+    _, default_params = _train(start, group, None, rank, device)
     for name in HOOKS:
-        first, params = _train(start, group, name, rank)
+        first, params = _train(start, group, name, rank, device)
         what = f"{label} DDP + {name}"
         for i, g in enumerate(first):
             exact, bound = _average_bound([lg[i] for lg in local], WIRE[name], torch.float32)
@@ -196,7 +203,7 @@ def _check_ddp(chk: Checker, rank: int, ws: int, group: Any, label: str) -> None
             if not d <= tol:
                 chk.fail(f"{what}: parameter {j} differs from DDP's default by {d:.3g} > {tol:.3g}")
         # parameters identical on every rank
-        flat = torch.cat([p.reshape(-1) for p in params])
+        flat = torch.cat([p.reshape(-1) for p in params]).to(device)
         gathered = [torch.empty_like(flat) for _ in range(ws)]
         dist.all_gather(gathered, flat, group=group)
         chk.true(all(torch.equal(t, flat) for t in gathered), f"{what}: ranks disagree")
@@ -250,6 +257,25 @@ def test_hook_signatures_accepted_by_ddp() -> None:
 
 
 # ------------------------------------------------------------------------------------- GPU
+
+
+def hooks_cuda_eager_fn(rank: int, ws: int) -> dict[str, Any]:
+    """The CPU checks with CUDA tensors, over the backend under test and over NCCL."""
+    torch.cuda.set_device(rank)
+    device = f"cuda:{rank}"
+    chk = Checker(f"rank {rank}")
+    nccl = dist.new_group(backend="nccl")
+    for label, group in ((BACKEND, dist.group.WORLD), ("nccl", nccl)):
+        _check_direct(chk, rank, ws, group, label, device)
+        _check_ddp(chk, rank, ws, group, label, device)
+    chk.raise_if_failed()
+    return {}
+
+
+@pytest.mark.cuda(2)
+def test_hooks_cuda_eager() -> None:
+    run_ranks(2, hooks_cuda_eager_fn, timeout_s=300)
+
 
 WARMUP = 11  # DDP samples runtime stats (event syncs) in its first 10 iterations
 REPLAYS = 6
