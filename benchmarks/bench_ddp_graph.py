@@ -131,8 +131,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     for m in args.modes:
         if m not in MODES:
             p.error(f"unknown mode {m!r} (one of {', '.join(MODES)})")
-    if args.warmup < MIN_WARMUP:
-        p.error(f"--warmup must be at least {MIN_WARMUP} (DDP's runtime statistics)")
+    if args.warmup < MIN_WARMUP or args.warmup % 100 == 0:
+        # DDP synchronises its timing events in the iteration after one of iterations 1..10
+        # and every 100th: the captured iteration must not be one of those.
+        p.error(f"--warmup must be at least {MIN_WARMUP} and not a multiple of 100")
     if min(args.iters, args.min_iters, args.repeats) < 1:
         p.error("--iters, --min-iters and --repeats must be positive")
     return args

@@ -65,8 +65,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--tolerance", type=float, default=1e-5,
                    help="largest allowed parameter difference, relative to the parameter's scale")  # fmt: skip
     args = p.parse_args(argv)
-    if args.warmup < MIN_WARMUP:
-        p.error(f"--warmup must be at least {MIN_WARMUP}")
+    if args.warmup < MIN_WARMUP or args.warmup % 100 == 0:
+        # DDP synchronises its timing events at the start of the iteration after one of
+        # iterations 1..10 and every 100th: the captured iteration must not be one of those.
+        p.error(f"--warmup must be at least {MIN_WARMUP} and not a multiple of 100")
     if min(args.layers, args.width, args.batch, args.steps) < 1:
         p.error("--layers, --width, --batch and --steps must be positive")
     return args
