@@ -13,7 +13,7 @@ import torch  # noqa: F401  (loads libtorch before our extension)
 import torch.distributed as dist
 
 from torchext import _C
-from torchext import nn, ops  # noqa: F401  (ops.py registers fake kernels and autograd)
+from torchext import hooks, nn, ops  # noqa: F401  (ops.py registers fake kernels and autograd)
 from torchext._registration import BACKEND_NAME, register
 
 __version__ = "0.1.0"
@@ -28,6 +28,7 @@ __all__ = [
     "save_timeline",
     "ops",
     "nn",
+    "hooks",
 ]
 
 register()

@@ -2,6 +2,8 @@
 
 #include <ATen/core/jit_type.h>
 
+#include <algorithm>
+
 namespace fastcomm {
 
 HostWork::HostWork(int rank, c10d::OpType type, const char* profilingTitle, uint64_t seq,
@@ -63,19 +65,34 @@ void GroupedWork::synchronize() {
 c10::intrusive_ptr<c10::ivalue::Future> GroupedWork::getFuture() {
   c10::List<c10::intrusive_ptr<c10::ivalue::Future>> futures(
       c10::FutureType::create(c10::ListType::create(c10::TensorType::get())));
-  for (auto& p : parts_) futures.push_back(p->getFuture());
-  auto all = c10::collectAll(futures);
+  std::vector<c10::intrusive_ptr<c10::ivalue::Future>> parts;
+  for (auto& p : parts_) {
+    parts.push_back(p->getFuture());
+    futures.push_back(parts.back());
+  }
+  // CUDA parts complete on their streams, not on the host: the group's future
+  // must be CUDA-aware too, or a waiter (and a CUDA graph capture) would not
+  // be ordered after them.
+  std::vector<c10::Device> devices;
+  for (const auto& t : outputs_)
+    if (t.is_cuda() && std::find(devices.begin(), devices.end(), t.device()) == devices.end())
+      devices.push_back(t.device());
+  auto result = c10::make_intrusive<c10::ivalue::Future>(
+      c10::ListType::create(c10::TensorType::get()), devices);
   auto outputs = outputs_;
-  return all->then(
-      [outputs](c10::ivalue::Future& f) {
-        // Propagate the first part's error, if any.
-        for (const auto& part : f.value().toList()) {
-          auto fut = part.get().toFuture();
-          if (fut->hasError()) fut->value();  // rethrows
-        }
-        return c10::IValue(outputs);
-      },
-      c10::ListType::create(c10::TensorType::get()));
+  c10::collectAll(futures)->addCallback([result, parts, outputs](c10::ivalue::Future&) {
+    for (const auto& f : parts) {
+      if (f->hasError()) {  // the first part's error
+        result->setError(f->exception_ptr());
+        return;
+      }
+    }
+    // Stream waits only (every part is complete on the host): the events
+    // markCompleted records then follow all parts.
+    for (const auto& f : parts) f->wait();
+    result->markCompleted(c10::IValue(outputs));
+  });
+  return result;
 }
 
 }  // namespace fastcomm

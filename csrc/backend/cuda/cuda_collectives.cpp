@@ -241,8 +241,10 @@ namespace {
 class CudaWork : public c10d::Work {
  public:
   CudaWork(int rank, const CudaOpInfo& info, const Tensors& inputs, Tensors outputs,
-           at::Device device, CudaCollectives::Impl* owner, EventPool& events, bool timing)
+           at::Device device, CudaCollectives::Impl* owner, EventPool& events, bool timing,
+           bool captured)
       : Work(rank, info.type, info.title, std::optional<Tensors>(inputs)),
+        captured_(captured),
         name_(info.name),
         seq_(info.seq),
         bytes_(info.bytes),
@@ -258,6 +260,11 @@ class CudaWork : public c10d::Work {
 
   bool isCompleted() override {
     if (exception()) return true;
+    // Querying an event recorded during a capture is an error in CUDA; the
+    // work completes once per replay, which the host cannot name here.
+    TORCH_CHECK(!captured_, "fastcomm: ", name_, " (seq ", seq_,
+                ") was captured into a CUDA graph: it runs with every replay and has no "
+                "completion state of its own; synchronize the stream that replays the graph");
     return end_->query();
   }
   bool isSuccess() const override { return !exception(); }
@@ -271,6 +278,17 @@ class CudaWork : public c10d::Work {
   }
   bool wait(std::chrono::milliseconds timeout) override {
     if (auto e = exception()) std::rethrow_exception(e);
+    if (captured_) {
+      // Inside the capture the stream dependency is all a wait can mean (the
+      // work has not run yet: no host block, no event query). Outside it the
+      // event belongs to the graph and cannot order eager work.
+      TORCH_CHECK(isCapturing(at::cuda::getCurrentCUDAStream(device_.index()).stream()),
+                  "fastcomm: ", name_, " (seq ", seq_,
+                  ") was captured into a CUDA graph; wait on it inside the same capture, "
+                  "the replay orders it after that");
+      synchronize();
+      return true;
+    }
     synchronize();
     // A positive `timeout` (work.wait(timeout=...)) also blocks the host.
     if (owner_->cfg_.blockingWait || timeout.count() > 0) {
@@ -305,6 +323,7 @@ class CudaWork : public c10d::Work {
     }
   }
 
+  const bool captured_;  // issued while the current stream was being captured
   std::string name_;
   uint64_t seq_;
   int64_t bytes_;
@@ -421,7 +440,7 @@ WorkPtr CudaCollectives::Impl::launch(const CudaOpInfo& info, const Tensors& inp
   auto current = at::cuda::getCurrentCUDAStream(device_.index());
   const bool capturing = isCapturing(current.stream());
   auto work = c10::make_intrusive<CudaWork>(rank_, info, inputs, outputs, device_, this, *events_,
-                                            cfg_.cudaTiming && !capturing);
+                                            cfg_.cudaTiming && !capturing, capturing);
   std::lock_guard<std::mutex> lock(issueMu_);
   if (coalescing_) {
     deferred_.push_back({std::move(body), work});
@@ -537,6 +556,14 @@ void CudaCollectives::Impl::watchdogLoop() {
   // Event queries and, above all, ncclCommAbort must run on the
   // communicator's device, not on this thread's default device 0.
   c10::cuda::CUDAGuard deviceGuard(device_);
+  // A capture in global mode (torch.cuda.graph's default) forbids event
+  // queries in every thread of the process whose own mode is global, and
+  // eager works issued before the capture may still be queued here. This
+  // thread never captures and queries only events of eager works (captured
+  // ones are never queued), so other threads' captures do not concern it
+  // (ProcessGroupNCCL's watchdog does the same).
+  cudaStreamCaptureMode captureMode = cudaStreamCaptureModeThreadLocal;
+  C10_CUDA_CHECK_WARN(cudaThreadExchangeStreamCaptureMode(&captureMode));
   auto nextHeartbeat = Clock::now();
   while (true) {
     c10::intrusive_ptr<CudaWork> expired;

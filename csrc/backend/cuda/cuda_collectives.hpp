@@ -11,7 +11,10 @@
 // error naming the ranks that stopped making progress, and aborts the
 // communicator so no kernel spins forever. While the current stream is being
 // captured into a CUDA graph nothing here synchronises, queries events or
-// enqueues for the watchdog.
+// enqueues for the watchdog: the work of a captured collective only orders
+// streams in wait() (FASTCOMM_BLOCKING_WAIT does not apply to it) and has no
+// completion state to query; the watchdog thread uses thread-local capture
+// mode, so its queries of eager works do not break another thread's capture.
 #pragma once
 
 #include <ATen/ATen.h>
