@@ -2,7 +2,8 @@
 # Runs on a lent GPU machine (torch preinstalled, no network), from the repo
 # root: builds the extension, runs the GPU tests and the benchmarks, and
 # leaves logs and JSON in $OUT (at most 8 files come back).
-#   scripts/device_check.sh build tests bench cpubench cpubench2x2 ops   (any subset, in order)
+#   scripts/device_check.sh build tests bench cpubench cpubench2x2 multinode sweep hooks ddpbench ops
+#   (any subset, in order)
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
@@ -75,6 +76,37 @@ for stage in "${stages[@]}"; do
         --ops all_reduce --min-bytes 1K --max-bytes 256M --repeats 3 \
         --json "$OUT/bench_cpu_2x2.json" --plot "$OUT/bench_cpu_2x2.png" --md "$OUT/bench_cpu_2x2.md" \
         --label "device_check cpubench2x2" 2>&1 | grep -v "^W1" | tee -a "$LOG"
+      ;;
+    multinode)
+      # 4 GPUs as 2 simulated nodes x 2: the staged CUDA all_reduce across nodes
+      # (tests/test_cuda_hier.py) and the multi-node suite's CUDA cases.
+      say "CUDA multi-node tests (4 GPUs as 2x2 nodes)"
+      timeout 420 "$PY" -m pytest -q -ra tests/test_cuda_hier.py tests/test_multinode.py -m cuda \
+        > "$OUT/tests_multinode_cuda.log" 2>&1
+      tail -n 25 "$OUT/tests_multinode_cuda.log" | tee -a "$LOG"
+      ;;
+    sweep)
+      # all_reduce 1 MiB..1 GiB on 2x2 simulated nodes: fastcomm (fp32 and bf16
+      # wire) beside NCCL's socket transport at its default and best settings.
+      say "multi-node all_reduce sweep, $NGPU GPUs as 2 nodes"
+      timeout 480 "$PY" benchmarks/run_multinode_sweep.py --nproc-per-node "$NGPU" --sim-nodes 2 \
+        --device cuda --ops all_reduce --min-bytes 1M --max-bytes 1G --repeats 3 --time-per-size 1 \
+        --socket-settings 4x4 --buffsizes default,16777216 --wire-dtype bf16 --launch-timeout 420 \
+        --out-dir /tmp/fastcomm_sweep --json "$OUT/sweep_2x2.json" --plot "$OUT/sweep_2x2.png" \
+        --md "$OUT/sweep_2x2.md" --label "4x H200 as 2x2 nodes, TCP loopback, all_reduce" \
+        2>&1 | grep -v "^W1" | tail -n 40 | tee -a "$LOG"
+      ;;
+    hooks)
+      say "DDP comm hooks and CUDA graph capture, $NGPU GPUs"
+      timeout 420 "$PY" -m pytest -q -ra tests/test_hooks.py > "$OUT/tests_hooks.log" 2>&1
+      tail -n 20 "$OUT/tests_hooks.log" | tee -a "$LOG"
+      ;;
+    ddpbench)
+      say "DDP step time: eager NCCL, eager fastcomm, captured fastcomm ($NGPU GPUs)"
+      timeout 240 "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
+        benchmarks/bench_ddp_graph.py --json "$OUT/ddp_graph_${NGPU}gpu.json" \
+        --md "$OUT/ddp_graph_${NGPU}gpu.md" --label "${NGPU}x H200, one node" \
+        2>&1 | grep -v "^W1" | tail -n 30 | tee -a "$LOG"
       ;;
     ops)
       say "matmul ops"
