@@ -10,6 +10,7 @@
 
 #include "common/logging.hpp"
 #include "common/timeline.hpp"
+#include "plans/inter_plan.hpp"
 
 namespace fastcomm {
 namespace {
@@ -28,17 +29,6 @@ std::string storeGet(const c10::intrusive_ptr<c10d::Store>& store, const std::st
   return std::string(v.begin(), v.end());
 }
 
-// "key=value;key=value" -> value of `key` ("" when absent).
-std::string field(const std::string& plan, const std::string& key) {
-  std::istringstream is(plan);
-  std::string item;
-  while (std::getline(is, item, ';')) {
-    auto eq = item.find('=');
-    if (eq != std::string::npos && item.substr(0, eq) == key) return item.substr(eq + 1);
-  }
-  return "";
-}
-
 }  // namespace
 
 HierComm::HierComm(const c10::intrusive_ptr<c10d::Store>& store, const Topology& topo,
@@ -52,16 +42,10 @@ HierComm::HierComm(const c10::intrusive_ptr<c10d::Store>& store, const Topology&
 
   // Choices that must agree on every rank (a mismatch would hang or corrupt)
   // come from group rank 0 through the store.
-  if (topo_.rank == 0) {
-    const std::string transport = cfg_.transport == "auto" ? "tcp" : cfg_.transport;
-    store_->set("fastcomm/inter_plan", "transport=" + transport + ";wire=" + cfg_.wireDtype +
-                                           ";chunk=" + std::to_string(cfg_.chunkBytes));
-  }
-  store_->wait({"fastcomm/inter_plan"}, ctx.remaining());
-  const std::string plan = storeGet(store_, "fastcomm/inter_plan");
-  const std::string transportName = field(plan, "transport");
-  cfg_.wireDtype = field(plan, "wire");
-  cfg_.chunkBytes = std::stoll(field(plan, "chunk"));
+  const InterPlan plan = InterPlan::agree(store_, topo_.rank, cfg_, ctx);
+  const std::string transportName = plan.transport;
+  cfg_.wireDtype = plan.wireDtype;
+  cfg_.chunkBytes = plan.chunkBytes;
 
   if (localSize_ > 1) {
     // One segment per node, so one store key per node.

@@ -1,0 +1,34 @@
+// The multi-node choices every rank of a group must share (a mismatch would
+// hang or corrupt a collective): group rank 0 decides from its Config and
+// publishes them under the store key "fastcomm/inter_plan"; the others adopt
+// them. The host plans (HierComm) and the CUDA plans (CudaHier) read the same
+// record, so both sides agree however each rank's environment was set.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <cstdint>
+#include <string>
+
+#include "common/config.hpp"
+#include "common/deadline.hpp"
+
+namespace fastcomm {
+
+struct InterPlan {
+  std::string transport;         // "tcp" (FASTCOMM_TRANSPORT, "auto" resolved)
+  std::string wireDtype;         // none | bf16 | fp16
+  int64_t chunkBytes = 0;        // host pipeline chunk
+  bool cudaHier = true;          // CUDA all_reduce across nodes: staged pipeline
+  int64_t cudaChunkBytes = 0;    // its pipeline chunk
+  int64_t cudaHierMinBytes = 0;  // smaller all_reduces stay on the flat NCCL comm
+
+  // Rank 0 publishes, everyone (rank 0 too) reads back; waits at most until
+  // ctx's deadline for rank 0.
+  static InterPlan agree(const c10::intrusive_ptr<c10d::Store>& store, int rank, const Config& cfg,
+                         const OpContext& ctx);
+  std::string encode() const;
+  static InterPlan decode(const std::string& text);
+};
+
+}  // namespace fastcomm
