@@ -62,8 +62,8 @@ def _creator_alive(path: str) -> bool:
     try:
         pid = int(parts[2])
         os.kill(pid, 0)
-    except (IndexError, ValueError, ProcessLookupError):
-        return False
+    except (IndexError, ValueError, OverflowError, ProcessLookupError):
+        return False  # not a pid (another naming scheme), or gone
     except PermissionError:
         return True
     return True
