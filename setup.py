@@ -1,6 +1,6 @@
 """Build torchext._C against the torch that is installed.
 
-CUDA sources (kernels/*.cu and the NCCL path) build when torch was built with
+CUDA sources (kernels/*.cu, csrc/**/*.cu and the NCCL path) build when torch was built with
 CUDA and nvcc is found; otherwise a CPU-only extension is built that still
 registers the backend and rejects CUDA tensors with a clear error.
 Set FASTCOMM_CPU_ONLY=1 to force the CPU-only build.
@@ -75,7 +75,9 @@ def _sources(cuda: bool) -> list[str]:
         # Files under a cuda/ folder use the CUDA runtime or NCCL.
         cpp = [s for s in cpp if f"{os.sep}cuda{os.sep}" not in s]
         return cpp
-    return cpp + sorted(glob.glob(os.path.join("kernels", "**", "*.cu"), recursive=True))
+    cu = glob.glob(os.path.join("kernels", "**", "*.cu"), recursive=True)
+    cu += glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True)  # e.g. plans/cuda/kernels
+    return cpp + sorted(cu)
 
 
 def _verbs_include() -> list[str]:

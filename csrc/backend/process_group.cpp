@@ -153,7 +153,10 @@ ProcessGroupFastComm::ProcessGroupFastComm(const c10::intrusive_ptr<c10d::Store>
                                                           : "shared memory")
                                  << "; CUDA tensors: "
 #ifdef FASTCOMM_WITH_CUDA
-                                 << "NCCL"
+                                 << (topo_.numNodes() > 1 && cfg_.cudaHier
+                                         ? "NCCL; large all_reduces across nodes staged over the "
+                                           "transport"
+                                         : "NCCL")
 #else
                                  << "unsupported (CPU-only build)"
 #endif
@@ -351,7 +354,7 @@ CudaCollectives& ProcessGroupFastComm::cuda(const at::Tensor& sample, const char
   if (!cuda_) {
     try {
       cuda_ = std::make_unique<CudaCollectives>(store_, rank_, size_, timeout_, cfg_, stats_,
-                                                sample.device());
+                                                sample.device(), topo_);
     } catch (const c10::DistBackendError& e) {
       if (op == nullptr) throw;
       throwCommError(std::string("fastcomm: ") + op + ": " + e.what());

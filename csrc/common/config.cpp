@@ -67,6 +67,11 @@ Config Config::fromEnv() {
     c.wireDtype = oneOf("FASTCOMM_WIRE_DTYPE", v, {"none", "bf16", "fp16"});
   if (const char* v = env("FASTCOMM_CHUNK_BYTES"))
     c.chunkBytes = parseBytes("FASTCOMM_CHUNK_BYTES", v);
+  if (const char* v = env("FASTCOMM_CUDA_CHUNK_BYTES"))
+    c.cudaChunkBytes = parseBytes("FASTCOMM_CUDA_CHUNK_BYTES", v);
+  if (const char* v = env("FASTCOMM_CUDA_HIER_MIN_BYTES"))
+    c.cudaHierMinBytes = parseBytes("FASTCOMM_CUDA_HIER_MIN_BYTES", v);
+  c.cudaHier = flag("FASTCOMM_CUDA_HIER", true);
   if (const char* v = env("FASTCOMM_SHM_ONESHOT_BYTES"))
     c.oneShotBytes = parseBytes("FASTCOMM_SHM_ONESHOT_BYTES", v);
   if (const char* v = env("FASTCOMM_P2P_BYTES")) c.p2pBytes = parseBytes("FASTCOMM_P2P_BYTES", v);
@@ -103,6 +108,7 @@ Config Config::fromEnv() {
   // Chunks below 4 KiB only add barriers; keep them page-sized and sane.
   c.chunkBytes = std::max<int64_t>(4096, c.chunkBytes / 4096 * 4096);
   c.p2pBytes = std::max<int64_t>(4096, c.p2pBytes / 4096 * 4096);
+  c.cudaChunkBytes = std::max<int64_t>(4096, c.cudaChunkBytes / 4096 * 4096);
   c.tcpSocketsPerPeer = std::min(64, std::max(1, c.tcpSocketsPerPeer));
   c.tcpThreads = std::min(64, std::max(1, c.tcpThreads));
   c.ibQpsPerPeer = std::min(16, std::max(1, c.ibQpsPerPeer));
@@ -119,7 +125,9 @@ std::string Config::describe() const {
      << " ib_hca=" << (ibHca.empty() ? "<any>" : ibHca) << " ib_gid_index=" << ibGidIndex
      << " ib_qps_per_peer=" << ibQpsPerPeer << " ib_gdr=" << ibGdr << " ib_emulate=" << ibEmulate
      << (ibEmuFail.empty() ? "" : " ib_emu_fail=" + ibEmuFail) << " check=" << check
-     << " blocking_wait=" << blockingWait << " cuda_timing=" << cudaTiming;
+     << " blocking_wait=" << blockingWait << " cuda_timing=" << cudaTiming
+     << " cuda_hier=" << cudaHier << " cuda_chunk_bytes=" << cudaChunkBytes
+     << " cuda_hier_min_bytes=" << cudaHierMinBytes;
   return os.str();
 }
 

@@ -18,6 +18,16 @@ struct Config {
   // FASTCOMM_CHUNK_BYTES: pipeline chunk; for shared memory, the bytes each
   // rank owns per pipeline step.
   int64_t chunkBytes = 1 << 20;
+  // FASTCOMM_CUDA_HIER=0: CUDA all_reduce across nodes stays on the flat NCCL
+  // communicator (NCCL's own socket path) instead of the staged pipeline.
+  bool cudaHier = true;
+  // FASTCOMM_CUDA_CHUNK_BYTES: pipeline chunk of that CUDA path, per rank's
+  // shard; larger than the host chunk, since every chunk costs a few copies,
+  // kernel launches and stream waits.
+  int64_t cudaChunkBytes = 4 << 20;
+  // FASTCOMM_CUDA_HIER_MIN_BYTES: smaller CUDA all_reduces across nodes stay
+  // on the flat NCCL communicator (latency, not bandwidth).
+  int64_t cudaHierMinBytes = 1 << 20;
   // FASTCOMM_SHM_ONESHOT_BYTES: all-reduces up to this size reduce the whole
   // buffer on every rank after one exchange (one barrier instead of two).
   int64_t oneShotBytes = 32 << 10;

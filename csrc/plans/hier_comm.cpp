@@ -10,6 +10,7 @@
 
 #include "common/logging.hpp"
 #include "common/timeline.hpp"
+#include "plans/inter_plan.hpp"
 
 namespace fastcomm {
 namespace {
@@ -24,17 +25,6 @@ std::string storeGet(const c10::intrusive_ptr<c10d::Store>& store, const std::st
   return std::string(v.begin(), v.end());
 }
 
-// "key=value;key=value" -> value of `key` ("" when absent).
-std::string field(const std::string& plan, const std::string& key) {
-  std::istringstream is(plan);
-  std::string item;
-  while (std::getline(is, item, ';')) {
-    auto eq = item.find('=');
-    if (eq != std::string::npos && item.substr(0, eq) == key) return item.substr(eq + 1);
-  }
-  return "";
-}
-
 }  // namespace
 
 HierComm::HierComm(const c10::intrusive_ptr<c10d::Store>& store, const Topology& topo,
@@ -47,26 +37,11 @@ HierComm::HierComm(const c10::intrusive_ptr<c10d::Store>& store, const Topology&
     if (static_cast<int>(node.size()) != localSize_) flat_ = true;
 
   // Choices that must agree on every rank (a mismatch would hang or corrupt)
-  // come from group rank 0 through the store. For the transport rank 0 also
-  // needs every rank's answer to "is ib usable here?".
-  {
-    std::string why;
-    const bool ib = transport::transportUsable("ib", cfg_, &why);
-    store_->set("fastcomm/ib_usable/" + std::to_string(topo_.rank), (ib ? "1 " : "0 ") + why);
-  }
-  if (topo_.rank == 0) {
-    const std::string transport = chooseTransport(ctx);
-    store_->set("fastcomm/inter_plan", "transport=" + transport + ";wire=" + cfg_.wireDtype +
-                                           ";chunk=" + std::to_string(cfg_.chunkBytes));
-  }
-  store_->wait({"fastcomm/inter_plan"}, ctx.remaining());
-  const std::string plan = storeGet(store_, "fastcomm/inter_plan");
-  const std::string transportName = field(plan, "transport");
-  if (transportName == "none") {
-    throwCommError(storeGet(store_, "fastcomm/inter_plan_error"));
-  }
-  cfg_.wireDtype = field(plan, "wire");
-  cfg_.chunkBytes = std::stoll(field(plan, "chunk"));
+  // come from group rank 0 through the store.
+  const InterPlan plan = InterPlan::agree(store_, topo_.rank, topo_.size, cfg_, ctx);
+  const std::string transportName = plan.transport;
+  cfg_.wireDtype = plan.wireDtype;
+  cfg_.chunkBytes = plan.chunkBytes;
 
   if (localSize_ > 1) {
     // One segment per node, so one store key per node.
@@ -112,37 +87,6 @@ HierComm::HierComm(const c10::intrusive_ptr<c10d::Store>& store, const Topology&
   ring_->setPeerReason([this](int peer) { return peerReason(peer); });
   interLane_ = std::make_unique<SerialLane>("fc-inter");
   if (topo_.rank == 0) FASTCOMM_LOG(Info, describe());
-}
-
-std::string HierComm::chooseTransport(const OpContext& ctx) {
-  if (cfg_.transport == "tcp") return "tcp";
-  std::vector<std::string> keys;
-  for (int r = 0; r < topo_.size; ++r) keys.push_back("fastcomm/ib_usable/" + std::to_string(r));
-  store_->wait(keys, ctx.remaining());
-  std::vector<int> without;
-  std::string reasons;
-  for (int r = 0; r < topo_.size; ++r) {
-    const std::string v = storeGet(store_, keys[r]);
-    if (v.compare(0, 2, "1 ") == 0) continue;
-    without.push_back(r);
-    if (without.size() <= 4) reasons += "; rank " + std::to_string(r) + ": " + v.substr(2);
-  }
-  if (without.empty()) {
-    FASTCOMM_LOG(Info, "FASTCOMM_TRANSPORT=" << cfg_.transport << ": ib, every rank has a usable "
-                                             << "RDMA device (rank 0: "
-                                             << storeGet(store_, keys[0]).substr(2) << ")");
-    return "ib";
-  }
-  const std::string why =
-      "group rank(s) " + formatRanks(without) + " have no usable ib device" + reasons;
-  if (cfg_.transport == "ib") {
-    store_->set("fastcomm/inter_plan_error",
-                "fastcomm: FASTCOMM_TRANSPORT=ib (group rank 0's choice), but " + why +
-                    " (FASTCOMM_TRANSPORT=auto falls back to tcp)");
-    return "none";
-  }
-  FASTCOMM_LOG(Info, "FASTCOMM_TRANSPORT=auto: tcp, because " << why);
-  return "tcp";
 }
 
 HierComm::~HierComm() {

@@ -72,10 +72,6 @@ class HierComm final : public HostComm {
   // Runs `fn` turning any failure into abort() + rethrow.
   template <typename Fn>
   void guarded(const OpContext& ctx, Fn fn);
-  // Group rank 0: the transport every rank will use (FASTCOMM_TRANSPORT, and
-  // for auto/ib every rank's ib probe from the store); "none" after storing
-  // the error for a forced ib that some rank cannot use.
-  std::string chooseTransport(const OpContext& ctx);
   // Adds the first failing rank's reason (published in the store) to an
   // error about `peer`.
   std::string peerReason(int peer);

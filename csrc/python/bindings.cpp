@@ -6,6 +6,7 @@
 
 #include "backend/process_group.hpp"
 #include "common/timeline.hpp"
+#include "plans/hier_layout.hpp"
 #include "python/transport_bindings.hpp"
 
 #ifdef FASTCOMM_WITH_CUDA
@@ -83,6 +84,41 @@ PYBIND11_MODULE(_C, m) {
     return py::none();
 #endif
   });
+
+  m.def(
+      "_hier_layout",
+      [](int64_t shard, int rails, int64_t chunkBytes, int64_t esize, int me, bool packed) {
+        using fastcomm::HierLayout;
+        const HierLayout l = HierLayout::make(shard, rails, chunkBytes, esize);
+        py::dict d;
+        d["align"] = l.align;
+        d["q_max"] = l.qMax;
+        d["chunk_elems"] = l.chunkElems;
+        d["piece_slot_bytes"] = HierLayout::pieceSlotBytes(rails, chunkBytes);
+        py::list chunks;
+        for (int64_t k = 0; k < l.chunks; ++k) {
+          py::list pieces;
+          for (int p = 0; p < rails; ++p)
+            pieces.append(py::make_tuple(l.pieceOff(k, p), l.pieceLen(k, p)));
+          py::dict c;
+          c["off"] = l.chunkOff(k);
+          c["len"] = l.chunkLen(k);
+          c["q"] = l.q(k);
+          c["pieces"] = pieces;
+          if (packed) {
+            py::list map;
+            for (int64_t i = 0; i < (rails - 1) * l.qMax; ++i)
+              map.append(fastcomm::packedToChunk(l, k, me, i));
+            c["packed"] = map;
+          }
+          chunks.append(c);
+        }
+        d["chunks"] = chunks;
+        return d;
+      },
+      "Test-only: the chunk/piece layout of the CUDA multi-node all_reduce.", py::arg("shard"),
+      py::arg("rails"), py::arg("chunk_bytes"), py::arg("esize"), py::arg("me") = 0,
+      py::arg("packed") = false);
 
   fastcomm::bindTransport(m);
 }

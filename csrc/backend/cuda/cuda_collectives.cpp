@@ -13,8 +13,11 @@
 #include <sstream>
 #include <thread>
 
+#include "backend/cuda/nccl_utils.hpp"
 #include "common/deadline.hpp"
 #include "common/logging.hpp"
+#include "plans/cuda/cuda_hier.hpp"
+#include "plans/inter_plan.hpp"
 
 namespace fastcomm {
 
@@ -27,43 +30,6 @@ using Body = std::function<void(ncclComm_t, cudaStream_t)>;
 constexpr auto kWatchdogPeriod = std::chrono::milliseconds(100);
 constexpr auto kHeartbeatPeriod = std::chrono::milliseconds(1000);
 constexpr int64_t kStaleHeartbeatMs = 3000;
-
-void ncclCheck(ncclResult_t r, ncclComm_t comm, const char* what) {
-  if (r == ncclSuccess || r == ncclInProgress) return;
-  std::string msg = std::string("fastcomm: ") + what + ": NCCL error: " + ncclGetErrorString(r);
-  if (comm != nullptr) {
-    const char* last = ncclGetLastError(comm);
-    if (last != nullptr && *last) msg += std::string(" (") + last + ")";
-  }
-  throwCommError(msg);
-}
-
-ncclDataType_t ncclType(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-      return ncclFloat32;
-    case at::kDouble:
-      return ncclFloat64;
-    case at::kHalf:
-      return ncclFloat16;
-    case at::kBFloat16:
-      return ncclBfloat16;
-    case at::kChar:
-      return ncclInt8;
-    case at::kByte:
-      return ncclUint8;
-    case at::kBool:
-      return ncclUint8;
-    case at::kInt:
-      return ncclInt32;
-    case at::kLong:
-      return ncclInt64;
-    default:
-      TORCH_CHECK(false, "fastcomm: dtype ", t,
-                  " is not supported for CUDA tensors (NCCL types: "
-                  "float32, float64, float16, bfloat16, int8, uint8, bool, int32, int64)");
-  }
-}
 
 // Data movement needs no arithmetic: any dtype moves as bytes.
 ncclDataType_t moveType(const at::Tensor& t, int64_t& count) {
@@ -143,6 +109,19 @@ int64_t unixMillis() {
       .count();
 }
 
+// A contiguous stand-in for `t`, copied back on the comm stream by finish().
+struct DeviceContig {
+  at::Tensor orig, work;
+  explicit DeviceContig(const at::Tensor& t)
+      : orig(t), work(t.is_contiguous() ? t : at::empty_like(t, at::MemoryFormat::Contiguous)) {}
+  void load() const {
+    if (!work.is_same(orig)) work.copy_(orig);
+  }
+  void finish() const {
+    if (!work.is_same(orig)) orig.copy_(work);
+  }
+};
+
 class CudaWork;
 
 // CUDA events are recycled: creating and destroying two per collective costs
@@ -186,10 +165,16 @@ class EventPool : public std::enable_shared_from_this<EventPool> {
 class CudaCollectives::Impl {
  public:
   Impl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-       std::chrono::milliseconds timeout, const Config& cfg, Stats& stats, at::Device device);
+       std::chrono::milliseconds timeout, const Config& cfg, Stats& stats, at::Device device,
+       const Topology& topo);
   ~Impl();
 
   WorkPtr launch(const CudaOpInfo& info, const Tensors& inputs, const Tensors& outputs, Body body);
+  // The all_reduce of `t` goes through the multi-node pipeline (CudaHier):
+  // the same answer on every rank. Creates the plan at its first use; raises
+  // while the current stream is being captured.
+  bool useHier(const at::Tensor& t, RedOp op, const CudaOpInfo& info);
+  WorkPtr launchHier(const CudaOpInfo& info, const at::Tensor& t, RedOp op);
   void startCoalescing();
   WorkPtr endCoalescing(const CudaOpInfo& info);
   void cancelCoalescing() {
@@ -218,6 +203,10 @@ class CudaCollectives::Impl {
   c10::intrusive_ptr<c10d::Store> store_;
   std::chrono::milliseconds timeout_;
   Stats& stats_;
+  Topology topo_;
+  std::optional<InterPlan> plan_;   // several nodes: the choices agreed through the store
+  std::unique_ptr<CudaHier> hier_;  // created at the first all_reduce that takes it
+  bool hierTried_ = false;          // (under issueMu_) null hier_ then means unavailable
   ncclComm_t comm_ = nullptr;
   std::optional<at::cuda::CUDAStream> stream_;
   at::cuda::CUDAEvent syncEvent_{cudaEventDisableTiming};
@@ -342,45 +331,24 @@ class CudaWork : public c10d::Work {
 
 CudaCollectives::Impl::Impl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                             std::chrono::milliseconds timeout, const Config& cfg, Stats& stats,
-                            at::Device device)
+                            at::Device device, const Topology& topo)
     : device_(device),
       rank_(rank),
       size_(size),
       cfg_(cfg),
       store_(store),
       timeout_(timeout),
-      stats_(stats) {
+      stats_(stats),
+      topo_(topo) {
   c10::cuda::CUDAGuard guard(device_);
-  const auto ctx = OpContext::start("NCCL communicator setup", 0, timeout_);
-  const std::string uidKey = "fastcomm/nccl/uid";
-  ncclUniqueId id;
-  if (rank_ == 0) {
-    ncclCheck(ncclGetUniqueId(&id), nullptr, "ncclGetUniqueId");
-    const auto* p = reinterpret_cast<const uint8_t*>(&id);
-    store_->set(uidKey, std::vector<uint8_t>(p, p + sizeof(id)));
+  std::vector<int> everyone(size_);
+  std::iota(everyone.begin(), everyone.end(), 0);
+  comm_ = ncclCommFromStore(store_, "fastcomm/nccl/", size_, rank_, everyone, rank_, timeout_,
+                            "NCCL communicator setup");
+  if (topo_.numNodes() > 1) {
+    plan_ = InterPlan::agree(store_, rank_, size_, cfg_,
+                             OpContext::start("NCCL communicator setup", 0, timeout_));
   }
-  // Every rank must be here before the blocking ncclCommInitRank, so a rank
-  // that never comes is named instead of hanging the others.
-  const std::string readyPrefix = "fastcomm/nccl/ready/";
-  store_->set(readyPrefix + std::to_string(rank_), std::vector<uint8_t>{1});
-  std::vector<std::string> keys{uidKey};
-  for (int r = 0; r < size_; ++r) keys.push_back(readyPrefix + std::to_string(r));
-  try {
-    store_->wait(keys, ctx.remaining());
-  } catch (const std::exception&) {
-    std::vector<int> missing;
-    for (int r = 0; r < size_; ++r)
-      if (!store_->check({readyPrefix + std::to_string(r)})) missing.push_back(r);
-    throwCommError("fastcomm: NCCL communicator setup failed on group rank " +
-                   std::to_string(rank_) + ": timeout after " + std::to_string(timeout_.count()) +
-                   " ms waiting for group rank(s) " + formatRanks(missing));
-  }
-  if (rank_ != 0) {
-    auto v = store_->get(uidKey);
-    TORCH_CHECK(v.size() == sizeof(id), "fastcomm: bad NCCL unique id in the store");
-    std::memcpy(&id, v.data(), sizeof(id));
-  }
-  ncclCheck(ncclCommInitRank(&comm_, size_, id, rank_), nullptr, "ncclCommInitRank");
   stream_ = at::cuda::getStreamFromPool(/*isHighPriority=*/true, device_.index());
   int version = 0;
   ncclGetVersion(&version);
@@ -403,7 +371,13 @@ void CudaCollectives::Impl::shutdown() {
   cv_.notify_all();
   if (watchdog_.joinable()) watchdog_.join();
   c10::cuda::CUDAGuard guard(device_);
+  if (hier_) {
+    // Not under issueMu_: draining the stream may need the plan's proxy to
+    // abort the group, which takes it.
+    hier_->shutdown(stream_->stream(), error() != nullptr);
+  }
   std::lock_guard<std::mutex> lock(issueMu_);
+  hier_.reset();
   if (comm_ != nullptr) {
     if (error_) {
       ncclCommAbort(comm_);
@@ -447,6 +421,80 @@ WorkPtr CudaCollectives::Impl::launch(const CudaOpInfo& info, const Tensors& inp
     return work;
   }
   issue({{std::move(body), work}}, info, capturing);
+  return work;
+}
+
+bool CudaCollectives::Impl::useHier(const at::Tensor& t, RedOp op, const CudaOpInfo& info) {
+  if (!plan_ || !CudaHier::eligible(*plan_, topo_, t.scalar_type(), op, t.numel(),
+                                    t.numel() * static_cast<int64_t>(t.element_size()))) {
+    return false;
+  }
+  checkHealthy();
+  c10::cuda::CUDAGuard guard(device_);
+  std::unique_lock<std::mutex> lock(issueMu_);
+  // A coalesced block is one NCCL group: it stays on the flat communicator.
+  if (coalescing_) return false;
+  if (hierTried_) return hier_ != nullptr;
+  // Before anything is set up or issued: the pipeline's proxy cannot take
+  // part in a graph yet.
+  TORCH_CHECK(!isCapturing(at::cuda::getCurrentCUDAStream(device_.index()).stream()),
+              "fastcomm: ", info.name,
+              " across nodes cannot be captured in a CUDA graph yet (tensors below "
+              "FASTCOMM_CUDA_HIER_MIN_BYTES, or FASTCOMM_CUDA_HIER=0, keep it on the flat "
+              "NCCL communicator, which can be captured)");
+  hierTried_ = true;
+  CudaHier::Hooks hooks;
+  hooks.abortGroup = [this](const std::string& why) { abort(why); };
+  hooks.laggingRanks = [this](uint64_t seq) {
+    const std::string m = missingRanks(seq);
+    return m.rfind("(unknown", 0) == 0 ? std::string() : m;
+  };
+  std::string failure;
+  try {
+    hier_ = CudaHier::create(store_, topo_, *plan_, cfg_, device_, timeout_, std::move(hooks));
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  if (failure.empty()) return hier_ != nullptr;
+  // Other ranks may have got further: none of them may go on, or the group
+  // would disagree on the path and hang.
+  lock.unlock();
+  const std::string why = failure.rfind("fastcomm:", 0) == 0
+                              ? failure
+                              : std::string("fastcomm: ") + info.name +
+                                    ": setting up the CUDA multi-node path failed: " + failure;
+  abort(why);
+  throwCommError(why);
+}
+
+WorkPtr CudaCollectives::Impl::launchHier(const CudaOpInfo& info, const at::Tensor& t, RedOp op) {
+  checkHealthy();
+  c10::cuda::CUDAGuard guard(device_);
+  auto current = at::cuda::getCurrentCUDAStream(device_.index());
+  TORCH_CHECK(!isCapturing(current.stream()), "fastcomm: ", info.name,
+              " across nodes cannot be captured in a CUDA graph yet (tensors below "
+              "FASTCOMM_CUDA_HIER_MIN_BYTES, or FASTCOMM_CUDA_HIER=0, keep it on the flat "
+              "NCCL communicator, which can be captured)");
+  // Always on the internal stream: the pipeline's flag slots are reused in
+  // issue order, which one stream keeps for every all_reduce of the group.
+  CudaOpInfo hinfo = info;
+  hinfo.onCurrentStream = false;
+  auto work = c10::make_intrusive<CudaWork>(rank_, hinfo, Tensors{t}, Tensors{t}, device_, this,
+                                            *events_, cfg_.cudaTiming);
+  const auto ctx = OpContext::start(info.name, info.seq, info.timeout);
+  std::lock_guard<std::mutex> lock(issueMu_);
+  TORCH_CHECK(hier_ != nullptr && !coalescing_, "fastcomm: internal: ", info.name,
+              " lost its multi-node plan");
+  CudaHier* hier = hier_.get();
+  c10::intrusive_ptr<CudaWork> failTarget = work;
+  Body body = [hier, t, op, ctx, failTarget](ncclComm_t, cudaStream_t s) {
+    DeviceContig c(t);
+    c.load();
+    hier->allreduce(c.work, op, s, ctx,
+                    [failTarget](std::exception_ptr e) { failTarget->fail(e); });
+    c.finish();
+  };
+  issue({{std::move(body), work}}, hinfo, /*capturing=*/false);
   return work;
 }
 
@@ -643,6 +691,7 @@ void CudaCollectives::Impl::abort(const std::string& why) {
     // Aborting makes NCCL kernels stuck on the dead peer return.
     if (comm_ != nullptr) ncclCommAbort(comm_);
     comm_ = nullptr;
+    if (hier_) hier_->abortComms(why);
   }
 }
 
@@ -650,8 +699,8 @@ void CudaCollectives::Impl::abort(const std::string& why) {
 
 CudaCollectives::CudaCollectives(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                  std::chrono::milliseconds timeout, const Config& cfg, Stats& stats,
-                                 at::Device device)
-    : impl_(std::make_unique<Impl>(store, rank, size, timeout, cfg, stats, device)) {}
+                                 at::Device device, const Topology& topo)
+    : impl_(std::make_unique<Impl>(store, rank, size, timeout, cfg, stats, device, topo)) {}
 
 CudaCollectives::~CudaCollectives() = default;
 
@@ -665,19 +714,6 @@ void CudaCollectives::shutdown() { impl_->shutdown(); }
 void CudaCollectives::abort() { impl_->abort("fastcomm: process group aborted"); }
 
 namespace {
-// A contiguous stand-in for `t`, copied back on the comm stream by finish().
-struct DeviceContig {
-  at::Tensor orig, work;
-  explicit DeviceContig(const at::Tensor& t)
-      : orig(t), work(t.is_contiguous() ? t : at::empty_like(t, at::MemoryFormat::Contiguous)) {}
-  void load() const {
-    if (!work.is_same(orig)) work.copy_(orig);
-  }
-  void finish() const {
-    if (!work.is_same(orig)) orig.copy_(work);
-  }
-};
-
 // One contiguous buffer holding `inputs` back to back (the tensor itself when
 // there is one), made on the comm stream.
 at::Tensor flatInput(const Tensors& inputs) {
@@ -689,6 +725,9 @@ at::Tensor flatInput(const Tensors& inputs) {
 }  // namespace
 
 WorkPtr CudaCollectives::allreduce(Tensors tensors, RedOp op, const CudaOpInfo& info) {
+  if (tensors.size() == 1 && impl_->useHier(tensors[0], op, info)) {
+    return impl_->launchHier(info, tensors[0], op);
+  }
   const int size = impl_->size_;
   return impl_->launch(
       info, tensors, tensors, [tensors, op, size](ncclComm_t comm, cudaStream_t s) {

@@ -28,6 +28,7 @@
 #include "backend/stats.hpp"
 #include "common/config.hpp"
 #include "common/reduce.hpp"
+#include "topology/topology.hpp"
 
 namespace fastcomm {
 
@@ -45,9 +46,11 @@ struct CudaOpInfo {
 
 class CudaCollectives {
  public:
+  // `topo` tells the nodes apart: across several, large all_reduces take the
+  // staged multi-node pipeline (plans/cuda/cuda_hier.hpp).
   CudaCollectives(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                   std::chrono::milliseconds timeout, const Config& cfg, Stats& stats,
-                  at::Device device);
+                  at::Device device, const Topology& topo);
   ~CudaCollectives();
 
   at::Device device() const;

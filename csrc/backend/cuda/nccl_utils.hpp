@@ -1,0 +1,32 @@
+// NCCL helpers shared by the flat CUDA collectives and the CUDA multi-node
+// plans.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <nccl.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <string>
+
+namespace fastcomm {
+
+// Throws a comm error naming `what` and NCCL's reason (ncclInProgress is not
+// an error: non-blocking communicators return it).
+void ncclCheck(ncclResult_t r, ncclComm_t comm, const char* what);
+
+// The NCCL type of an arithmetic dtype; a clear error for others.
+ncclDataType_t ncclType(at::ScalarType t);
+
+// Creates a communicator of `nranks` ranks (this one being `rank`) from a
+// unique id that rank 0 publishes under `prefix` + "uid". Each of
+// `readyRanks` (group ranks) announces itself under `prefix` + "ready/<r>"
+// first, and the blocking ncclCommInitRank starts only once all did, so a
+// rank that never comes is named (as `what` failing) instead of hanging the
+// others. `groupRank` is this process's group rank.
+ncclComm_t ncclCommFromStore(const c10::intrusive_ptr<c10d::Store>& store,
+                             const std::string& prefix, int nranks, int rank,
+                             const std::vector<int>& readyRanks, int groupRank,
+                             std::chrono::milliseconds timeout, const std::string& what);
+
+}  // namespace fastcomm

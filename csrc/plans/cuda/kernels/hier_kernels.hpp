@@ -1,0 +1,39 @@
+// Kernels of the CUDA multi-node all-reduce (plans/cuda/cuda_hier.*): the
+// reduction of the pieces received from the rail peers into this rank's own
+// piece, and the casts to and from a 16-bit wire dtype. Host-callable
+// launchers with plain types, so this header needs no ATen.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "plans/hier_layout.hpp"
+
+namespace fastcomm {
+namespace hierk {
+
+// Element types the path reduces (the NCCL arithmetic types but bool).
+enum class Elem : int { F32, F64, F16, BF16, I8, U8, I32, I64 };
+enum class Op : int { Sum, Prod, Min, Max };
+enum class Wire : int { None, BF16, FP16 };
+
+// own[i] = own[i] op recv[j * stride + i] for j < nPeers, i < n, accumulated
+// in float (16-bit types), double, or 64-bit integers. `divisor` > 0 divides
+// the result (AVG; integer division truncates). With a wire dtype (float32
+// data, Sum only), `recv` holds wire values; the result is rounded to the
+// wire dtype, stored in own[] (as float) and in wireOut[], so the owner keeps
+// exactly what its peers will receive.
+void reduce(Elem elem, Op op, Wire wire, void* own, const void* recv, int64_t stride, int nPeers,
+            int64_t n, int64_t divisor, void* wireOut, cudaStream_t stream);
+
+// Casts the pieces of chunk k that go to the peers (every node but `me`) from
+// float32 `chunk` (the chunk's first element) into the packed wire buffer
+// `out` of slots of l.qMax, and back (`unpack`).
+void pack(Wire wire, const float* chunk, void* out, const HierLayout& l, int64_t k, int me,
+          cudaStream_t stream);
+void unpack(Wire wire, const void* in, float* chunk, const HierLayout& l, int64_t k, int me,
+            cudaStream_t stream);
+
+}  // namespace hierk
+}  // namespace fastcomm

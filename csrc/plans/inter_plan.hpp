@@ -1,0 +1,36 @@
+// The multi-node choices every rank of a group must share (a mismatch would
+// hang or corrupt a collective): group rank 0 decides from its Config and
+// publishes them under the store key "fastcomm/inter_plan"; the others adopt
+// them. The host plans (HierComm) and the CUDA plans (CudaHier) read the same
+// record, so both sides agree however each rank's environment was set.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <cstdint>
+#include <string>
+
+#include "common/config.hpp"
+#include "common/deadline.hpp"
+
+namespace fastcomm {
+
+struct InterPlan {
+  std::string transport;         // "tcp" or "ib" (FASTCOMM_TRANSPORT, "auto" resolved)
+  std::string wireDtype;         // none | bf16 | fp16
+  int64_t chunkBytes = 0;        // host pipeline chunk
+  bool cudaHier = true;          // CUDA all_reduce across nodes: staged pipeline
+  int64_t cudaChunkBytes = 0;    // its pipeline chunk
+  int64_t cudaHierMinBytes = 0;  // smaller all_reduces stay on the flat NCCL comm
+
+  // Every rank reports whether ib is usable here; rank 0 decides (ib only
+  // when all `size` ranks can use it) and publishes, everyone (rank 0 too)
+  // reads back; waits at most until ctx's deadline. A forced ib that some
+  // rank cannot use fails on every rank, naming those ranks.
+  static InterPlan agree(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                         const Config& cfg, const OpContext& ctx);
+  std::string encode() const;
+  static InterPlan decode(const std::string& text);
+};
+
+}  // namespace fastcomm

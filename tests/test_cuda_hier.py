@@ -1,0 +1,480 @@
+"""The CUDA all_reduce across nodes (csrc/plans/cuda/): 4 GPUs as 2 simulated nodes x 2
+(FASTCOMM_HOST_ID), intra-node NCCL reduce-scatter -> rail exchange over fastcomm's transport
+through pinned staging -> intra-node NCCL all-gather.
+
+Every test needs 4 GPUs (one per rank) and is skipped without them. The path's use is proven
+by its proxy's timeline events (FASTCOMM_TIMELINE=1), so a silent fallback to the flat NCCL
+communicator fails the tests. References come from fresh random data every rank regenerates
+(tests/_harness.py gen), computed in float64 / int64.
+
+Run on the GPU machine:  python -m pytest -q tests/test_cuda_hier.py
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _harness import BACKEND, Checker, RankFailure, gen, is_gloo, run_ranks, valid_ops
+
+pytestmark = [
+    pytest.mark.skipif(is_gloo(), reason="fastcomm's multi-node CUDA path"),
+    pytest.mark.cuda(world_size=4),
+]
+
+PROXY_THREAD = "fc-cuda-proxy"
+DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64"]
+
+
+def nodes_env(nodes: list[int], **extra: str) -> Any:
+    return lambda rank: {"FASTCOMM_HOST_ID": f"simnode{nodes[rank]}", **extra}
+
+
+def _device(rank: int) -> torch.device:
+    torch.cuda.set_device(rank)
+    return torch.device("cuda", rank)
+
+
+def _proxy_chunks(events: list[dict[str, Any]]) -> set[int]:
+    return {e["chunk"] for e in events if e["thread"] == PROXY_THREAD}
+
+
+def _same_everywhere(chk: Checker, t: torch.Tensor, what: str) -> None:
+    """Every rank holds bit-identical values (compared as raw bytes, so NaN-safe)."""
+    raw = t.contiguous().view(-1).view(torch.uint8)
+    everyone = [torch.empty_like(raw) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, raw)
+    for r, other in enumerate(everyone):
+        chk.true(torch.equal(other, raw), f"{what}: rank {r} holds different values")
+
+
+# ----------------------------------------------------------------------------- correctness
+
+
+def matrix_fn(rank: int, ws: int, numels: dict[str, int]) -> dict[str, Any]:
+    """Every dtype x op of the path, odd sizes (not divisible by the local size, the rail size
+    or the chunk), each checked against the float64/int64 reference and for equality on all
+    ranks; the proxy must have run every chunk of every op."""
+    import torchext
+
+    dev = _device(rank)
+    chk = Checker(f"rank {rank}")
+    torchext.timeline()
+    for dt_name in DTYPES:
+        dt = getattr(torch, dt_name)
+        n = numels[dt_name]
+        for op in [o for o in valid_ops(dt_name) if o in ("SUM", "AVG", "PRODUCT", "MIN", "MAX")]:
+            key = f"hier/{dt_name}/{op}/{n}"
+            inputs = [gen(key, r, (n,), dt, op) for r in range(ws)]
+            t = inputs[rank].to(dev)
+            dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+            got = t.cpu()  # waits for the collective, so its proxy events are recorded
+            chk.true(
+                len(_proxy_chunks(torchext.timeline())) > 0,
+                f"{key}: no {PROXY_THREAD} events: the multi-node CUDA path was not taken",
+            )
+            chk.reduced(got, inputs, op, key)
+            _same_everywhere(chk, t, key)
+    chk.raise_if_failed()
+    return {}
+
+
+def test_every_dtype_and_op_many_chunks() -> None:
+    """Small chunks (many per op, a short last one, empty pieces in it) and the threshold at 0:
+    every dtype x op over 2 nodes x 2 GPUs."""
+    numels = {
+        "float32": 200_003,
+        "float64": 100_001,
+        "float16": 300_007,
+        "bfloat16": 300_007,
+        "int8": 500_009,
+        "uint8": 500_009,
+        "int32": 200_003,
+        "int64": 100_001,
+    }
+    env = nodes_env(
+        [0, 0, 1, 1],
+        FASTCOMM_TIMELINE="1",
+        FASTCOMM_CUDA_HIER_MIN_BYTES="0",
+        FASTCOMM_CUDA_CHUNK_BYTES="64K",
+    )
+    run_ranks(4, matrix_fn, numels, env=env, timeout_s=600)
+
+
+def test_every_dtype_and_op_default_settings() -> None:
+    """The default threshold (1 MiB) and chunk (4 MiB): sizes just above the threshold."""
+    numels = {
+        "float32": (1 << 18) + 5,
+        "float64": (1 << 17) + 3,
+        "float16": (1 << 19) + 7,
+        "bfloat16": (1 << 19) + 7,
+        "int8": (1 << 20) + 9,
+        "uint8": (1 << 20) + 9,
+        "int32": (1 << 18) + 5,
+        "int64": (1 << 17) + 3,
+    }
+    env = nodes_env([0, 0, 1, 1], FASTCOMM_TIMELINE="1")
+    run_ranks(4, matrix_fn, numels, env=env, timeout_s=600)
+
+
+def layouts_fn(rank: int, ws: int) -> dict[str, Any]:
+    import torchext
+
+    dev = _device(rank)
+    chk = Checker(f"rank {rank}")
+    torchext.timeline()
+    for n in (1, 3, 1000, (3 << 20) + 1):
+        inputs = [gen(f"layouts/{n}", r, (n,), torch.float32, "SUM") for r in range(ws)]
+        t = inputs[rank].to(dev)
+        dist.all_reduce(t)
+        got = t.cpu()
+        chk.true(len(_proxy_chunks(torchext.timeline())) > 0, f"n={n}: path not taken")
+        chk.reduced(got, inputs, "SUM", f"n={n}")
+        _same_everywhere(chk, t, f"n={n}")
+    chk.raise_if_failed()
+    return {}
+
+
+@pytest.mark.parametrize("nodes", [[0, 1, 0, 1], [0, 1, 2, 3]], ids=["2x2-interleaved", "4x1"])
+def test_other_layouts(nodes: list[int]) -> None:
+    """Interleaved node membership (group ranks not node-contiguous) and one GPU per node (no
+    intra-node phase, 3 rail peers), down to 1 element."""
+    env = nodes_env(
+        nodes,
+        FASTCOMM_TIMELINE="1",
+        FASTCOMM_CUDA_HIER_MIN_BYTES="0",
+        FASTCOMM_CUDA_CHUNK_BYTES="1M",
+    )
+    run_ranks(4, layouts_fn, env=env, timeout_s=300)
+
+
+def uneven_fn(rank: int, ws: int) -> dict[str, Any]:
+    import torchext
+
+    dev = _device(rank)
+    chk = Checker(f"rank {rank}")
+    n = (1 << 20) + 3
+    inputs = [gen("uneven", r, (n,), torch.float32, "SUM") for r in range(ws)]
+    t = inputs[rank].to(dev)
+    torchext.timeline()
+    dist.all_reduce(t)
+    got = t.cpu()
+    chk.true(len(_proxy_chunks(torchext.timeline())) == 0, "uneven nodes took the staged path")
+    chk.reduced(got, inputs, "SUM", "3+1")
+    chk.raise_if_failed()
+    return {}
+
+
+def test_uneven_nodes_stay_flat() -> None:
+    """3 + 1 GPUs: no rails, so the flat NCCL communicator (and still correct)."""
+    env = nodes_env([0, 0, 0, 1], FASTCOMM_TIMELINE="1", FASTCOMM_CUDA_HIER_MIN_BYTES="0")
+    run_ranks(4, uneven_fn, env=env, timeout_s=300)
+
+
+# ----------------------------------------------------------------------------- wire dtype
+
+
+def wire_fn(rank: int, ws: int, wire: str) -> dict[str, Any]:
+    import torchext
+
+    dev = _device(rank)
+    chk = Checker(f"rank {rank}")
+    eps = {"bf16": 2.0**-8, "fp16": 2.0**-11}[wire]
+    torchext.timeline()
+    for n in ((1 << 20) + 11, (6 << 20) + 1):
+        for op in ("SUM", "AVG"):
+            key = f"wire/{wire}/{op}/{n}"
+            inputs = [gen(key, r, (n,), torch.float32, "SUM") for r in range(ws)]
+            t = inputs[rank].to(dev)
+            dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+            got = t.cpu()
+            chk.true(len(_proxy_chunks(torchext.timeline())) > 0, f"{key}: path not taken")
+            exact = torch.stack([x.double() for x in inputs]).sum(0)
+            scale = torch.stack([x.double().abs() for x in inputs]).sum(0)
+            if op == "AVG":
+                exact, scale = exact / ws, scale / ws
+            err = (got.double() - exact).abs()
+            # Each node's partial is rounded once for the wire and the result once more:
+            # a few units of the wire type's rounding relative to the magnitudes summed.
+            bound = 4 * eps * scale + 1e-30
+            chk.true(
+                bool((err <= bound).all()),
+                f"{key}: error {err.max().item():.3g} above the bound (worst ratio "
+                f"{(err / bound).max().item():.3g})",
+            )
+            chk.true(bool((err > 0).any()), f"{key}: no rounding at all: {wire} wire not in use?")
+            _same_everywhere(chk, t, key)
+        # not float32 SUM/AVG: never compressed, so exact
+        ints = [gen(f"wire/i/{n}", r, (n,), torch.int64, "SUM") for r in range(ws)]
+        ti = ints[rank].to(dev)
+        dist.all_reduce(ti)
+        chk.equal(ti.cpu(), sum(ints), f"n={n}: int64 sum")
+        mx = [gen(f"wire/max/{n}", r, (n,), torch.float32, "MAX") for r in range(ws)]
+        tm = mx[rank].to(dev)
+        dist.all_reduce(tm, op=dist.ReduceOp.MAX)
+        chk.reduced(tm.cpu(), mx, "MAX", f"n={n}: float32 max")
+    chk.raise_if_failed()
+    return {}
+
+
+@pytest.mark.parametrize("wire", ["bf16", "fp16"])
+def test_wire_dtype(wire: str) -> None:
+    """FASTCOMM_WIRE_DTYPE: float32 SUM/AVG within the 16-bit rounding bound of the float64
+    reference, bit-identical on all ranks; integer sums and float MAX exact."""
+    env = nodes_env([0, 0, 1, 1], FASTCOMM_TIMELINE="1", FASTCOMM_WIRE_DTYPE=wire)
+    run_ranks(4, wire_fn, wire, env=env, timeout_s=300)
+
+
+# ----------------------------------------------------------------------------- semantics
+
+
+def semantics_fn(rank: int, ws: int) -> dict[str, Any]:
+    import torchext
+
+    dev = _device(rank)
+    chk = Checker(f"rank {rank}")
+    torchext.timeline()
+
+    # non-contiguous: a transposed matrix and a strided slice (the elements between the
+    # slice's must stay as they were)
+    base = [gen("nc/t", r, (1031, 517), torch.float32, "SUM") for r in range(ws)]
+    t = base[rank].to(dev).t()
+    dist.all_reduce(t)
+    chk.reduced(t.cpu(), [b.t() for b in base], "SUM", "transposed")
+    full = [gen("nc/s", r, (2, 600_001), torch.float32, "SUM") for r in range(ws)]
+    buf = full[rank].to(dev)
+    view = buf[:, ::2]
+    dist.all_reduce(view)
+    chk.reduced(view.cpu(), [f[:, ::2] for f in full], "SUM", "strided slice")
+    chk.equal(buf[:, 1::2].cpu(), full[rank][:, 1::2], "elements between the slice's")
+
+    # async_op: wait() and the future, several ops in flight reusing the staging, flat
+    # collectives in between (same stream order on every rank)
+    sizes = [(1 << 20) + 1, (5 << 20) + 3, (1 << 20) + 7, (3 << 20) + 5, (2 << 20) + 9]
+    ins, ts, works = [], [], []
+    for i, n in enumerate(sizes):
+        op = "AVG" if i % 2 else "SUM"
+        inputs = [gen(f"async/{i}", r, (n,), torch.float32, op) for r in range(ws)]
+        x = inputs[rank].to(dev)
+        works.append(dist.all_reduce(x, op=getattr(dist.ReduceOp, op), async_op=True))
+        ins.append((inputs, op))
+        ts.append(x)
+        small = torch.full((7,), float(rank), device=dev)
+        dist.broadcast(small, src=i % ws)  # flat communicator, between pipelined ops
+        chk.true(bool((small == float(i % ws)).all()), f"broadcast {i}")
+    fut = works[1].get_future()
+    for i in (4, 0, 2, 3):
+        works[i].wait()
+    value = fut.wait()
+    chk.true(isinstance(value, list) and value[0] is ts[1], "future value is not the tensor")
+    for i, (inputs, op) in enumerate(ins):
+        chk.reduced(ts[i].cpu(), inputs, op, f"async op {i} ({op})")
+        _same_everywhere(chk, ts[i], f"async op {i}")
+
+    # many back-to-back synchronous ones of one size: every staging slot reused many times
+    n = (1 << 20) + 13
+    for i in range(12):
+        inputs = [gen(f"b2b/{i}", r, (n,), torch.float32, "SUM") for r in range(ws)]
+        x = inputs[rank].to(dev)
+        dist.all_reduce(x)
+        chk.reduced(x.cpu(), inputs, "SUM", f"back-to-back {i}")
+
+    torch.cuda.synchronize()
+    chk.true(len(_proxy_chunks(torchext.timeline())) > 0, "path not taken")
+    stats = torchext.stats()
+    chk.true(stats.get("all_reduce", {}).get("count", 0) >= 2 + len(sizes) + 12, f"stats {stats}")
+    chk.raise_if_failed()
+    return {}
+
+
+def test_semantics() -> None:
+    """Non-contiguous tensors, async_op with wait() and get_future(), several ops in flight
+    with flat collectives between them, and many back-to-back ops reusing the staging."""
+    env = nodes_env([0, 0, 1, 1], FASTCOMM_TIMELINE="1", FASTCOMM_CUDA_CHUNK_BYTES="1M")
+    run_ranks(4, semantics_fn, env=env, timeout_s=300)
+
+
+def capture_fn(rank: int, ws: int) -> dict[str, Any]:
+    dev = _device(rank)
+    chk = Checker(f"rank {rank}")
+    n = 1 << 20
+    t = torch.ones(n, device=dev)
+    dist.all_reduce(t)  # sets the path up
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        try:
+            with torch.cuda.graph(g, stream=s, capture_error_mode="thread_local"):
+                dist.all_reduce(t)
+        except RuntimeError as e:
+            chk.true(
+                "cannot be captured in a CUDA graph yet" in str(e), f"unclear capture error: {e}"
+            )
+        else:
+            chk.fail("capturing an all_reduce across nodes did not raise")
+    torch.cuda.synchronize()
+    x = torch.full((n,), float(rank + 1), device=dev)
+    dist.all_reduce(x)
+    chk.true(bool((x == float(sum(range(1, ws + 1)))).all()), "group unusable after the capture")
+    chk.raise_if_failed()
+    return {}
+
+
+def test_graph_capture_is_refused_clearly() -> None:
+    """Capturing the staged all_reduce raises a clear error before issuing anything; the group
+    keeps working afterwards."""
+    run_ranks(4, capture_fn, env=nodes_env([0, 0, 1, 1]), timeout_s=300)
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+PG_TIMEOUT_S = 8.0
+GRACE_S = 10.0
+
+
+def killed_fn(rank: int, ws: int) -> dict[str, Any]:
+    dev = _device(rank)
+    dist.init_process_group(backend=BACKEND, timeout=timedelta(seconds=PG_TIMEOUT_S))
+    store = dist.distributed_c10d._get_default_store()
+    chk = Checker(f"rank {rank}")
+    n = (4 << 20) + 1
+    warm = torch.ones(n, device=dev)
+    dist.all_reduce(warm)  # the path is set up on every rank
+    torch.cuda.synchronize()
+    chk.true(bool((warm == ws).all()), "warm-up")
+    victim = 1
+    if rank == victim:
+        os._exit(17)
+    out: dict[str, Any] = {}
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(n, device=dev), async_op=True).wait()
+        torch.cuda.synchronize()
+    except RuntimeError as e:
+        out["elapsed"] = time.monotonic() - t0
+        out["message"] = msg = str(e)
+        chk.true(out["elapsed"] <= PG_TIMEOUT_S + GRACE_S, f"raised after {out['elapsed']:.1f}s")
+        chk.true("all_reduce" in msg, f"error does not name all_reduce: {msg!r}")
+        chk.true(f"[{victim}]" in msg, f"error does not name rank [{victim}]: {msg!r}")
+        chk.true("timeout" in msg.lower(), f"error does not mention the timeout: {msg!r}")
+    else:
+        chk.fail("all_reduce returned normally without rank 1")
+    store.set(f"hier_kill/done/{rank}", "1")
+    if rank == 0:  # hosts the store: the other survivors still use it
+        store.wait([f"hier_kill/done/{r}" for r in range(ws) if r != victim], timedelta(seconds=60))
+    t1 = time.monotonic()
+    dist.destroy_process_group()
+    out["destroy_s"] = time.monotonic() - t1
+    chk.true(out["destroy_s"] <= PG_TIMEOUT_S + GRACE_S, f"destroy took {out['destroy_s']:.1f}s")
+    chk.raise_if_failed()
+    return out
+
+
+def test_killed_peer_fails_everyone_clearly() -> None:
+    """Rank 1 (node 0) dies after the path was set up: ranks 0 (its node), 2 and 3 (the other
+    node, one of them its rail peer) raise within timeout + 10 s naming all_reduce, rank [1]
+    and the timeout; destroy_process_group() returns."""
+    res = run_ranks(
+        4,
+        killed_fn,
+        init=False,
+        expect_fail={1: 17},
+        timeout_s=180,
+        env=nodes_env([0, 0, 1, 1], FASTCOMM_BLOCKING_WAIT="1"),
+    )
+    assert isinstance(res[1], RankFailure)
+    for r in (0, 2, 3):
+        assert "message" in res[r], res[r]
+
+
+def _tasks() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def leak_fn(rank: int, ws: int) -> dict[str, Any]:
+    dev = _device(rank)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), ws, rank == 0,
+        timeout=timedelta(seconds=60),
+    )  # fmt: skip
+    counts = []
+    for round_ in range(3):
+        dist.init_process_group(
+            BACKEND, store=dist.PrefixStore(f"round{round_}", store), rank=rank, world_size=ws
+        )
+        t = torch.ones((2 << 20) + 1, device=dev)
+        dist.all_reduce(t)
+        dist.all_reduce(t, async_op=True).wait()
+        torch.cuda.synchronize()
+        dist.barrier()
+        dist.destroy_process_group()
+        time.sleep(0.5)
+        counts.append((_tasks(), _fds()))
+    return {"counts": counts}
+
+
+def test_no_thread_or_fd_growth_after_destroy() -> None:
+    """Three init / staged all_reduce / destroy rounds: after the first (CUDA and NCCL start
+    their own process-wide threads once), threads and file descriptors stay flat."""
+    res = run_ranks(4, leak_fn, init=False, env=nodes_env([0, 0, 1, 1]), timeout_s=300)
+    for rank, r in enumerate(res):
+        first, _, last = r["counts"]
+        assert last[0] <= first[0], f"rank {rank}: threads grew {r['counts']}"
+        assert last[1] <= first[1], f"rank {rank}: fds grew {r['counts']}"
+
+
+# ----------------------------------------------------------------------------- timeline
+
+
+def timeline_fn(rank: int, ws: int, path: str) -> dict[str, Any]:
+    import torchext
+
+    dev = _device(rank)
+    t = torch.ones(32 << 20, device=dev)  # 128 MiB: 16 chunks of 4 MiB per rank's shard
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    torchext.timeline()
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    events = torchext.timeline()
+    if rank == 0:
+        torchext.save_timeline(path, events)
+    return {"events": events, "ok": bool((t == ws * ws).all())}
+
+
+def test_timeline_shows_copies_network_and_reduction_overlapping(tmp_path: Any) -> None:
+    """FASTCOMM_TIMELINE=1: every chunk's phases are recorded by the proxy, and the network
+    of some chunk runs while the copies or reduction of another one do."""
+    path = str(tmp_path / "cuda_hier_timeline.json")
+    res = run_ranks(
+        4, timeline_fn, path, env=nodes_env([0, 0, 1, 1], FASTCOMM_TIMELINE="1"), timeout_s=300
+    )
+    for rank, r in enumerate(res):
+        assert r["ok"], f"rank {rank}: wrong result"
+        ev = [e for e in r["events"] if e["thread"] == PROXY_THREAD]
+        names = {e["name"] for e in ev}
+        assert {"d2h", "net", "h2d+reduce", "net (all-gather)", "h2d (all-gather)"} <= names
+        assert {e["chunk"] for e in ev} == set(range(16)), sorted({e["chunk"] for e in ev})
+        net = [e for e in ev if e["name"].startswith("net")]
+        gpu = [e for e in ev if not e["name"].startswith("net")]
+        overlaps = sum(
+            1
+            for a in net
+            for b in gpu
+            if a["chunk"] != b["chunk"]
+            and a["start_us"] < b["end_us"]
+            and b["start_us"] < a["end_us"]
+        )
+        assert overlaps > 0, f"rank {rank}: no network phase overlapped a copy or reduction"
