@@ -81,7 +81,7 @@ for stage in "${stages[@]}"; do
       # 4 GPUs as 2 simulated nodes x 2: the staged CUDA all_reduce across nodes
       # (tests/test_cuda_hier.py) and the multi-node suite's CUDA cases.
       say "CUDA multi-node tests (4 GPUs as 2x2 nodes)"
-      timeout 420 "$PY" -m pytest -q -ra tests/test_cuda_hier.py tests/test_multinode.py -m cuda \
+      timeout "${MULTINODE_TIMEOUT:-420}" "$PY" -m pytest -q -ra tests/test_cuda_hier.py tests/test_multinode.py -m cuda \
         > "$OUT/tests_multinode_cuda.log" 2>&1
       tail -n 25 "$OUT/tests_multinode_cuda.log" | tee -a "$LOG"
       ;;
@@ -89,9 +89,10 @@ for stage in "${stages[@]}"; do
       # all_reduce 1 MiB..1 GiB on 2x2 simulated nodes: fastcomm (fp32 and bf16
       # wire) beside NCCL's socket transport at its default and best settings.
       say "multi-node all_reduce sweep, $NGPU GPUs as 2 nodes"
-      timeout 480 "$PY" benchmarks/run_multinode_sweep.py --nproc-per-node "$NGPU" --sim-nodes 2 \
-        --device cuda --ops all_reduce --min-bytes 1M --max-bytes 1G --repeats 3 --time-per-size 1 \
-        --socket-settings 4x4 --buffsizes default,16777216 --wire-dtype bf16 --launch-timeout 420 \
+      timeout "${SWEEP_TIMEOUT:-480}" "$PY" benchmarks/run_multinode_sweep.py --nproc-per-node "$NGPU" --sim-nodes 2 \
+        --device cuda --ops all_reduce --min-bytes 1M --max-bytes 1G --factor 4 --repeats 3 \
+        --time-per-size 0.5 \
+        --socket-settings 4x4 --buffsizes default,16777216 --wire-dtype bf16 --launch-timeout 150 \
         --out-dir /tmp/fastcomm_sweep --json "$OUT/sweep_2x2.json" --plot "$OUT/sweep_2x2.png" \
         --md "$OUT/sweep_2x2.md" --label "4x H200 as 2x2 nodes, TCP loopback, all_reduce" \
         2>&1 | grep -v "^W1" | tail -n 40 | tee -a "$LOG"
