@@ -480,7 +480,7 @@ WorkPtr CudaCollectives::Impl::launchHier(const CudaOpInfo& info, const at::Tens
   CudaOpInfo hinfo = info;
   hinfo.onCurrentStream = false;
   auto work = c10::make_intrusive<CudaWork>(rank_, hinfo, Tensors{t}, Tensors{t}, device_, this,
-                                            *events_, cfg_.cudaTiming);
+                                            *events_, cfg_.cudaTiming, /*captured=*/false);
   const auto ctx = OpContext::start(info.name, info.seq, info.timeout);
   std::lock_guard<std::mutex> lock(issueMu_);
   TORCH_CHECK(hier_ != nullptr && !coalescing_, "fastcomm: internal: ", info.name,
