@@ -578,10 +578,12 @@ def _messages(e: BaseException) -> list[str]:
 def multinode_capture_fn(rank: int, ws: int) -> dict[str, Any]:
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
-    x = torch.ones(4096, device=device)
-    dist.all_reduce(x)  # eager multi-node all_reduce works
+    # 4 MiB: above FASTCOMM_CUDA_HIER_MIN_BYTES, so across nodes it takes the staged path,
+    # which cannot be captured yet.
+    x = torch.ones(1 << 20, device=device)
+    dist.all_reduce(x)  # eager multi-node all_reduce works (and sets the staged path up)
     torch.cuda.synchronize()
-    outcomes = {}
+    outcomes: dict[str, Any] = {}
     for what in ("all_reduce", "allreduce_hook"):
         graph = torch.cuda.CUDAGraph()
         try:
@@ -596,14 +598,33 @@ def multinode_capture_fn(rank: int, ws: int) -> dict[str, Any]:
             outcomes[what] = {"raised": False, "messages": []}
         del graph
         torch.cuda.synchronize()
+    # Small all_reduces stay on the flat NCCL communicator across nodes: those capture,
+    # and every replay reduces again.
+    small = torch.empty(4096, device=device)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        dist.all_reduce(small)  # warm-up outside the capture
+        with torch.cuda.graph(graph):
+            dist.all_reduce(small)
+    torch.cuda.current_stream().wait_stream(stream)
+    replays = []
+    for _ in range(2):
+        small.fill_(rank + 1.0)
+        graph.replay()
+        torch.cuda.synchronize()
+        replays.append(float(small.min()) == float(small.max()) == ws * (ws + 1) / 2)
+    outcomes["small_replays_correct"] = all(replays)
     return outcomes
 
 
 @pytest.mark.skipif(BACKEND != "fastcomm", reason="fastcomm's multi-node CUDA path")
 @pytest.mark.cuda(4)
 def test_multinode_capture_raises_clear_error() -> None:
-    """4 GPUs as 2 nodes x 2: the multi-node CUDA path cannot be captured yet, and says so
-    (a RuntimeError mentioning CUDA graphs) instead of hanging or recording a wrong graph."""
+    """4 GPUs as 2 nodes x 2: the staged multi-node CUDA path cannot be captured yet, and
+    says so (a RuntimeError mentioning CUDA graphs) instead of hanging or recording a wrong
+    graph; small all_reduces (flat NCCL communicator) capture and replay correctly."""
     res = run_ranks(
         4,
         multinode_capture_fn,
@@ -611,6 +632,7 @@ def test_multinode_capture_raises_clear_error() -> None:
         timeout_s=240,
     )
     for rank, outcome in enumerate(res):
+        assert outcome.pop("small_replays_correct"), f"rank {rank}: small all_reduce replays wrong"
         for what, o in outcome.items():
             assert o["raised"], f"rank {rank}: capturing {what} on 2 nodes did not raise"
             assert any("cuda graph" in m.lower() for m in o["messages"]), (
