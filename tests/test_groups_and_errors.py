@@ -457,6 +457,10 @@ def _run_invalid_sequence(
         if any(store.get(k) == b"broken" for k in keys):
             chk.fail(f"stopped: the group was broken by {name!r} on rank {bad}")
             break
+    # Rank 0 hosts the store: it may leave only once nobody reads from it any more.
+    store.set(f"invalid/left/{rank}", "1")
+    if rank == 0:
+        store.wait([f"invalid/left/{r}" for r in range(ws)], timedelta(seconds=120))
     chk.raise_if_failed()
     return seen
 
