@@ -515,31 +515,35 @@ void StagedRail::runOp(Op& op) {
                    ") failed on group rank " + std::to_string(groupRank_) +
                    ": inter-node transfer with group rank [" + std::to_string(e.peer()) +
                    "] failed (timeout " + std::to_string(op.timeout.count()) +
-                   " ms not reached): " + e.what() + peerReason(e.peer()));
+                   " ms not reached): " + e.what() + peerReason(e.peer()) + laggingNote(op));
   }
+}
+
+std::string StagedRail::laggingNote(const Op& op) {
+  // The heartbeat view: who stopped issuing collectives, e.g. a dead rank
+  // behind the peer that broke or timed out here.
+  const std::string lagging = hooks_.laggingRanks ? hooks_.laggingRanks(op.seq) : std::string();
+  return lagging.empty() ? std::string()
+                         : "; group rank(s) " + lagging + " stopped issuing collectives";
 }
 
 void StagedRail::failNetwork(const Op& op, const std::vector<int>& pendingPeers) {
   std::string why;
   for (int p : pendingPeers) why += peerReason(p);
-  std::string lagging = hooks_.laggingRanks ? hooks_.laggingRanks(op.seq) : std::string();
   throwCommError("fastcomm: " + op.name + " (seq " + std::to_string(op.seq) +
                  ") failed on group rank " + std::to_string(groupRank_) + ": timed out after " +
                  std::to_string(op.timeout.count()) + " ms (timeout) waiting for group rank(s) " +
                  formatRanks(pendingPeers) + " across the inter-node transport" + why +
-                 (lagging.empty() ? std::string()
-                                  : "; group rank(s) " + lagging +
-                                        " stopped issuing collectives (heartbeats)"));
+                 laggingNote(op));
 }
 
 void StagedRail::failDevice(const Op& op) {
-  std::string lagging = hooks_.laggingRanks ? hooks_.laggingRanks(op.seq) : std::string();
   throwCommError("fastcomm: " + op.name + " (seq " + std::to_string(op.seq) +
                  ") failed on group rank " + std::to_string(groupRank_) + ": timeout after " +
                  std::to_string(op.timeout.count()) +
                  " ms waiting for this rank's GPU to reach the inter-node phase (the intra-node "
                  "reduce-scatter or earlier work on its stream did not finish)" +
-                 (lagging.empty() ? std::string() : "; waiting for group rank(s) " + lagging));
+                 laggingNote(op));
 }
 
 std::string StagedRail::peerReason(int peer) {

@@ -191,6 +191,7 @@ class StagedRail {
   void failAll(std::exception_ptr e, Op* current);
   void releaseAllWaits();
   std::string peerReason(int peer);
+  std::string laggingNote(const Op& op);
   void publishReason(const std::string& why);
 
   void issueP(const HierLayout& l, int64_t k, int64_t slot, char* shard, int64_t esize, bool wire,
