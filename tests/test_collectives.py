@@ -869,7 +869,11 @@ GROUPS = [
     pytest.param("cuda", 4, "", id="cuda-4ranks", marks=pytest.mark.cuda(world_size=4)),
     pytest.param("cuda", 4, "2x2", id="cuda-4ranks-2x2nodes", marks=pytest.mark.cuda(world_size=4)),
     pytest.param(
-        "cuda", 4, "2x2-staged", id="cuda-4ranks-2x2nodes-staged", marks=pytest.mark.cuda(world_size=4)
+        "cuda",
+        4,
+        "2x2-staged",
+        id="cuda-4ranks-2x2nodes-staged",
+        marks=pytest.mark.cuda(world_size=4),
     ),
 ]
 

@@ -13,4 +13,9 @@ std::string formatRanks(const std::vector<int>& ranks) {
 
 void throwCommError(const std::string& message) { C10_THROW_ERROR(DistBackendError, message); }
 
+std::string errorText(const std::exception& e) {
+  if (const auto* c10e = dynamic_cast<const c10::Error*>(&e)) return c10e->what_without_backtrace();
+  return e.what();
+}
+
 }  // namespace fastcomm

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -33,5 +34,9 @@ std::string formatRanks(const std::vector<int>& ranks);
 
 // Raised as torch.distributed.DistBackendError (a RuntimeError) in Python.
 [[noreturn]] void throwCommError(const std::string& message);
+
+// The message of `e` without the C++ backtrace c10 errors append (for
+// errors that are passed on inside other messages).
+std::string errorText(const std::exception& e);
 
 }  // namespace fastcomm

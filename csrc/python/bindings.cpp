@@ -7,6 +7,7 @@
 #include "backend/process_group.hpp"
 #include "common/timeline.hpp"
 #include "plans/hier_layout.hpp"
+#include "python/staged_bindings.hpp"
 #include "python/transport_bindings.hpp"
 
 #ifdef FASTCOMM_WITH_CUDA
@@ -121,4 +122,5 @@ PYBIND11_MODULE(_C, m) {
       py::arg("packed") = false);
 
   fastcomm::bindTransport(m);
+  fastcomm::bindStagedRail(m);
 }

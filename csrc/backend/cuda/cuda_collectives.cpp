@@ -453,7 +453,7 @@ bool CudaCollectives::Impl::useHier(const at::Tensor& t, RedOp op, const CudaOpI
   try {
     hier_ = CudaHier::create(store_, topo_, *plan_, cfg_, device_, timeout_, std::move(hooks));
   } catch (const std::exception& e) {
-    failure = e.what();
+    failure = errorText(e);
   }
   if (failure.empty()) return hier_ != nullptr;
   // Other ranks may have got further: none of them may go on, or the group

@@ -1,0 +1,617 @@
+#include "plans/staged_rail.hpp"
+
+#include <sys/prctl.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include <algorithm>
+#include <sstream>
+
+#include "common/logging.hpp"
+#include "common/timeline.hpp"
+
+namespace fastcomm {
+namespace {
+
+static_assert(kStagedLag < kStagedWindow, "the schedule needs kStagedLag < kStagedWindow");
+
+// Without progress for this long, the proxy sleeps between polls.
+constexpr auto kSpin = std::chrono::microseconds(100);
+constexpr auto kNap = std::chrono::microseconds(20);
+// After a failure: how often the proxy releases every device wait.
+constexpr auto kDrainPeriod = std::chrono::microseconds(200);
+// How long an error waits for a failed peer's published reason.
+constexpr auto kReasonWait = std::chrono::seconds(2);
+
+constexpr const char* kThread = "fc-cuda-proxy";
+
+int64_t roundUp(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+uint32_t loadFlag(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+void storeFlag(uint32_t* p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+
+// True once every request of `reqs` completed (null: nothing to move, or
+// done before); completed ones are dropped. Throws TransportError.
+bool allDone(std::vector<std::unique_ptr<transport::Request>>& reqs) {
+  bool all = true;
+  for (auto& r : reqs) {
+    if (!r) continue;
+    if (r->test()) {
+      r.reset();
+    } else {
+      all = false;
+    }
+  }
+  return all;
+}
+
+void record(const char* name, int64_t chunk, Clock::time_point a, Clock::time_point b) {
+  if (Timeline::enabled()) Timeline::record(name, kThread, chunk, a, b);
+}
+
+}  // namespace
+
+struct StagedRail::ChunkState {
+  std::vector<std::unique_ptr<transport::Request>> rsRecv, agRecv, rsSend, agSend;
+  int rsRecvPosted = 0, agRecvPosted = 0, rsSendPosted = 0, agSendPosted = 0;
+  bool packed = false, rsArrived = false, reduced = false, agArrived = false, gathered = false,
+       freed = false;
+  // When the proxy saw each step (FASTCOMM_TIMELINE).
+  Clock::time_point tRecvPosted{}, tPacked{}, tRsArrived{}, tReduced{}, tAgArrived{}, tFreed{};
+  explicit ChunkState(int peers) : rsRecv(peers), agRecv(peers), rsSend(peers), agSend(peers) {}
+};
+
+// ----------------------------------------------------------------------------- setup
+
+StagedRail::Staging StagedRail::stagingFor(int rails, int64_t chunkBytes) {
+  Staging s;
+  s.pieceBytes = roundUp(HierLayout::pieceSlotBytes(rails, chunkBytes), 256);
+  s.slotBytes = (3 * static_cast<int64_t>(rails - 1) + 1) * s.pieceBytes;
+  s.bytes = kStagedWindow * s.slotBytes;
+  return s;
+}
+
+int64_t StagedRail::scratchBytes(const HierLayout& l, int64_t esize, bool wire) {
+  const int64_t peers = l.rails - 1;
+  const int64_t wsize = wire ? 2 : esize;
+  // received pieces; for a 16-bit wire also the packed casts and the result
+  return roundUp(peers * l.qMax * wsize, 256) +
+         (wire ? roundUp(peers * l.qMax * 2, 256) + roundUp(l.qMax * 2, 256) : 0);
+}
+
+StagedRail::StagedRail(StagedDevice& device, Staging staging, std::vector<int> railRanks, int me,
+                       int groupRank, int groupSize, int64_t chunkBytes, WireDtype wire,
+                       const c10::intrusive_ptr<c10d::Store>& store, Hooks hooks)
+    : dev_(device),
+      staging_(staging),
+      railRanks_(std::move(railRanks)),
+      me_(me),
+      groupRank_(groupRank),
+      groupSize_(groupSize),
+      chunkBytes_(chunkBytes),
+      wire_(wire),
+      store_(store),
+      hooks_(std::move(hooks)) {
+  const int rails = static_cast<int>(railRanks_.size());
+  TORCH_CHECK(rails >= 2 && me_ >= 0 && me_ < rails && railRanks_[me_] == groupRank_,
+              "fastcomm: internal: bad rail");
+  for (int j = 0; j < rails - 1; ++j) peers_.push_back(railRanks_[peerNode(j, me_)]);
+  for (int64_t w = 0; w < kStagedWindow; ++w) storeFlag(dev_.hostFlag(kFlagFree, w), 1);
+}
+
+void StagedRail::connect(const std::string& transport, const Config& cfg,
+                         const c10::intrusive_ptr<c10d::Store>& store, const OpContext& ctx) {
+  // The reduce-scatter and all-gather messages of a chunk travel on
+  // separate connections, each in chunk order, so the two phases never have
+  // to agree on one interleaving.
+  rsNet_ = transport::createTransport(transport, cfg);
+  agNet_ = transport::createTransport(transport, cfg);
+  rsConns_ = rsNet_->connect(c10::make_intrusive<c10d::PrefixStore>("rs", store), groupRank_,
+                             groupSize_, peers_, ctx);
+  agConns_ = agNet_->connect(c10::make_intrusive<c10d::PrefixStore>("ag", store), groupRank_,
+                             groupSize_, peers_, ctx);
+  rsMr_ = rsNet_->registerMemory(staging_.base, staging_.bytes);
+  agMr_ = agNet_->registerMemory(staging_.base, staging_.bytes);
+  proxy_ = std::thread([this] { proxyLoop(); });
+}
+
+StagedRail::~StagedRail() { stop(); }
+
+std::string StagedRail::transportName() const { return rsNet_ ? rsNet_->name() : "?"; }
+
+void StagedRail::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (proxy_.joinable()) proxy_.join();
+  if (aborter_.joinable()) aborter_.join();
+  // No request may touch the staging once its owner frees it.
+  if (rsNet_) rsNet_->close();
+  if (agNet_) agNet_->close();
+  rsConns_.clear();
+  agConns_.clear();
+}
+
+void StagedRail::abort(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (abortWhy_.empty()) abortWhy_ = why;
+    failed_.store(true);
+  }
+  cv_.notify_all();
+  // Requests in flight fail at once; peers see their connections close.
+  if (rsNet_) rsNet_->close();
+  if (agNet_) agNet_->close();
+}
+
+// ----------------------------------------------------------------------------- device side
+
+char* StagedRail::sendSlot(int64_t slot, int j) const {
+  return staging_.base + slot * staging_.slotBytes + j * staging_.pieceBytes;
+}
+char* StagedRail::recvSlot(int64_t slot, int j) const {
+  return staging_.base + slot * staging_.slotBytes +
+         (static_cast<int64_t>(peers_.size()) + j) * staging_.pieceBytes;
+}
+char* StagedRail::agSendSlot(int64_t slot) const {
+  return staging_.base + slot * staging_.slotBytes +
+         2 * static_cast<int64_t>(peers_.size()) * staging_.pieceBytes;
+}
+char* StagedRail::agRecvSlot(int64_t slot, int j) const {
+  return staging_.base + slot * staging_.slotBytes +
+         (2 * static_cast<int64_t>(peers_.size()) + 1 + j) * staging_.pieceBytes;
+}
+
+void StagedRail::issueP(const HierLayout& l, int64_t k, int64_t slot, char* shard, int64_t esize,
+                        bool wire, char* dPack) {
+  dev_.waitFlag(kFlagFree, slot);
+  char* chunk = shard + l.chunkOff(k) * esize;
+  if (wire) dev_.pack(wire_, reinterpret_cast<const float*>(chunk), dPack, l, k, me_);
+  const int64_t wsize = wire ? 2 : esize;
+  for (int j = 0; j < static_cast<int>(peers_.size()); ++j) {
+    const int p = peerNode(j, me_);
+    const int64_t len = l.pieceLen(k, p);
+    if (len == 0) continue;
+    const char* src = wire ? dPack + j * l.qMax * wsize : chunk + l.pieceOff(k, p) * esize;
+    dev_.copyToHost(sendSlot(slot, j), src, len * wsize);
+  }
+  dev_.setFlag(kFlagPacked, slot);
+}
+
+void StagedRail::issueA(const HierLayout& l, int64_t k, int64_t slot, char* shard,
+                        at::ScalarType dt, RedOp op, bool wire, char* dRecv, char* dOut) {
+  dev_.waitFlag(kFlagRsIn, slot);
+  const int64_t esize = static_cast<int64_t>(c10::elementSize(dt));
+  const int64_t wsize = wire ? 2 : esize;
+  const int64_t len = l.pieceLen(k, me_);
+  if (len > 0) {
+    const int peers = static_cast<int>(peers_.size());
+    // Every peer sent its copy of this rank's piece: R-1 rows of equal length.
+    dev_.copyToDevice2D(dRecv, l.qMax * wsize, recvSlot(slot, 0), staging_.pieceBytes, len * wsize,
+                        peers);
+    char* own = shard + (l.chunkOff(k) + l.pieceOff(k, me_)) * esize;
+    dev_.reduce(dt, op, wire ? wire_ : WireDtype::None, own, dRecv, l.qMax, peers, len,
+                op == RedOp::Avg ? groupSize_ : 0, dOut);
+    dev_.copyToHost(agSendSlot(slot), wire ? dOut : own, len * wsize);
+  }
+  dev_.setFlag(kFlagReduced, slot);
+}
+
+void StagedRail::issueB(const HierLayout& l, int64_t k, int64_t slot, char* shard, int64_t esize,
+                        bool wire, char* dPack) {
+  dev_.waitFlag(kFlagAgIn, slot);
+  char* chunk = shard + l.chunkOff(k) * esize;
+  const int64_t wsize = wire ? 2 : esize;
+  bool any = false;
+  for (int j = 0; j < static_cast<int>(peers_.size()); ++j) {
+    const int p = peerNode(j, me_);
+    const int64_t len = l.pieceLen(k, p);
+    if (len == 0) continue;
+    any = true;
+    char* dst = wire ? dPack + j * l.qMax * wsize : chunk + l.pieceOff(k, p) * esize;
+    dev_.copyToDevice(dst, agRecvSlot(slot, j), len * wsize);
+  }
+  if (wire && any) dev_.unpack(wire_, dPack, reinterpret_cast<float*>(chunk), l, k, me_);
+  dev_.setFlag(kFlagGathered, slot);
+}
+
+void StagedRail::allreduce(char* shard, int64_t shardElems, at::ScalarType dt, RedOp op,
+                           char* scratch, const OpContext& ctx,
+                           std::function<void(std::exception_ptr)> failWork) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failed_.load()) {
+      throwCommError("fastcomm: " + ctx.describe() +
+                     ": the multi-node path of this group failed earlier: " + abortWhy_);
+    }
+  }
+  const int64_t esize = static_cast<int64_t>(c10::elementSize(dt));
+  const bool wire = wireFor(dt, op);
+  const int64_t wsize = wire ? 2 : esize;
+  const HierLayout l =
+      HierLayout::make(shardElems, static_cast<int>(railRanks_.size()), chunkBytes_, esize);
+  const int64_t peers = l.rails - 1;
+  char* dRecv = scratch;
+  char* dPack = dRecv + roundUp(peers * l.qMax * wsize, 256);
+  char* dOut = dPack + (wire ? roundUp(peers * l.qMax * 2, 256) : 0);
+
+  Op desc;
+  desc.name = ctx.name;
+  desc.seq = ctx.seq;
+  desc.timeout = ctx.timeout;
+  desc.deadline = ctx.deadline;
+  desc.layout = l;
+  desc.firstChunk = nextChunk_;
+  desc.esize = wsize;
+  desc.failWork = std::move(failWork);
+  const int64_t first = nextChunk_;
+  nextChunk_ += l.chunks;
+  {
+    // First, so the proxy posts the receives while the device still works on
+    // what came before.
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(desc));
+  }
+  cv_.notify_one();
+
+  // The schedule (see the header): P of the first kStagedWindow chunks, then for
+  // each chunk t its reduction A(t), the all-gather copies B(t - kStagedLag) and
+  // the send copies P of the chunk that reuses B's slot.
+  const int64_t n = l.chunks;
+  auto slotOf = [&](int64_t k) { return (first + k) % kStagedWindow; };
+  for (int64_t k = 0; k < std::min(kStagedWindow, n); ++k)
+    issueP(l, k, slotOf(k), shard, esize, wire, dPack);
+  for (int64_t t2 = 0; t2 < n; ++t2) {
+    issueA(l, t2, slotOf(t2), shard, dt, op, wire, dRecv, dOut);
+    if (t2 >= kStagedLag) {
+      const int64_t b = t2 - kStagedLag;
+      issueB(l, b, slotOf(b), shard, esize, wire, dPack);
+      if (b + kStagedWindow < n)
+        issueP(l, b + kStagedWindow, slotOf(b + kStagedWindow), shard, esize, wire, dPack);
+    }
+  }
+  for (int64_t b = std::max<int64_t>(0, n - kStagedLag); b < n; ++b)
+    issueB(l, b, slotOf(b), shard, esize, wire, dPack);
+}
+
+// ----------------------------------------------------------------------------- proxy
+
+void StagedRail::proxyLoop() {
+  // Precise short naps: the default 50 us timer slack would stretch every
+  // poll interval.
+  prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
+  for (;;) {
+    Op op;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (failed_.load()) {
+        // Drain mode: fail what still comes in and keep every device wait
+        // released, so the comm stream runs dry.
+        std::deque<Op> late;
+        late.swap(queue_);
+        const bool stop = stop_;
+        const std::string why = abortWhy_;
+        lock.unlock();
+        if (!late.empty()) {
+          std::exception_ptr e;
+          try {
+            throwCommError("fastcomm: the multi-node path of this group failed earlier: " + why);
+          } catch (...) {
+            e = std::current_exception();
+          }
+          for (auto& o : late)
+            if (o.failWork) o.failWork(e);
+        }
+        releaseAllWaits();
+        if (stop) return;
+        lock.lock();
+        cv_.wait_for(lock, kDrainPeriod, [&] { return stop_; });
+        continue;
+      }
+      cv_.wait(lock, [&] { return stop_ || !queue_.empty() || failed_.load(); });
+      if (failed_.load()) continue;
+      if (queue_.empty()) return;  // stop_, and nothing left to serve
+      op = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    try {
+      runOp(op);
+    } catch (...) {
+      failAll(std::current_exception(), &op);
+    }
+  }
+}
+
+void StagedRail::runOp(Op& op) {
+  const HierLayout& l = op.layout;
+  const int64_t n = l.chunks;
+  const int peers = static_cast<int>(peers_.size());
+  const int64_t es = op.esize;
+  std::vector<ChunkState> cs;
+  cs.reserve(n);
+  for (int64_t k = 0; k < n; ++k) cs.emplace_back(peers);
+  auto slotOf = [&](int64_t k) { return (op.firstChunk + k) % kStagedWindow; };
+  // Cursors, each moving in chunk order: per connection, messages must be
+  // posted in the order the peer posts the matching ones.
+  int64_t rsRecvNext = 0, agRecvNext = 0, rsSendNext = 0, agSendNext = 0;
+  int64_t packedNext = 0, rsArrNext = 0, reducedNext = 0, agArrNext = 0, gatheredNext = 0,
+          freedNext = 0;
+  const auto opStart = Clock::now();
+  auto lastProgress = opStart;
+  // The device may stage chunk k once its slot's previous chunk freed it.
+  auto stageStart = [&](int64_t k) {
+    return k < kStagedWindow || cs[k - kStagedWindow].tFreed == Clock::time_point{}
+               ? opStart
+               : cs[k - kStagedWindow].tFreed;
+  };
+  try {
+    while (gatheredNext < n || freedNext < n) {
+      if (failed_.load()) {
+        std::lock_guard<std::mutex> lock(mu_);
+        throwCommError("fastcomm: " + op.name + " (seq " + std::to_string(op.seq) +
+                       ") failed on group rank " + std::to_string(groupRank_) + ": " + abortWhy_);
+      }
+      bool progressed = false;
+      // Receives, as soon as the slot's buffers are no longer read by the device.
+      while (rsRecvNext < n &&
+             (rsRecvNext < kStagedWindow || cs[rsRecvNext - kStagedWindow].reduced)) {
+        auto& c = cs[rsRecvNext];
+        const int64_t w = slotOf(rsRecvNext), len = l.pieceLen(rsRecvNext, me_);
+        for (; c.rsRecvPosted < peers; ++c.rsRecvPosted) {
+          const int j = c.rsRecvPosted;
+          if (len == 0) continue;
+          auto r = rsConns_[j]->irecv(recvSlot(w, j), len * es, rsMr_.get());
+          if (!r) break;  // the connection's request limit: later
+          c.rsRecv[j] = std::move(r);
+        }
+        if (c.rsRecvPosted < peers) break;
+        c.tRecvPosted = Clock::now();
+        ++rsRecvNext;
+        progressed = true;
+      }
+      while (agRecvNext < n &&
+             (agRecvNext < kStagedWindow || cs[agRecvNext - kStagedWindow].gathered)) {
+        auto& c = cs[agRecvNext];
+        const int64_t w = slotOf(agRecvNext);
+        for (; c.agRecvPosted < peers; ++c.agRecvPosted) {
+          const int j = c.agRecvPosted;
+          const int64_t len = l.pieceLen(agRecvNext, peerNode(j, me_));
+          if (len == 0) continue;
+          auto r = agConns_[j]->irecv(agRecvSlot(w, j), len * es, agMr_.get());
+          if (!r) break;
+          c.agRecv[j] = std::move(r);
+        }
+        if (c.agRecvPosted < peers) break;
+        ++agRecvNext;
+        progressed = true;
+      }
+      // The device staged a chunk's send pieces: send them.
+      while (packedNext < n && loadFlag(dev_.hostFlag(kFlagPacked, slotOf(packedNext))) == 1) {
+        storeFlag(dev_.hostFlag(kFlagPacked, slotOf(packedNext)), 0);
+        auto& c = cs[packedNext];
+        c.packed = true;
+        c.tPacked = Clock::now();
+        record("d2h", packedNext, stageStart(packedNext), c.tPacked);
+        ++packedNext;
+        progressed = true;
+      }
+      while (rsSendNext < n && cs[rsSendNext].packed) {
+        auto& c = cs[rsSendNext];
+        const int64_t w = slotOf(rsSendNext);
+        for (; c.rsSendPosted < peers; ++c.rsSendPosted) {
+          const int j = c.rsSendPosted;
+          const int64_t len = l.pieceLen(rsSendNext, peerNode(j, me_));
+          if (len == 0) continue;
+          auto r = rsConns_[j]->isend(sendSlot(w, j), len * es, rsMr_.get());
+          if (!r) break;
+          c.rsSend[j] = std::move(r);
+        }
+        if (c.rsSendPosted < peers) break;
+        ++rsSendNext;
+        progressed = true;
+      }
+      // Every peer's copy of this rank's piece arrived: let the device reduce.
+      while (rsArrNext < n && rsArrNext < rsRecvNext && allDone(cs[rsArrNext].rsRecv)) {
+        auto& c = cs[rsArrNext];
+        c.rsArrived = true;
+        c.tRsArrived = Clock::now();
+        storeFlag(dev_.hostFlag(kFlagRsIn, slotOf(rsArrNext)), 1);
+        // From this rank's send (or, when the peer's pieces came first, its
+        // receive) to the arrival of every peer's pieces.
+        record("net", rsArrNext, c.tPacked == Clock::time_point{} ? c.tRecvPosted : c.tPacked,
+               c.tRsArrived);
+        ++rsArrNext;
+        progressed = true;
+      }
+      while (reducedNext < n && cs[reducedNext].rsArrived &&
+             loadFlag(dev_.hostFlag(kFlagReduced, slotOf(reducedNext))) == 1) {
+        storeFlag(dev_.hostFlag(kFlagReduced, slotOf(reducedNext)), 0);
+        auto& c = cs[reducedNext];
+        c.reduced = true;
+        c.tReduced = Clock::now();
+        record("h2d+reduce", reducedNext, c.tRsArrived, c.tReduced);
+        ++reducedNext;
+        progressed = true;
+      }
+      while (agSendNext < n && cs[agSendNext].reduced) {
+        auto& c = cs[agSendNext];
+        const int64_t w = slotOf(agSendNext), len = l.pieceLen(agSendNext, me_);
+        for (; c.agSendPosted < peers; ++c.agSendPosted) {
+          const int j = c.agSendPosted;
+          if (len == 0) continue;
+          auto r = agConns_[j]->isend(agSendSlot(w), len * es, agMr_.get());
+          if (!r) break;
+          c.agSend[j] = std::move(r);
+        }
+        if (c.agSendPosted < peers) break;
+        ++agSendNext;
+        progressed = true;
+      }
+      while (agArrNext < n && agArrNext < agRecvNext && agArrNext < reducedNext &&
+             allDone(cs[agArrNext].agRecv)) {
+        auto& c = cs[agArrNext];
+        c.agArrived = true;
+        c.tAgArrived = Clock::now();
+        storeFlag(dev_.hostFlag(kFlagAgIn, slotOf(agArrNext)), 1);
+        record("net (all-gather)", agArrNext, c.tReduced, c.tAgArrived);
+        ++agArrNext;
+        progressed = true;
+      }
+      while (gatheredNext < n && cs[gatheredNext].agArrived &&
+             loadFlag(dev_.hostFlag(kFlagGathered, slotOf(gatheredNext))) == 1) {
+        storeFlag(dev_.hostFlag(kFlagGathered, slotOf(gatheredNext)), 0);
+        auto& c = cs[gatheredNext];
+        c.gathered = true;
+        record("h2d (all-gather)", gatheredNext, c.tAgArrived, Clock::now());
+        ++gatheredNext;
+        progressed = true;
+      }
+      // A chunk's sends are done: its slot may take the next chunk's pieces.
+      while (freedNext < n && freedNext < rsSendNext && freedNext < agSendNext &&
+             allDone(cs[freedNext].rsSend) && allDone(cs[freedNext].agSend)) {
+        cs[freedNext].freed = true;
+        cs[freedNext].tFreed = Clock::now();
+        storeFlag(dev_.hostFlag(kFlagFree, slotOf(freedNext)), 1);
+        ++freedNext;
+        progressed = true;
+      }
+      const auto now = Clock::now();
+      if (progressed) {
+        lastProgress = now;
+        continue;
+      }
+      if (now >= op.deadline) {
+        // Whom are we waiting for on the network? The peers of the earliest
+        // unfinished exchange: later ones only wait because of it (a peer
+        // missing from the reduce-scatter also holds back everybody's
+        // all-gather). Nobody: our own device.
+        std::vector<int> pending;
+        auto unfinished = [](std::unique_ptr<transport::Request>& r) { return r && !r->test(); };
+        using Reqs = std::vector<std::unique_ptr<transport::Request>> ChunkState::*;
+        for (Reqs kind :
+             {&ChunkState::rsRecv, &ChunkState::agRecv, &ChunkState::rsSend, &ChunkState::agSend}) {
+          for (int64_t k = std::min({rsArrNext, agArrNext, freedNext}); k < n && pending.empty();
+               ++k) {
+            auto& reqs = cs[k].*kind;
+            for (int j = 0; j < peers; ++j)
+              if (unfinished(reqs[j])) pending.push_back(peers_[j]);
+          }
+          if (!pending.empty()) break;
+        }
+        std::sort(pending.begin(), pending.end());
+        pending.erase(std::unique(pending.begin(), pending.end()), pending.end());
+        if (pending.empty()) failDevice(op);
+        failNetwork(op, pending);
+      }
+      if (now - lastProgress < kSpin) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(kNap);
+      }
+    }
+  } catch (const transport::TransportError& e) {
+    throwCommError("fastcomm: " + op.name + " (seq " + std::to_string(op.seq) +
+                   ") failed on group rank " + std::to_string(groupRank_) +
+                   ": inter-node transfer with group rank [" + std::to_string(e.peer()) +
+                   "] failed (timeout " + std::to_string(op.timeout.count()) +
+                   " ms not reached): " + e.what() + peerReason(e.peer()) + laggingNote(op));
+  }
+}
+
+std::string StagedRail::laggingNote(const Op& op) {
+  // The heartbeat view: who stopped issuing collectives, e.g. a dead rank
+  // behind the peer that broke or timed out here.
+  const std::string lagging = hooks_.laggingRanks ? hooks_.laggingRanks(op.seq) : std::string();
+  return lagging.empty() ? std::string()
+                         : "; group rank(s) " + lagging + " stopped issuing collectives";
+}
+
+void StagedRail::failNetwork(const Op& op, const std::vector<int>& pendingPeers) {
+  std::string why;
+  for (int p : pendingPeers) why += peerReason(p);
+  throwCommError("fastcomm: " + op.name + " (seq " + std::to_string(op.seq) +
+                 ") failed on group rank " + std::to_string(groupRank_) + ": timed out after " +
+                 std::to_string(op.timeout.count()) + " ms (timeout) waiting for group rank(s) " +
+                 formatRanks(pendingPeers) + " across the inter-node transport" + why +
+                 laggingNote(op));
+}
+
+void StagedRail::failDevice(const Op& op) {
+  throwCommError("fastcomm: " + op.name + " (seq " + std::to_string(op.seq) +
+                 ") failed on group rank " + std::to_string(groupRank_) + ": timeout after " +
+                 std::to_string(op.timeout.count()) +
+                 " ms waiting for this rank's GPU to reach the inter-node phase (the intra-node "
+                 "reduce-scatter or earlier work on its stream did not finish)" +
+                 laggingNote(op));
+}
+
+std::string StagedRail::peerReason(int peer) {
+  // A peer that failed publishes why; it may be timing out right now.
+  const auto until = Clock::now() + kReasonWait;
+  const std::string key = "fastcomm/failed/" + std::to_string(peer);
+  try {
+    do {
+      if (store_->check({key})) {
+        auto v = store_->get(key);
+        return " (group rank " + std::to_string(peer) +
+               " failed too: " + std::string(v.begin(), v.end()) + ")";
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    } while (Clock::now() < until);
+  } catch (...) {
+    // The store may be gone with its host: nothing more to learn.
+  }
+  return "";
+}
+
+void StagedRail::publishReason(const std::string& why) {
+  try {
+    const std::string key = "fastcomm/failed/" + std::to_string(groupRank_);
+    if (!store_->check({key})) store_->set(key, std::vector<uint8_t>(why.begin(), why.end()));
+  } catch (...) {
+    // The store may be gone with the failed rank.
+  }
+}
+
+void StagedRail::failAll(std::exception_ptr e, Op* current) {
+  std::string why = "unknown error";
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& ex) {
+    why = errorText(ex);
+  } catch (...) {
+  }
+  std::deque<Op> queued;
+  bool first;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    first = !failed_.load();
+    failed_.store(true);
+    if (abortWhy_.empty()) abortWhy_ = why;
+    queued.swap(queue_);
+  }
+  // The works fail before the device is released: a waiter that sees the end
+  // event fire must already see the error.
+  if (current != nullptr && current->failWork) current->failWork(e);
+  for (auto& o : queued)
+    if (o.failWork) o.failWork(e);
+  releaseAllWaits();
+  if (!aborter_.joinable()) {
+    // Aborting the group takes its issue lock, which a caller may hold while
+    // a launch waits for stream space, i.e. for this thread to keep releasing
+    // waits: another thread does it (and tells the peers why) meanwhile.
+    aborter_ = std::thread([this, why, first] {
+      publishReason(why);
+      if (first && hooks_.abortGroup) hooks_.abortGroup(why);
+    });
+  }
+  FASTCOMM_LOG(Warn, why);
+}
+
+void StagedRail::releaseAllWaits() {
+  for (int64_t w = 0; w < kStagedWindow; ++w)
+    for (int kind : {kFlagFree, kFlagRsIn, kFlagAgIn}) storeFlag(dev_.hostFlag(kind, w), 1);
+}
+
+}  // namespace fastcomm

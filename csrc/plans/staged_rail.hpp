@@ -1,0 +1,232 @@
+// The rail phase of the multi-node all_reduce of device memory: after the
+// intra-node reduce-scatter, every rank exchanges its shard with its rail
+// (the ranks with its local index on the other nodes) over fastcomm's
+// transport, staged through host memory and pipelined in chunks, the device
+// reducing what arrives. plans/cuda/cuda_hier.* runs it on a GPU (between
+// NCCL's reduce-scatter and all-gather); tests run the same code on the CPU
+// with an emulated device (csrc/python/staged_bindings.cpp).
+//
+// Per chunk k (plans/hier_layout.hpp: each chunk of the shard is cut into one
+// piece per rail member, piece p owned by the member on node p):
+//   P(k): the device copies the pieces the peers own to host send slots
+//         (cast to the 16-bit wire dtype first if asked);
+//   net:  the proxy sends them and receives the peers' copies of this rank's
+//         own piece;
+//   A(k): the device copies those in, reduces them into the own piece (one
+//         kernel) and copies the result out;
+//   net:  the proxy sends it to every peer and receives theirs;
+//   B(k): the device copies those into place.
+// The caller's thread issues all device work of an op at once, in one
+// stream, in a fixed order in which P of later chunks comes before A/B of
+// earlier ones, so the copies of one chunk, the network of another and the
+// reduction of a third overlap. Device steps that need the network wait on
+// flags in host memory (wait for 1, then reset to 0, so every slot is
+// reusable and a replay sees the same values); the device reports finished
+// steps by setting flags the proxy polls. Only the proxy thread releases the
+// device's waits, from host-observed progress alone: no wait depends on
+// device work issued later on another stream, which could deadlock where
+// several streams share one hardware queue (the warning of
+// cuStreamWaitValue32). kStagedWindow chunk slots of host staging, allocated
+// once by the owner, are reused across chunks and calls.
+//
+// Failures (transport errors, timeouts) fail the op's work with an error
+// naming the collective, the peer and the timeout, and abort the group (a
+// hook); the proxy then keeps releasing every device wait, so no stream waits
+// forever.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/config.hpp"
+#include "common/deadline.hpp"
+#include "common/reduce.hpp"
+#include "inter/ring_comm.hpp"
+#include "inter/transport.hpp"
+#include "plans/hier_layout.hpp"
+
+namespace fastcomm {
+
+// Chunk slots of staging (and flags) in flight.
+constexpr int64_t kStagedWindow = 6;
+// B (the all-gather copies) of chunk k is issued after A (the reduction) of
+// chunk k + kStagedLag, so the stream does not sit waiting for the network
+// of a chunk it just reduced while later chunks' pieces already arrived.
+constexpr int64_t kStagedLag = 2;
+
+// Flags. Host -> device (the stream waits for 1, then resets to 0): a slot's
+// staging is free again; a chunk's reduce-scatter pieces arrived; its
+// all-gather pieces arrived. Device -> host (the stream sets 1, the proxy
+// resets to 0): a chunk's send pieces are staged; its own piece is reduced
+// and staged; its gathered pieces are in place.
+enum StagedFlag : int {
+  kFlagFree = 0,
+  kFlagRsIn,
+  kFlagAgIn,
+  kFlagPacked,
+  kFlagReduced,
+  kFlagGathered,
+  kStagedFlagKinds
+};
+
+// The device side: operations run in issue order on one stream.
+class StagedDevice {
+ public:
+  virtual ~StagedDevice() = default;
+  // Host address of a flag, for the proxy.
+  virtual uint32_t* hostFlag(int kind, int64_t slot) = 0;
+  virtual void waitFlag(int kind, int64_t slot) = 0;  // wait for 1, then reset to 0
+  virtual void setFlag(int kind, int64_t slot) = 0;   // 1, after the earlier work is visible
+  virtual void copyToHost(void* dst, const void* src, int64_t bytes) = 0;
+  virtual void copyToDevice(void* dst, const void* src, int64_t bytes) = 0;
+  // `rows` rows of `width` bytes.
+  virtual void copyToDevice2D(void* dst, int64_t dpitch, const void* src, int64_t spitch,
+                              int64_t width, int64_t rows) = 0;
+  // own[i] = own[i] op recv[j * stride + i] (j < nPeers, i < n), then divided
+  // by `divisor` when > 0 (AVG). With a wire dtype (float32 sums), `recv`
+  // holds wire values and the result, rounded to the wire dtype, lands both
+  // in own[] and in wireOut[].
+  virtual void reduce(at::ScalarType dt, RedOp op, WireDtype wire, void* own, const void* recv,
+                      int64_t stride, int nPeers, int64_t n, int64_t divisor, void* wireOut) = 0;
+  // The pieces of chunk k for the peers, float32 -> packed wire slots, and back.
+  virtual void pack(WireDtype wire, const float* chunk, void* out, const HierLayout& l, int64_t k,
+                    int me) = 0;
+  virtual void unpack(WireDtype wire, const void* in, float* chunk, const HierLayout& l, int64_t k,
+                      int me) = 0;
+};
+
+class StagedRail {
+ public:
+  struct Hooks {
+    // Fails every work in flight, aborts the communicators (this rail's
+    // transports too, through abort()) and refuses later calls.
+    std::function<void(const std::string& why)> abortGroup;
+    // Group ranks that stopped issuing collectives at `seq`, as "[1, 2]", or
+    // "" when all look alive.
+    std::function<std::string(uint64_t seq)> laggingRanks;
+  };
+
+  // An op handed to the proxy: everything it needs, by value, so it could
+  // equally be enqueued from a host node of a CUDA graph.
+  struct Op {
+    std::string name;  // e.g. "all_reduce" (errors, timeline)
+    uint64_t seq = 0;
+    std::chrono::milliseconds timeout{0};
+    Clock::time_point deadline{};
+    HierLayout layout;
+    int64_t firstChunk = 0;  // rail-wide chunk number of chunk 0 (its slot)
+    int64_t esize = 0;       // bytes per element on the wire
+    std::function<void(std::exception_ptr)> failWork;
+  };
+
+  // Host staging the owner allocates (pinned for a GPU) and keeps alive until
+  // stop() returned and the device stopped using it.
+  struct Staging {
+    char* base = nullptr;
+    int64_t bytes = 0;
+    int64_t pieceBytes = 0;  // one piece slot
+    int64_t slotBytes = 0;   // one chunk slot: 3 (R-1) + 1 pieces
+  };
+  static Staging stagingFor(int rails, int64_t chunkBytes);  // sizes (base null)
+  // Device scratch one op needs (received pieces; packed wire casts).
+  static int64_t scratchBytes(const HierLayout& l, int64_t esize, bool wire);
+
+  // `railRanks[n]` is the group rank of this rank's rail member on node n
+  // (itself at `me`). `groupSize` divides AVG results.
+  StagedRail(StagedDevice& device, Staging staging, std::vector<int> railRanks, int me,
+             int groupRank, int groupSize, int64_t chunkBytes, WireDtype wire,
+             const c10::intrusive_ptr<c10d::Store>& store, Hooks hooks);
+  ~StagedRail();
+
+  // Connects to the rail peers with two transports (reduce-scatter and
+  // all-gather messages, each in chunk order on its own connections) through
+  // `store` (prefixed for this rail) and starts the proxy thread.
+  void connect(const std::string& transport, const Config& cfg,
+               const c10::intrusive_ptr<c10d::Store>& store, const OpContext& ctx);
+
+  // Issues the rail phase of an all_reduce of `shard` (device memory, in
+  // place) onto the device and hands its op to the proxy. The caller holds
+  // the group's issue lock (so calls come in one order on every rank).
+  // `scratch` holds scratchBytes() of device memory for this op.
+  void allreduce(char* shard, int64_t shardElems, at::ScalarType dt, RedOp op, char* scratch,
+                 const OpContext& ctx, std::function<void(std::exception_ptr)> failWork);
+
+  bool wireFor(at::ScalarType dt, RedOp op) const {
+    return wire_ != WireDtype::None && dt == at::kFloat && (op == RedOp::Sum || op == RedOp::Avg);
+  }
+  bool failed() const { return failed_.load(); }
+  int64_t stagingBytes() const { return staging_.bytes; }
+  std::string transportName() const;
+
+  // From the group's abort: closes the transports (requests in flight fail,
+  // peers see the connections close); the proxy fails what is left and keeps
+  // releasing device waits.
+  void abort(const std::string& why);
+  // Stops the proxy (serving queued ops first unless failed) and closes the
+  // transports. Call once the device finished or gave up: afterwards nobody
+  // releases its waits.
+  void stop();
+
+  StagedRail(const StagedRail&) = delete;
+  StagedRail& operator=(const StagedRail&) = delete;
+
+ private:
+  struct ChunkState;
+  void proxyLoop();
+  void runOp(Op& op);  // to completion; throws on failure
+  [[noreturn]] void failNetwork(const Op& op, const std::vector<int>& pendingPeers);
+  [[noreturn]] void failDevice(const Op& op);
+  void failAll(std::exception_ptr e, Op* current);
+  void releaseAllWaits();
+  std::string peerReason(int peer);
+  std::string laggingNote(const Op& op);
+  void publishReason(const std::string& why);
+
+  void issueP(const HierLayout& l, int64_t k, int64_t slot, char* shard, int64_t esize, bool wire,
+              char* dPack);
+  void issueA(const HierLayout& l, int64_t k, int64_t slot, char* shard, at::ScalarType dt,
+              RedOp op, bool wire, char* dRecv, char* dOut);
+  void issueB(const HierLayout& l, int64_t k, int64_t slot, char* shard, int64_t esize, bool wire,
+              char* dPack);
+  char* sendSlot(int64_t slot, int j) const;    // pieces for peer j
+  char* recvSlot(int64_t slot, int j) const;    // this rank's piece from peer j
+  char* agSendSlot(int64_t slot) const;         // this rank's reduced piece
+  char* agRecvSlot(int64_t slot, int j) const;  // the reduced piece of peer j
+
+  StagedDevice& dev_;
+  Staging staging_;
+  std::vector<int> railRanks_;
+  std::vector<int> peers_;  // group rank of peer slot j (node peerNode(j, me_))
+  int me_, groupRank_, groupSize_;
+  int64_t chunkBytes_;
+  WireDtype wire_;
+  c10::intrusive_ptr<c10d::Store> store_;  // the group's (failure reasons)
+  Hooks hooks_;
+  std::unique_ptr<transport::Transport> rsNet_, agNet_;
+  std::vector<std::unique_ptr<transport::Connection>> rsConns_, agConns_;
+  std::unique_ptr<transport::MemoryRegion> rsMr_, agMr_;
+  int64_t nextChunk_ = 0;  // rail-wide chunk counter (issuing thread, under its lock)
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Op> queue_;
+  bool stop_ = false;
+  std::atomic<bool> failed_{false};  // drain mode: keep releasing device waits
+  std::string abortWhy_;             // the first failure (guarded by mu_)
+  std::thread proxy_;
+  std::thread aborter_;  // aborts the group after a proxy failure
+};
+
+}  // namespace fastcomm

@@ -1,0 +1,329 @@
+// Test-only: the rail phase of the CUDA multi-node all_reduce
+// (plans/staged_rail.hpp) on the CPU. An emulated device runs the device
+// operations in issue order on one thread, its waits polling host flags as
+// cuStreamWaitValue32 polls them on a GPU, so the proxy, the schedule, the
+// flag protocol, the transports and the failure handling are the very code
+// the GPU runs, checked without one (tests/test_staged_rail.py).
+#include "python/staged_bindings.hpp"
+
+#include <pybind11/stl.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/python.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "common/timeline.hpp"
+#include "plans/staged_rail.hpp"
+
+namespace py = pybind11;
+
+namespace fastcomm {
+namespace {
+
+uint32_t loadFlag(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+void storeFlag(uint32_t* p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+
+float wireToFloat(WireDtype w, const void* p, int64_t i) {
+  if (w == WireDtype::BF16) return static_cast<float>(static_cast<const c10::BFloat16*>(p)[i]);
+  return static_cast<float>(static_cast<const c10::Half*>(p)[i]);
+}
+
+// Rounds `v` to the wire type, stores it at p[i] and returns its value.
+float floatToWire(WireDtype w, void* p, int64_t i, float v) {
+  if (w == WireDtype::BF16) {
+    c10::BFloat16 b(v);
+    static_cast<c10::BFloat16*>(p)[i] = b;
+    return static_cast<float>(b);
+  }
+  c10::Half h(v);
+  static_cast<c10::Half*>(p)[i] = h;
+  return static_cast<float>(h);
+}
+
+struct Abandoned {};
+
+class EmulatedDevice final : public StagedDevice {
+ public:
+  EmulatedDevice() : flags_(kStagedFlagKinds * kStagedWindow * 16, 0) {
+    worker_ = std::thread([this] { loop(); });
+  }
+  ~EmulatedDevice() override { stop(); }
+
+  // Runs `fn` on the device thread once everything issued before ran.
+  void marker(std::function<void()> fn) { enqueue(std::move(fn)); }
+  // True once nothing is queued or running (bounded wait).
+  bool drain(std::chrono::milliseconds limit) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, limit, [&] { return queue_.empty() && !busy_; });
+  }
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stop_) return;
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (worker_.joinable()) worker_.join();
+  }
+
+  uint32_t* hostFlag(int kind, int64_t slot) override {
+    return &flags_[(kind * kStagedWindow + slot) * 16];
+  }
+  void waitFlag(int kind, int64_t slot) override {
+    uint32_t* f = hostFlag(kind, slot);
+    enqueue([this, f] {
+      while (loadFlag(f) != 1) {
+        if (stopping()) throw Abandoned{};
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
+      storeFlag(f, 0);
+    });
+  }
+  void setFlag(int kind, int64_t slot) override {
+    uint32_t* f = hostFlag(kind, slot);
+    enqueue([f] { storeFlag(f, 1); });
+  }
+  void copyToHost(void* dst, const void* src, int64_t bytes) override {
+    enqueue([=] { std::memcpy(dst, src, bytes); });
+  }
+  void copyToDevice(void* dst, const void* src, int64_t bytes) override {
+    enqueue([=] { std::memcpy(dst, src, bytes); });
+  }
+  void copyToDevice2D(void* dst, int64_t dpitch, const void* src, int64_t spitch, int64_t width,
+                      int64_t rows) override {
+    enqueue([=] {
+      for (int64_t r = 0; r < rows; ++r)
+        std::memcpy(static_cast<char*>(dst) + r * dpitch,
+                    static_cast<const char*>(src) + r * spitch, width);
+    });
+  }
+  void reduce(at::ScalarType dt, RedOp op, WireDtype wire, void* own, const void* recv,
+              int64_t stride, int nPeers, int64_t n, int64_t divisor, void* wireOut) override {
+    enqueue([=] {
+      if (wire != WireDtype::None) {
+        float* o = static_cast<float*>(own);
+        for (int64_t i = 0; i < n; ++i) {
+          float acc = o[i];
+          for (int j = 0; j < nPeers; ++j) acc += wireToFloat(wire, recv, j * stride + i);
+          if (divisor > 0) acc /= static_cast<float>(divisor);
+          o[i] = floatToWire(wire, wireOut, i, acc);
+        }
+        return;
+      }
+      const int64_t esize = static_cast<int64_t>(c10::elementSize(dt));
+      std::vector<const void*> ins{own};
+      for (int j = 0; j < nPeers; ++j)
+        ins.push_back(static_cast<const char*>(recv) + j * stride * esize);
+      reduceInto(own, ins.data(), static_cast<int>(ins.size()), n, dt, op,
+                 divisor > 0 ? static_cast<int>(divisor) : 1);
+    });
+  }
+  void pack(WireDtype wire, const float* chunk, void* out, const HierLayout& l, int64_t k,
+            int me) override {
+    enqueue([=] {
+      for (int64_t i = 0; i < (l.rails - 1) * l.qMax; ++i) {
+        const int64_t src = packedToChunk(l, k, me, i);
+        if (src >= 0) floatToWire(wire, out, i, chunk[src]);
+      }
+    });
+  }
+  void unpack(WireDtype wire, const void* in, float* chunk, const HierLayout& l, int64_t k,
+              int me) override {
+    enqueue([=] {
+      for (int64_t i = 0; i < (l.rails - 1) * l.qMax; ++i) {
+        const int64_t dst = packedToChunk(l, k, me, i);
+        if (dst >= 0) chunk[dst] = wireToFloat(wire, in, i);
+      }
+    });
+  }
+
+ private:
+  bool stopping() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stop_;
+  }
+  void enqueue(std::function<void()> fn) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(std::move(fn));
+    }
+    cv_.notify_all();
+  }
+  void loop() {
+    for (;;) {
+      std::function<void()> fn;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        fn = std::move(queue_.front());
+        queue_.pop_front();
+        busy_ = true;
+      }
+      try {
+        fn();
+      } catch (const Abandoned&) {
+        std::lock_guard<std::mutex> lock(mu_);
+        queue_.clear();  // stopped while waiting: what follows never runs
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        busy_ = false;
+      }
+      cv_.notify_all();
+    }
+  }
+
+  std::vector<uint32_t> flags_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool busy_ = false;
+  bool stop_ = false;
+  std::thread worker_;
+};
+
+RedOp redOpOf(const std::string& name) {
+  static const std::map<std::string, RedOp> ops{{"SUM", RedOp::Sum},
+                                                {"AVG", RedOp::Avg},
+                                                {"PRODUCT", RedOp::Product},
+                                                {"MIN", RedOp::Min},
+                                                {"MAX", RedOp::Max}};
+  auto it = ops.find(name);
+  TORCH_CHECK(it != ops.end(), "fastcomm: no staged all_reduce for op ", name);
+  return it->second;
+}
+
+// Every rank of the store's group is one node; the rail is the whole group.
+class StagedRailEndpoint {
+ public:
+  StagedRailEndpoint(const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix,
+                     int rank, int size, int64_t chunkBytes, const std::string& wire,
+                     std::chrono::milliseconds timeout)
+      : timeout_(timeout), rails_(size), chunkBytes_(chunkBytes) {
+    auto group = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
+    StagedRail::Staging staging = StagedRail::stagingFor(size, chunkBytes);
+    buffer_.reset(new char[staging.bytes + 64]);
+    staging.base = buffer_.get() + (64 - reinterpret_cast<uintptr_t>(buffer_.get()) % 64) % 64;
+    std::vector<int> ranks(size);
+    for (int r = 0; r < size; ++r) ranks[r] = r;
+    StagedRail::Hooks hooks;
+    hooks.abortGroup = [this](const std::string& why) {
+      // What the CUDA side's abort does to the rail.
+      if (rail_) rail_->abort(why);
+    };
+    rail_ = std::make_unique<StagedRail>(dev_, staging, ranks, rank, rank, size, chunkBytes,
+                                         parseWireDtype(wire), group, hooks);
+    const Config cfg = Config::fromEnv();
+    if (cfg.timeline) Timeline::setEnabled(true);  // as a process group would
+    rail_->connect("tcp", cfg, c10::make_intrusive<c10d::PrefixStore>("rail", group),
+                   OpContext::start("staged rail setup", 0, timeout));
+  }
+  ~StagedRailEndpoint() { close(); }
+
+  // Issues an in-place all_reduce of the contiguous CPU tensor `t`.
+  int64_t issue(const at::Tensor& t, const std::string& opName) {
+    TORCH_CHECK(t.is_contiguous() && t.device().is_cpu() && t.numel() > 0,
+                "fastcomm: staged rail test: a non-empty contiguous CPU tensor is needed");
+    const RedOp op = redOpOf(opName);
+    const int64_t esize = static_cast<int64_t>(t.element_size());
+    auto p = std::make_shared<Pending>();
+    p->tensor = t;
+    const auto ctx = OpContext::start("all_reduce", ++seq_, timeout_);
+    const HierLayout l = HierLayout::make(t.numel(), rails_, chunkBytes_, esize);
+    p->scratch =
+        at::empty({StagedRail::scratchBytes(l, esize, rail_->wireFor(t.scalar_type(), op))},
+                  t.options().dtype(at::kByte));
+    rail_->allreduce(static_cast<char*>(t.data_ptr()), t.numel(), t.scalar_type(), op,
+                     static_cast<char*>(p->scratch.data_ptr()), ctx,
+                     [p](std::exception_ptr e) { p->fail(e); });
+    dev_.marker([p] { p->finish(); });
+    const int64_t id = nextTicket_++;
+    pending_[id] = p;
+    return id;
+  }
+
+  // Waits for op `ticket` on the device, then raises its error if it failed.
+  void wait(int64_t ticket) {
+    auto it = pending_.find(ticket);
+    TORCH_CHECK(it != pending_.end(), "fastcomm: unknown ticket ", ticket);
+    auto p = it->second;
+    pending_.erase(it);
+    std::unique_lock<std::mutex> lock(p->mu);
+    // The rail itself fails within its timeout and then releases the
+    // device; this bound only turns a hang of the code under test into an
+    // error instead of a stuck test.
+    const bool done =
+        p->cv.wait_for(lock, timeout_ + std::chrono::seconds(20), [&] { return p->done; });
+    if (p->error) std::rethrow_exception(p->error);
+    TORCH_CHECK(done, "fastcomm: staged rail test: op ", ticket, " hung");
+  }
+
+  void close() {
+    if (!rail_) return;
+    if (rail_->failed())
+      dev_.drain(std::chrono::seconds(10));
+    else
+      dev_.drain(timeout_ + std::chrono::seconds(20));
+    rail_->stop();
+    dev_.stop();
+    rail_.reset();
+  }
+
+ private:
+  struct Pending {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    std::exception_ptr error;
+    at::Tensor tensor, scratch;
+    void fail(std::exception_ptr e) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!error) error = e;
+    }
+    void finish() {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        done = true;
+      }
+      cv.notify_all();
+    }
+  };
+  std::chrono::milliseconds timeout_;
+  int rails_ = 0;
+  int64_t chunkBytes_ = 0;
+  EmulatedDevice dev_;
+  std::unique_ptr<char[]> buffer_;
+  std::unique_ptr<StagedRail> rail_;
+  uint64_t seq_ = 0;
+  int64_t nextTicket_ = 0;
+  std::map<int64_t, std::shared_ptr<Pending>> pending_;
+};
+
+}  // namespace
+
+void bindStagedRail(py::module_& m) {
+  py::class_<StagedRailEndpoint>(m, "_StagedRailEndpoint")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix,
+                       int rank, int size, int64_t chunkBytes, const std::string& wire,
+                       double timeoutS) {
+             return std::make_unique<StagedRailEndpoint>(
+                 store, prefix, rank, size, chunkBytes, wire,
+                 std::chrono::milliseconds(static_cast<int64_t>(timeoutS * 1000)));
+           }),
+           py::arg("store"), py::arg("prefix"), py::arg("rank"), py::arg("size"),
+           py::arg("chunk_bytes"), py::arg("wire") = "none", py::arg("timeout_s") = 30.0,
+           py::call_guard<py::gil_scoped_release>())
+      .def("issue", &StagedRailEndpoint::issue, py::arg("tensor"), py::arg("op") = "SUM",
+           py::call_guard<py::gil_scoped_release>())
+      .def("wait", &StagedRailEndpoint::wait, py::arg("ticket"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("close", &StagedRailEndpoint::close, py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace fastcomm

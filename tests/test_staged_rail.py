@@ -1,0 +1,191 @@
+"""The rail phase of the CUDA multi-node all_reduce (csrc/plans/staged_rail.*) on the CPU.
+
+The same proxy, schedule, flag protocol, staging layout and transports the GPU path runs, with
+an emulated device (torchext._C._StagedRailEndpoint: one thread runs the device operations in
+issue order, its waits polling host flags as cuStreamWaitValue32 does). Every rank is one node,
+so the rail is the whole group. Checks results against float64/int64 references on random
+data, many chunks with short and empty pieces, several ops in flight reusing the staging
+slots, the 16-bit wire dtypes, and that a dead or absent peer makes the others fail with a
+clear error instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _harness import Checker, RankFailure, gen, is_gloo, run_ranks
+
+pytestmark = pytest.mark.skipif(is_gloo(), reason="fastcomm's own pipeline code")
+
+DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64"]
+OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX"]
+
+
+def _store(rank: int, ws: int) -> Any:
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), ws, rank == 0,
+        timeout=timedelta(seconds=60),
+    )  # fmt: skip
+
+
+def _endpoint(store: Any, prefix: str, rank: int, ws: int, **kw: Any) -> Any:
+    from torchext import _C
+
+    return _C._StagedRailEndpoint(store, prefix, rank, ws, **kw)
+
+
+def _done(store: Any, key: str, rank: int, ws: int) -> None:
+    """A barrier at the end. Rank 0 hosts the store, so it leaves only after everyone else
+    stopped using it."""
+    store.set(f"{key}/{rank}", "1")
+    store.wait([f"{key}/{r}" for r in range(ws)], timedelta(seconds=60))
+    store.set(f"{key}/left/{rank}", "1")
+    if rank == 0:
+        store.wait([f"{key}/left/{r}" for r in range(ws)], timedelta(seconds=60))
+
+
+def correctness_fn(rank: int, ws: int) -> dict[str, Any]:
+    store = _store(rank, ws)
+    chk = Checker(f"rank {rank}")
+    ep = _endpoint(store, "plain", rank, ws, chunk_bytes=4096, timeout_s=30.0)
+    # one at a time: every dtype x op, sizes with 1 element, fewer elements than ranks, and
+    # many chunks whose last one is short
+    for dt_name in DTYPES:
+        dt = getattr(torch, dt_name)
+        for op in OPS:
+            for n in (1, 2, 1031, 9001):
+                key = f"staged/{dt_name}/{op}/{n}"
+                inputs = [gen(key, r, (n,), dt, op) for r in range(ws)]
+                t = inputs[rank].clone()
+                ep.wait(ep.issue(t, op))
+                chk.reduced(t, inputs, op, key)
+    # several in flight (staging slots reused across ops), waited out of order
+    tickets, cases = [], []
+    for i in range(8):
+        dt = [torch.float32, torch.int64, torch.bfloat16, torch.uint8][i % 4]
+        op = ["SUM", "MAX", "AVG", "MIN"][i % 4]
+        n = 3000 + 1777 * i
+        inputs = [gen(f"inflight/{i}", r, (n,), dt, op) for r in range(ws)]
+        t = inputs[rank].clone()
+        tickets.append(ep.issue(t, op))
+        cases.append((t, inputs, op))
+    for i in reversed(range(len(tickets))):
+        ep.wait(tickets[i])
+    for i, (t, inputs, op) in enumerate(cases):
+        chk.reduced(t, inputs, op, f"in flight {i} ({op})")
+    ep.close()
+    _done(store, "correctness", rank, ws)
+    chk.raise_if_failed()
+    return {}
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_staged_rail_correctness(ws: int) -> None:
+    """Every dtype x op, odd sizes down to 1 element, 4 KiB chunks (many, with short and empty
+    pieces), 8 ops in flight: equal to the references."""
+    run_ranks(ws, correctness_fn, init=False, timeout_s=400)
+
+
+def wire_fn(rank: int, ws: int, wire: str) -> dict[str, Any]:
+    store = _store(rank, ws)
+    chk = Checker(f"rank {rank}")
+    ep = _endpoint(store, f"wire-{wire}", rank, ws, chunk_bytes=8192, wire=wire)
+    eps = {"bf16": 2.0**-8, "fp16": 2.0**-11}[wire]
+    results = {}
+    for op in ("SUM", "AVG"):
+        n = 20_011
+        inputs = [gen(f"wire/{op}", r, (n,), torch.float32, "SUM") for r in range(ws)]
+        t = inputs[rank].clone()
+        ep.wait(ep.issue(t, op))
+        exact = torch.stack([x.double() for x in inputs]).sum(0)
+        scale = torch.stack([x.double().abs() for x in inputs]).sum(0)
+        if op == "AVG":
+            exact, scale = exact / ws, scale / ws
+        err = (t.double() - exact).abs()
+        chk.true(bool((err <= 4 * eps * scale + 1e-30).all()), f"{op}: error {err.max():.3g}")
+        chk.true(bool((err > 0).any()), f"{op}: no rounding: the wire dtype is not in use")
+        results[op] = t
+    ints = [gen("wire/int", r, (5000,), torch.int32, "SUM") for r in range(ws)]
+    ti = ints[rank].clone()
+    ep.wait(ep.issue(ti, "SUM"))
+    chk.reduced(ti, ints, "SUM", "int32 sum (never compressed)")
+    ep.close()
+    # every rank ends with bit-identical values: compare through the store
+    for op, t in results.items():
+        store.set(f"wire/{wire}/{op}/{rank}", t.view(torch.int32).numpy().tobytes())
+    for op, t in results.items():
+        for r in range(ws):
+            other = store.get(f"wire/{wire}/{op}/{r}")
+            chk.true(other == t.view(torch.int32).numpy().tobytes(), f"{op}: rank {r} differs")
+    _done(store, f"wire-{wire}", rank, ws)
+    chk.raise_if_failed()
+    return {}
+
+
+@pytest.mark.parametrize("wire", ["bf16", "fp16"])
+def test_staged_rail_wire_dtype(wire: str) -> None:
+    """float32 SUM/AVG over a 16-bit wire: within its rounding of the float64 reference and
+    bit-identical on every rank; integers exact."""
+    run_ranks(3, wire_fn, wire, init=False, timeout_s=300)
+
+
+TIMEOUT_S = 4.0
+
+
+def failure_fn(rank: int, ws: int, mode: str) -> dict[str, Any]:
+    store = _store(rank, ws)
+    ep = _endpoint(store, f"fail-{mode}", rank, ws, chunk_bytes=4096, timeout_s=TIMEOUT_S)
+    n = 50_001
+    t = torch.ones(n)
+    ep.wait(ep.issue(t, "SUM"))  # all connected and working
+    assert bool((t == ws).all())
+    victim = 1
+    out: dict[str, Any] = {}
+    if rank == victim:
+        if mode == "dies":
+            os._exit(17)
+        store.wait([f"failure/done/{r}" for r in range(ws) if r != victim], timedelta(seconds=60))
+        ep.close()
+        return out
+    t0 = time.monotonic()
+    try:
+        for _ in range(3):
+            ep.wait(ep.issue(torch.ones(n), "SUM"))
+    except RuntimeError as e:
+        out["elapsed"] = time.monotonic() - t0
+        out["message"] = str(e)
+    t1 = time.monotonic()
+    ep.close()
+    out["close_s"] = time.monotonic() - t1
+    store.set(f"failure/done/{rank}", "1")
+    if rank == 0:
+        store.wait([f"failure/done/{r}" for r in range(ws) if r != victim], timedelta(seconds=60))
+        if mode == "sleeps":
+            time.sleep(1.0)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["dies", "sleeps"])
+def test_staged_rail_dead_or_absent_peer(mode: str) -> None:
+    """Rank 1 of 3 exits, or stays alive without issuing: the others raise within the timeout
+    (+ grace) naming all_reduce, rank [1] and the timeout, and closing returns promptly."""
+    res = run_ranks(
+        3, failure_fn, mode, init=False, expect_fail={1: 17} if mode == "dies" else None,
+        timeout_s=120,
+    )  # fmt: skip
+    if mode == "dies":
+        assert isinstance(res[1], RankFailure)
+    for r in (0, 2):
+        out = res[r]
+        assert "message" in out, f"rank {r}: no error without rank 1: {out}"
+        msg = out["message"]
+        assert "all_reduce" in msg and "[1]" in msg and "timeout" in msg.lower(), msg
+        assert out["elapsed"] <= TIMEOUT_S + 10, out
+        assert out["close_s"] <= 15, out
