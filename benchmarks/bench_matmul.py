@@ -14,10 +14,17 @@ Compares, for square sizes (default 1024..8192) and LLM-like shapes
   CUDA, so that all methods compute the same function; ``--gelu erf`` uses the
   exact GELU (then ``_addmm_activation`` still uses tanh).
 
-Each fastcomm kernel path listed in ``--variants`` is timed separately
-(``auto`` = the default dispatch, ``mma`` = the mma.sync kernel, ``wgmma`` =
-the Hopper TMA/wgmma kernel, ``wgmma_c2`` = the same on CTA pairs with TMA
-multicast; forced through the FASTCOMM_MATMUL_* variables).
+Each fastcomm kernel path listed in ``--variants`` is timed separately,
+forced through the FASTCOMM_MATMUL_* variables (see ``Variant.ENV``): ``auto``
+(the default dispatch), ``mma`` (mma.sync), ``simt``, ``wgmma`` (the Hopper
+kernel with its own heuristic), and the Hopper variants ``coop`` (cooperative
+128x256, epilogue from registers), ``coop_tma`` (same, epilogue through shared
+memory + TMA stores), ``coop128`` (cooperative 128x128, TMA stores),
+``pingpong`` (two 128x128 tiles in ping-pong), each with ``_c2`` for 2-CTA
+clusters with TMA multicast. ``--variants hopper`` names the set the sweep
+of docs/matmul.md times. The kernel a variant actually ran is recorded
+(``torch.ops.fastcomm._kernel_name``), and a summary matrix (ratio to the
+baseline, per shape and variant) is printed last.
 
 Timing: CUDA events around every call, median of ``--reps`` calls after a
 warm-up, inputs rotated over enough copies to exceed twice the L2 cache,
@@ -34,10 +41,14 @@ numbers + device, torch version, command line), ``--plot`` (TFLOP/s bars) and
 
 Example::
 
-    python benchmarks/bench_matmul.py --dtype bf16 --variants mma,wgmma,wgmma_c2 \\
+    python benchmarks/bench_matmul.py --dtype bf16 --variants hopper \\
         --json benchmarks/results/matmul_h200.json \\
         --plot benchmarks/results/matmul_h200.png \\
         --roofline benchmarks/results/roofline_h200.png
+
+    # the variant sweep of docs/matmul.md (about 1-2 minutes on an H200)
+    python benchmarks/bench_matmul.py --variants hopper --sizes 2048,4096,8192 \\
+        --reps 30 --warmup-ms 50 --no-compile
 """
 
 from __future__ import annotations
@@ -50,7 +61,7 @@ import os
 import platform
 import statistics
 import sys
-from typing import Callable, Optional
+from typing import Callable, ClassVar, Optional
 
 import torch
 import torch.nn.functional as F
@@ -60,16 +71,29 @@ TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--sizes", default="1024,2048,4096,8192", help="square sizes M=N=K (comma list)")
-    p.add_argument("--llm", default="8192x4096x4096,8192x11008x4096,8192x14336x4096",
-                   help="MxNxK shapes (comma list); empty for none")
-    p.add_argument("--variants", default="auto",
-                   help="fastcomm kernel paths to time: auto, mma, simt, wgmma, wgmma_c2 (comma list)")
+    p.add_argument(
+        "--llm",
+        default="8192x4096x4096,8192x11008x4096,8192x14336x4096",
+        help="MxNxK shapes (comma list); empty for none",
+    )
+    p.add_argument(
+        "--variants",
+        default="auto",
+        help="fastcomm kernel paths to time (comma list): "
+        + ", ".join(Variant.ENV)
+        + "; or a set: "
+        + ", ".join(Variant.SETS),
+    )
     p.add_argument("--ops", default="matmul,linear", help="which comparisons: matmul, linear")
     p.add_argument("--gelu", default="tanh", choices=["tanh", "erf"])
-    p.add_argument("--reps", type=int, default=50, help="timed calls per measurement (median reported)")
+    p.add_argument(
+        "--reps", type=int, default=50, help="timed calls per measurement (median reported)"
+    )
     p.add_argument("--warmup-ms", type=float, default=100.0)
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     p.add_argument("--quick", action="store_true", help="small sizes, few reps (smoke test)")
@@ -140,30 +164,75 @@ def measure_mm_peak(dtype: torch.dtype, reps: int) -> float:
 
 
 class Variant:
-    """Sets the FASTCOMM_MATMUL_* knobs of a kernel path while a fastcomm method runs.
+    """Sets the FASTCOMM_MATMUL_* knobs of a kernel path while a fastcomm method runs
+    (all of them: knobs a variant does not name are reset to auto)."""
 
-    auto: the default dispatch; mma / simt: those kernels; wgmma: the Hopper
-    kernel; wgmma_c2: the Hopper kernel on CTA pairs with TMA multicast."""
-
-    ENV = {
-        "auto": {"FASTCOMM_MATMUL_IMPL": "auto"},
-        "mma": {"FASTCOMM_MATMUL_IMPL": "mma"},
-        "simt": {"FASTCOMM_MATMUL_IMPL": "simt"},
-        "wgmma": {"FASTCOMM_MATMUL_IMPL": "wgmma", "FASTCOMM_MATMUL_WGMMA": "1", "FASTCOMM_MATMUL_CLUSTER": "1"},
-        "wgmma_c2": {"FASTCOMM_MATMUL_IMPL": "wgmma", "FASTCOMM_MATMUL_WGMMA": "1", "FASTCOMM_MATMUL_CLUSTER": "2"},
+    KNOBS: ClassVar[tuple[str, ...]] = (
+        "IMPL",
+        "TILE",
+        "SCHED",
+        "CLUSTER",
+        "EPI",
+        "RASTER",
+        "WGMMA_MN",
+    )
+    _HOPPER: ClassVar[dict[str, str]] = {"IMPL": "wgmma"}
+    ENV: ClassVar[dict[str, dict[str, str]]] = {
+        "auto": {},
+        "mma": {"IMPL": "mma"},
+        "simt": {"IMPL": "simt"},
+        "wgmma": _HOPPER,
+        "coop": {**_HOPPER, "SCHED": "coop", "TILE": "large", "EPI": "direct", "CLUSTER": "1"},
+        "coop_c2": {**_HOPPER, "SCHED": "coop", "TILE": "large", "EPI": "direct", "CLUSTER": "2"},
+        "coop_tma": {**_HOPPER, "SCHED": "coop", "TILE": "large", "EPI": "tma", "CLUSTER": "1"},
+        "coop_tma_c2": {**_HOPPER, "SCHED": "coop", "TILE": "large", "EPI": "tma", "CLUSTER": "2"},
+        "coop128": {**_HOPPER, "SCHED": "coop", "TILE": "small", "EPI": "tma", "CLUSTER": "1"},
+        "pingpong": {**_HOPPER, "SCHED": "pingpong", "CLUSTER": "1"},
+        "pingpong_c2": {**_HOPPER, "SCHED": "pingpong", "CLUSTER": "2"},
+    }
+    # Names of earlier runs (benchmarks/results/2026-11-21-*): the same kernels.
+    ALIASES: ClassVar[dict[str, str]] = {"wgmma_c2": "coop_c2"}
+    # The sweep of docs/matmul.md: every Hopper variant, and the default.
+    SETS: ClassVar[dict[str, list[str]]] = {
+        "hopper": [
+            "auto",
+            "mma",
+            "coop",
+            "coop_tma",
+            "coop_c2",
+            "coop_tma_c2",
+            "pingpong",
+            "pingpong_c2",
+        ]
     }
 
     def __init__(self, name: str):
+        name = self.ALIASES.get(name, name)
         if name not in self.ENV:
-            raise ValueError(f"unknown variant {name!r}; known: {sorted(self.ENV)}")
+            raise ValueError(
+                f"unknown variant {name!r}; known: {sorted(self.ENV)} and sets {sorted(self.SETS)}"
+            )
         self.name = name
         self.saved: dict[str, Optional[str]] = {}
 
+    @classmethod
+    def expand(cls, spec: str) -> list[str]:
+        out: list[str] = []
+        for v in (v.strip() for v in spec.split(",")):
+            for name in cls.SETS.get(v, [cls.ALIASES.get(v, v)] if v else []):
+                if name not in out:
+                    out.append(name)
+        return out
+
     def __enter__(self):
         env = self.ENV[self.name]
-        for k, v in env.items():
-            self.saved[k] = os.environ.get(k)
-            os.environ[k] = v
+        for k in self.KNOBS:
+            var = f"FASTCOMM_MATMUL_{k}"
+            self.saved[var] = os.environ.get(var)
+            if k in env:
+                os.environ[var] = env[k]
+            else:
+                os.environ.pop(var, None)
         return self
 
     def __exit__(self, *exc):
@@ -172,6 +241,14 @@ class Variant:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def kernel_name(a: torch.Tensor, b: torch.Tensor) -> str:
+    """The fastcomm kernel matmul(a, b) runs under the current settings ("?" if unknown)."""
+    try:
+        return torch.ops.fastcomm._kernel_name(a, b)
+    except (AttributeError, RuntimeError) as e:
+        return f"? ({str(e)[:60]})"
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -199,7 +276,7 @@ def make_inputs(m: int, n: int, k: int, dtype: torch.dtype, with_b_kn: bool) -> 
 
 def run_shape(m: int, n: int, k: int, args, dtype, compiled_cache: dict) -> list[dict]:
     ops_wanted = set(args.ops.split(","))
-    variants = [v for v in args.variants.split(",") if v]
+    variants = Variant.expand(args.variants)
     sets = make_inputs(m, n, k, dtype, "matmul" in ops_wanted)
     flops = 2.0 * m * n * k
     elt = torch.finfo(dtype).bits // 8
@@ -207,41 +284,75 @@ def run_shape(m: int, n: int, k: int, args, dtype, compiled_cache: dict) -> list
     approx = "tanh" if args.gelu == "tanh" else "none"
     act = "gelu_tanh" if args.gelu == "tanh" else "gelu"
 
-    def record(op, method, fn, ref, min_bytes):
+    def record(op, method, fn, ref, min_bytes, kernel=None):
         try:
             with torch.no_grad():
                 err = rel_err(fn(0), ref)
                 t = time_calls(fn, args.reps, args.warmup_ms)
         except Exception as e:  # keep going: one failing method must not lose the run
-            rows.append({"M": m, "N": n, "K": k, "op": op, "method": method, "error": repr(e)[:300]})
+            rows.append(
+                {"M": m, "N": n, "K": k, "op": op, "method": method, "error": repr(e)[:300]}
+            )
             print(f"  {op:8s} {method:18s} FAILED: {e!r}"[:200], flush=True)
             return
         tflops = flops / (t["ms"] * 1e-3) / 1e12
-        rows.append({"M": m, "N": n, "K": k, "op": op, "method": method, "ms": t["ms"], "p20_ms": t["p20_ms"],
-                     "p80_ms": t["p80_ms"], "tflops": tflops, "rel_err": err, "ok": err < TOL[dtype],
-                     "flops": flops, "min_bytes": min_bytes, "intensity": flops / min_bytes})
+        rows.append(
+            {
+                "M": m,
+                "N": n,
+                "K": k,
+                "op": op,
+                "method": method,
+                "ms": t["ms"],
+                "p20_ms": t["p20_ms"],
+                "p80_ms": t["p80_ms"],
+                "tflops": tflops,
+                "rel_err": err,
+                "ok": err < TOL[dtype],
+                "flops": flops,
+                "min_bytes": min_bytes,
+                "intensity": flops / min_bytes,
+                **({"kernel": kernel} if kernel else {}),
+            }
+        )
 
     s0 = sets[0]
     if "matmul" in ops_wanted:
         ref = s0["x"].float() @ s0["b"].float()
         mb = (m * k + k * n + m * n) * elt
-        record("matmul", "cublas", lambda i: torch.matmul(sets[i % len(sets)]["x"], sets[i % len(sets)]["b"]), ref, mb)
+        record(
+            "matmul",
+            "cublas",
+            lambda i: torch.matmul(sets[i % len(sets)]["x"], sets[i % len(sets)]["b"]),
+            ref,
+            mb,
+        )
+
+        def fc(i):
+            s = sets[i % len(sets)]
+            return torch.ops.fastcomm.matmul(s["x"], s["b"])
+
         for v in variants:
-            def fc(i, v=v):
-                s = sets[i % len(sets)]
-                with Variant(v):
-                    return torch.ops.fastcomm.matmul(s["x"], s["b"])
-            record("matmul", f"fastcomm[{v}]", fc, ref, mb)
+            # The knobs stay set for the whole series (warm-up, timed calls), so
+            # that setting them costs no time inside the measurement.
+            with Variant(v):
+                record("matmul", f"fastcomm[{v}]", fc, ref, mb, kernel_name(s0["x"], s0["b"]))
         del ref
     if "linear" in ops_wanted:
-        ref = F.gelu(F.linear(s0["x"].float(), s0["w"].float(), s0["bias"].float()), approximate=approx)
+        ref = F.gelu(
+            F.linear(s0["x"].float(), s0["w"].float(), s0["bias"].float()), approximate=approx
+        )
         mb = (m * k + k * n + n + m * n) * elt
+
+        def fl(i):
+            s = sets[i % len(sets)]
+            return torch.ops.fastcomm.linear(s["x"], s["w"], s["bias"], act)
+
         for v in variants:
-            def fl(i, v=v):
-                s = sets[i % len(sets)]
-                with Variant(v):
-                    return torch.ops.fastcomm.linear(s["x"], s["w"], s["bias"], act)
-            record("linear_gelu", f"fastcomm[{v}]", fl, ref, mb)
+            with Variant(v):
+                record(
+                    "linear_gelu", f"fastcomm[{v}]", fl, ref, mb, kernel_name(s0["x"], s0["w"].t())
+                )
 
         def unfused(i):
             s = sets[i % len(sets)]
@@ -257,7 +368,8 @@ def run_shape(m: int, n: int, k: int, args, dtype, compiled_cache: dict) -> list
         if not args.no_compile:
             if "fn" not in compiled_cache:
                 compiled_cache["fn"] = torch.compile(
-                    lambda x, w, b: F.gelu(F.linear(x, w, b), approximate=approx), dynamic=False)
+                    lambda x, w, b: F.gelu(F.linear(x, w, b), approximate=approx), dynamic=False
+                )
             cfn = compiled_cache["fn"]
 
             def comp(i):
@@ -279,8 +391,15 @@ def shape_label(r: dict) -> str:
 
 
 def best_fastcomm(rows: list[dict], op: str, label: str) -> Optional[dict]:
-    cands = [r for r in rows if r["op"] == op and shape_label(r) == label and r["method"].startswith("fastcomm")
-             and "tflops" in r and r["ok"]]
+    cands = [
+        r
+        for r in rows
+        if r["op"] == op
+        and shape_label(r) == label
+        and r["method"].startswith("fastcomm")
+        and "tflops" in r
+        and r["ok"]
+    ]
     return max(cands, key=lambda r: r["tflops"]) if cands else None
 
 
@@ -294,8 +413,10 @@ def find(rows, op, label, method):
 def print_table(rows: list[dict]) -> None:
     labels = list(dict.fromkeys(shape_label(r) for r in rows))
     print()
-    print(f"{'M x N x K':>20s}  {'op':11s} {'method':18s} {'ms':>8s} {'TFLOP/s':>8s} "
-          f"{'vs cuBLAS/addmm':>15s} {'vs unfused':>10s} {'rel err':>8s}")
+    print(
+        f"{'M x N x K':>20s}  {'op':11s} {'method':18s} {'ms':>8s} {'TFLOP/s':>8s} "
+        f"{'vs cuBLAS/addmm':>15s} {'vs unfused':>10s} {'rel err':>8s}"
+    )
     for lab in labels:
         for op in ("matmul", "linear_gelu"):
             base = find(rows, op, lab, "cublas" if op == "matmul" else "addmm_activation")
@@ -304,13 +425,21 @@ def print_table(rows: list[dict]) -> None:
                 if shape_label(r) != lab or r["op"] != op:
                     continue
                 if "tflops" not in r:
-                    print(f"{lab:>20s}  {op:11s} {r['method']:18s} FAILED {r.get('error', '')[:60]}")
+                    print(
+                        f"{lab:>20s}  {op:11s} {r['method']:18s} FAILED {r.get('error', '')[:60]}"
+                    )
                     continue
                 vb = f"{r['tflops'] / base['tflops']:.2f}x" if base and r is not base else ""
-                vu = f"{r['tflops'] / unf['tflops']:.2f}x" if unf and op != "matmul" and r is not unf else ""
+                vu = (
+                    f"{r['tflops'] / unf['tflops']:.2f}x"
+                    if unf and op != "matmul" and r is not unf
+                    else ""
+                )
                 flag = "" if r["ok"] else " WRONG"
-                print(f"{lab:>20s}  {op:11s} {r['method']:18s} {r['ms']:8.3f} {r['tflops']:8.1f} "
-                      f"{vb:>15s} {vu:>10s} {r['rel_err']:8.1e}{flag}")
+                print(
+                    f"{lab:>20s}  {op:11s} {r['method']:18s} {r['ms']:8.3f} {r['tflops']:8.1f} "
+                    f"{vb:>15s} {vu:>10s} {r['rel_err']:8.1e}{flag}"
+                )
 
 
 def evaluate_targets(rows: list[dict]) -> list[dict]:
@@ -320,26 +449,102 @@ def evaluate_targets(rows: list[dict]) -> list[dict]:
     labels = list(dict.fromkeys(shape_label(r) for r in rows))
     for lab in labels:
         m, n, k = (int(v) for v in lab.split("x"))
-        if not ((m == n == k and m in (4096, 8192)) or (m == 8192 and k == 4096 and n in (4096, 11008, 14336))):
+        if not (
+            (m == n == k and m in (4096, 8192))
+            or (m == 8192 and k == 4096 and n in (4096, 11008, 14336))
+        ):
             continue
         fm = best_fastcomm(rows, "matmul", lab)
         cb = find(rows, "matmul", lab, "cublas")
         if fm and cb:
             ratio = fm["tflops"] / cb["tflops"]
-            out.append({"shape": lab, "target": "matmul >= 0.9x cuBLAS", "method": fm["method"],
-                        "ratio": ratio, "pass": ratio >= 0.9})
+            out.append(
+                {
+                    "shape": lab,
+                    "target": "matmul >= 0.9x cuBLAS",
+                    "method": fm["method"],
+                    "ratio": ratio,
+                    "pass": ratio >= 0.9,
+                }
+            )
         fl = best_fastcomm(rows, "linear_gelu", lab)
         ad = find(rows, "linear_gelu", lab, "addmm_activation")
         un = find(rows, "linear_gelu", lab, "unfused")
         if fl and ad:
             ratio = fl["tflops"] / ad["tflops"]
-            out.append({"shape": lab, "target": "linear+gelu >= 1.0x addmm_activation", "method": fl["method"],
-                        "ratio": ratio, "pass": ratio >= 1.0})
+            out.append(
+                {
+                    "shape": lab,
+                    "target": "linear+gelu >= 1.0x addmm_activation",
+                    "method": fl["method"],
+                    "ratio": ratio,
+                    "pass": ratio >= 1.0,
+                }
+            )
         if fl and un:
             ratio = fl["tflops"] / un["tflops"]
-            out.append({"shape": lab, "target": "linear+gelu >= 1.1x unfused", "method": fl["method"],
-                        "ratio": ratio, "pass": ratio >= 1.1})
+            out.append(
+                {
+                    "shape": lab,
+                    "target": "linear+gelu >= 1.1x unfused",
+                    "method": fl["method"],
+                    "ratio": ratio,
+                    "pass": ratio >= 1.1,
+                }
+            )
     return out
+
+
+def print_variant_summary(rows: list[dict]) -> None:
+    """Ratio of each fastcomm variant to the baseline (cuBLAS for matmul,
+    _addmm_activation for linear+gelu), one line per shape and op; WRONG /
+    FAILED where a variant's result was off or it did not run."""
+    variants = list(
+        dict.fromkeys(
+            r["method"][len("fastcomm[") : -1] for r in rows if r["method"].startswith("fastcomm[")
+        )
+    )
+    if not variants:
+        return
+    width = max(8, *(len(v) for v in variants))
+    print("\nfastcomm variants / baseline (matmul: cuBLAS, linear_gelu: addmm_activation):")
+    print(f"{'M x N x K':>16s} {'op':11s} " + " ".join(f"{v:>{width}s}" for v in variants))
+    for lab in dict.fromkeys(shape_label(r) for r in rows):
+        for op in ("matmul", "linear_gelu"):
+            base = find(rows, op, lab, "cublas" if op == "matmul" else "addmm_activation")
+            cells = []
+            for v in variants:
+                r = next(
+                    (
+                        r
+                        for r in rows
+                        if r["op"] == op
+                        and shape_label(r) == lab
+                        and r["method"] == f"fastcomm[{v}]"
+                    ),
+                    None,
+                )
+                if r is None:
+                    cells.append("")
+                elif "tflops" not in r:
+                    cells.append("FAILED")
+                elif not r["ok"]:
+                    cells.append("WRONG")
+                else:
+                    cells.append(
+                        f"{r['tflops'] / base['tflops']:.3f}" if base else f"{r['tflops']:.0f}T"
+                    )
+            if any(cells):
+                print(f"{lab:>16s} {op:11s} " + " ".join(f"{c:>{width}s}" for c in cells))
+    kernels = {}
+    for r in rows:
+        if r["method"].startswith("fastcomm[") and r.get("kernel"):
+            kernels.setdefault(r["method"], {}).setdefault(r["kernel"], []).append(shape_label(r))
+    print("kernels run:")
+    for meth, ks in kernels.items():
+        for k, labs in ks.items():
+            shapes = ", ".join(dict.fromkeys(labs))
+            print(f"  {meth:24s} {k}  [{shapes}]")
 
 
 def plot_bars(rows: list[dict], path: str, meta: dict) -> None:
@@ -356,14 +561,20 @@ def plot_bars(rows: list[dict], path: str, meta: dict) -> None:
         methods = list(dict.fromkeys(r["method"] for r in sub))
         width = 0.8 / max(1, len(methods))
         for j, meth in enumerate(methods):
-            ys = [next((r["tflops"] for r in sub if shape_label(r) == lab and r["method"] == meth), 0.0)
-                  for lab in labels]
+            ys = [
+                next(
+                    (r["tflops"] for r in sub if shape_label(r) == lab and r["method"] == meth), 0.0
+                )
+                for lab in labels
+            ]
             xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(labels))]
             ax.bar(xs, ys, width, label=meth)
         ax.set_xticks(range(len(labels)))
         ax.set_xticklabels(labels, rotation=20, fontsize=8)
         ax.set_ylabel("TFLOP/s")
-        ax.set_title(f"{'matmul' if op == 'matmul' else 'linear + bias + gelu'} ({meta['dtype']}, {meta['device']})")
+        ax.set_title(
+            f"{'matmul' if op == 'matmul' else 'linear + bias + gelu'} ({meta['dtype']}, {meta['device']})"
+        )
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8, ncol=3)
     fig.tight_layout()
@@ -386,9 +597,14 @@ def plot_roofline(rows: list[dict], path: str, meta: dict, ceilings: dict) -> No
     lo, hi = min(ai + [peak / bw]) / 4, max(ai) * 4
     xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
     fig, ax = plt.subplots(figsize=(12, 6))
-    ax.loglog(xs, [min(peak, bw * x) / 1e12 for x in xs], "k-", lw=2,
-              label=f"ceilings: {ceilings['bandwidth_GBps']:.0f} GB/s copy, "
-                    f"{ceilings['matmul_peak_tflops']:.0f} TFLOP/s cuBLAS 8192^3")
+    ax.loglog(
+        xs,
+        [min(peak, bw * x) / 1e12 for x in xs],
+        "k-",
+        lw=2,
+        label=f"ceilings: {ceilings['bandwidth_GBps']:.0f} GB/s copy, "
+        f"{ceilings['matmul_peak_tflops']:.0f} TFLOP/s cuBLAS 8192^3",
+    )
     ax.axvline(peak / bw, color="gray", ls=":", lw=1)
     methods = list(dict.fromkeys(r["method"] for r in sub))
     markers = {"matmul": "o", "linear_gelu": "s"}
@@ -397,12 +613,27 @@ def plot_roofline(rows: list[dict], path: str, meta: dict, ceilings: dict) -> No
         for op, mk in markers.items():
             pts = [r for r in sub if r["method"] == meth and r["op"] == op]
             if pts:
-                ax.scatter([r["intensity"] for r in pts], [r["tflops"] for r in pts], marker=mk, color=cmap(j % 10),
-                           label=f"{meth} ({'matmul' if op == 'matmul' else 'linear+gelu'})", s=36, alpha=0.85)
+                ax.scatter(
+                    [r["intensity"] for r in pts],
+                    [r["tflops"] for r in pts],
+                    marker=mk,
+                    color=cmap(j % 10),
+                    label=f"{meth} ({'matmul' if op == 'matmul' else 'linear+gelu'})",
+                    s=36,
+                    alpha=0.85,
+                )
     for lab in dict.fromkeys(shape_label(r) for r in sub):
         r = next(r for r in sub if shape_label(r) == lab)
-        ax.annotate(lab, xy=(r["intensity"], 0.01), xycoords=("data", "axes fraction"), fontsize=6, rotation=90,
-                    ha="center", va="bottom", alpha=0.7)
+        ax.annotate(
+            lab,
+            xy=(r["intensity"], 0.01),
+            xycoords=("data", "axes fraction"),
+            fontsize=6,
+            rotation=90,
+            ha="center",
+            va="bottom",
+            alpha=0.7,
+        )
     ax.set_xlabel("arithmetic intensity (FLOP / byte, each operand moved once)")
     ax.set_ylabel("TFLOP/s")
     ax.set_title(f"Roofline, {meta['dtype']}, {meta['device']}")
@@ -446,11 +677,20 @@ def main(argv=None) -> int:
         "reps": args.reps,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    print(f"# {meta['device']} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs), "
-          f"torch {meta['torch']}, CUDA {meta['cuda']}, {args.dtype}", flush=True)
-    ceilings = {"bandwidth_GBps": measure_bandwidth(), "matmul_peak_tflops": measure_mm_peak(dtype, args.reps)}
-    print(f"# ceilings: copy {ceilings['bandwidth_GBps']:.0f} GB/s (read + write), "
-          f"cuBLAS 8192^3 {ceilings['matmul_peak_tflops']:.0f} TFLOP/s", flush=True)
+    print(
+        f"# {meta['device']} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs), "
+        f"torch {meta['torch']}, CUDA {meta['cuda']}, {args.dtype}",
+        flush=True,
+    )
+    ceilings = {
+        "bandwidth_GBps": measure_bandwidth(),
+        "matmul_peak_tflops": measure_mm_peak(dtype, args.reps),
+    }
+    print(
+        f"# ceilings: copy {ceilings['bandwidth_GBps']:.0f} GB/s (read + write), "
+        f"cuBLAS 8192^3 {ceilings['matmul_peak_tflops']:.0f} TFLOP/s",
+        flush=True,
+    )
 
     shapes = [(s, s, s) for s in (int(v) for v in args.sizes.split(",") if v)]
     for spec in (v for v in args.llm.split(",") if v):
@@ -467,14 +707,23 @@ def main(argv=None) -> int:
     if targets:
         print("\ntargets (best correct fastcomm variant):")
         for t in targets:
-            print(f"  {t['shape']:>16s}  {t['target']:38s} {t['ratio']:.2f}x  {'PASS' if t['pass'] else 'MISS'}"
-                  f"  ({t['method']})")
+            print(
+                f"  {t['shape']:>16s}  {t['target']:38s} {t['ratio']:.2f}x  {'PASS' if t['pass'] else 'MISS'}"
+                f"  ({t['method']})"
+            )
+    print_variant_summary(rows)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "ceilings": ceilings, "results": rows, "targets": targets}, f, indent=1)
-    for path, fn in ((args.plot, lambda p: plot_bars(rows, p, meta)),
-                     (args.roofline, lambda p: plot_roofline(rows, p, meta, ceilings))):
+            json.dump(
+                {"meta": meta, "ceilings": ceilings, "results": rows, "targets": targets},
+                f,
+                indent=1,
+            )
+    for path, fn in (
+        (args.plot, lambda p: plot_bars(rows, p, meta)),
+        (args.roofline, lambda p: plot_roofline(rows, p, meta, ceilings)),
+    ):
         if path:
             try:
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -322,17 +322,17 @@ bool gemm_mma_supported(const GemmArgs& p) {
   return a_ok && b_ok;
 }
 
-cudaError_t launch_gemm_mma_sm80(const GemmArgs& p, int num_sms, Tile tile, cudaStream_t stream) {
-  if (!gemm_mma_supported(p)) return cudaErrorInvalidValue;
+bool gemm_mma_large_tile(const GemmArgs& p, int num_sms, Tile tile) {
+  if (tile != Tile::kAuto) return tile == Tile::kLarge;
   // Large 128x128 tiles once they fill the GPU (two blocks per SM fit),
   // 64x64 tiles otherwise so that more SMs get work.
-  bool large;
-  if (tile == Tile::kAuto) {
-    const int64_t tiles_large = ((p.M + 127) / 128) * ((p.N + 127) / 128);
-    large = tiles_large >= static_cast<int64_t>(num_sms);
-  } else {
-    large = tile == Tile::kLarge;
-  }
+  const int64_t tiles_large = ((p.M + 127) / 128) * ((p.N + 127) / 128);
+  return tiles_large >= static_cast<int64_t>(num_sms);
+}
+
+cudaError_t launch_gemm_mma_sm80(const GemmArgs& p, int num_sms, Tile tile, cudaStream_t stream) {
+  if (!gemm_mma_supported(p)) return cudaErrorInvalidValue;
+  const bool large = gemm_mma_large_tile(p, num_sms, tile);
   if (p.dtype == DType::kBF16) return launch_type<__nv_bfloat16>(p, large, stream);
   return launch_type<__half>(p, large, stream);
 }

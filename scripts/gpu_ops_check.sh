@@ -5,18 +5,19 @@
 # been built and installed (import torchext must work). Writes a few compact
 # files into "$OUT" (default ./out):
 #   ops_pytest.log      tests/test_ops.py, CUDA tests included (+ device info)
-#   ops_sanitizer.log   compute-sanitizer memcheck (every kernel path, small odd
-#                       shapes, both ops) and racecheck (shared-memory kernels)
-#   bench_matmul.log    the benchmark's table and target summary
+#   ops_smoke.log       every kernel variant on odd and multi-tile shapes (no sanitizer, < 1 min)
+#   ops_sanitizer.log   compute-sanitizer memcheck (each kernel path / Hopper variant on small
+#                       odd shapes, both ops) and racecheck (shared-memory kernels)
+#   bench_matmul.log    the benchmark's table, target summary and variant matrix
 #   bench_matmul.json   all benchmark numbers, device, torch version, command
 #   bench_matmul.png    TFLOP/s per shape and method
 #   roofline.png        each kernel under the measured bandwidth / matmul ceilings
 #
-# Usage: scripts/gpu_ops_check.sh [all|tests|sanitize|bench|bench-quick]
+# Usage: scripts/gpu_ops_check.sh [all|tests|smoke|sanitize|bench|bench-quick]
 #   (each step fits in a few minutes; run them as separate commands if the
 #   machine limits the length of one command)
-# Env: PYTHON (default python3), OUT, BENCH_VARIANTS (default: mma,wgmma,wgmma_c2
-#   on sm_90, auto elsewhere), BENCH_ARGS (extra benchmark arguments).
+# Env: PYTHON (default python3), OUT, BENCH_VARIANTS (default: the "hopper" set of
+#   bench_matmul.py on sm_90, auto elsewhere), BENCH_ARGS (extra benchmark arguments).
 set -uo pipefail
 
 OUT="${OUT:-$PWD/out}"
@@ -59,75 +60,36 @@ EOF
   return $rc
 }
 
+step_smoke() {
+  echo "[gpu_ops_check] every kernel variant, odd shapes -> $OUT/ops_smoke.log"
+  "$PY" scripts/matmul_smoke.py > "$OUT/ops_smoke.log" 2>&1
+  local rc=$?
+  cat "$OUT/ops_smoke.log"
+  return $rc
+}
+
 step_sanitize() {
   echo "[gpu_ops_check] compute-sanitizer -> $OUT/ops_sanitizer.log"
   local cs
   cs="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
-  local script
-  script="$(mktemp /tmp/fastcomm_sanitize_XXXX.py)"
-  cat > "$script" <<'EOF'
-# Both ops on small odd shapes, every operand layout, every activation, on
-# the kernel path named by FASTCOMM_MATMUL_IMPL; checks the results too.
-import os, torch, torch.nn.functional as F
-import torchext  # noqa: F401
-torch.manual_seed(0)
-impl = os.environ.get("FASTCOMM_MATMUL_IMPL", "auto")
-tol = {torch.float16: 2e-3, torch.bfloat16: 1.2e-2, torch.float32: 1e-5}
-dtypes = [torch.float16, torch.bfloat16] + ([torch.float32] if impl in ("auto", "simt") else [])
-worst = 0.0
-for dt in dtypes:
-    for (m, n, k) in [(1, 1, 1), (7, 13, 5), (33, 65, 17), (129, 200, 72), (130, 257, 136)]:
-        for tile in ("large", "small"):
-            os.environ["FASTCOMM_MATMUL_TILE"] = tile
-            a = torch.randn(m, k, device="cuda", dtype=dt)
-            at = torch.randn(k, m, device="cuda", dtype=dt).t()
-            b = torch.randn(k, n, device="cuda", dtype=dt)
-            bt = torch.randn(n, k, device="cuda", dtype=dt).t()
-            for aa in (a, at):
-                for bb in (b, bt):
-                    out = torch.ops.fastcomm.matmul(aa, bb)
-                    ref = aa.double() @ bb.double()
-                    e = ((out.double() - ref).norm() / ref.norm()).item()
-                    worst = max(worst, e / tol[dt])
-            w, bias = bt.t(), torch.randn(n, device="cuda", dtype=dt)
-            for act in ("none", "relu", "gelu", "gelu_tanh", "silu"):
-                y = torch.ops.fastcomm.linear(a, w, bias, act)
-                pre = a.double() @ w.double().t() + bias.double()
-                r = {"none": pre, "relu": F.relu(pre), "gelu": F.gelu(pre), "silu": F.silu(pre),
-                     "gelu_tanh": F.gelu(pre, approximate="tanh")}[act]
-                e = ((y.double() - r).norm() / r.norm()).item()
-                worst = max(worst, e / tol[dt])
-torch.cuda.synchronize()
-print(f"impl={impl}: worst error / tolerance = {worst:.3f}", "OK" if worst < 1 else "FAIL")
-raise SystemExit(0 if worst < 1 else 3)
-EOF
-  local rc=0
+  local rc=0 variants="simt,mma"
+  if is_sm90; then variants="$variants,coop,coop_tma,coop_c2,pingpong,pingpong_c2"; fi
   {
     echo "== $cs"
     "$cs" --version 2>&1 | tail -n 1
-    for impl in simt mma; do
-      echo "== memcheck FASTCOMM_MATMUL_IMPL=$impl"
-      PYTORCH_NO_CUDA_MEMORY_CACHING=1 FASTCOMM_MATMUL_IMPL=$impl \
-        "$cs" --tool memcheck --error-exitcode 9 --print-limit 20 "$PY" "$script" 2>&1 | tail -n 40
+    for v in ${variants//,/ }; do
+      echo "== memcheck variant $v"
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$cs" --tool memcheck --error-exitcode 9 --print-limit 20 \
+        "$PY" scripts/matmul_smoke.py --quick --variants "$v" 2>&1 | tail -n 40
       [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
     done
-    if is_sm90; then
-      for cl in 1 2; do
-        echo "== memcheck FASTCOMM_MATMUL_IMPL=wgmma FASTCOMM_MATMUL_CLUSTER=$cl"
-        PYTORCH_NO_CUDA_MEMORY_CACHING=1 FASTCOMM_MATMUL_WGMMA=1 FASTCOMM_MATMUL_IMPL=wgmma FASTCOMM_MATMUL_CLUSTER=$cl \
-          "$cs" --tool memcheck --error-exitcode 9 --print-limit 20 "$PY" "$script" 2>&1 | tail -n 40
-        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
-      done
-    else
-      echo "== wgmma: skipped (not an sm_90 device)"
-    fi
-    echo "== racecheck FASTCOMM_MATMUL_IMPL=mma (shared-memory hazards)"
-    FASTCOMM_MATMUL_IMPL=mma "$cs" --tool racecheck --error-exitcode 9 --print-limit 20 "$PY" "$script" 2>&1 | tail -n 20
+    echo "== racecheck variant mma (shared-memory hazards)"
+    "$cs" --tool racecheck --error-exitcode 9 --print-limit 20 \
+      "$PY" scripts/matmul_smoke.py --quick --variants mma 2>&1 | tail -n 20
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
     echo "== sanitizer steps exit status: $rc"
   } > "$OUT/ops_sanitizer.log" 2>&1
-  rm -f "$script"
-  grep -E "^== |ERROR SUMMARY|worst error|RACECHECK SUMMARY" "$OUT/ops_sanitizer.log" | tail -n 20
+  grep -E "^== |ERROR SUMMARY|variants OK|RACECHECK SUMMARY" "$OUT/ops_sanitizer.log" | tail -n 30
   return $rc
 }
 
@@ -135,30 +97,31 @@ step_bench() {
   local extra="${1:-}"
   local variants="${BENCH_VARIANTS:-}"
   if [ -z "$variants" ]; then
-    # on sm_90 "auto" is "mma" unless FASTCOMM_MATMUL_WGMMA=1
-    if is_sm90; then variants="mma,wgmma,wgmma_c2"; else variants="auto"; fi
+    if is_sm90; then variants="hopper"; else variants="auto"; fi
   fi
   echo "[gpu_ops_check] benchmark (variants $variants) -> $OUT/bench_matmul.{log,json,png}, $OUT/roofline.png"
   "$PY" benchmarks/bench_matmul.py --dtype bf16 --variants "$variants" $extra ${BENCH_ARGS:-} \
     --json "$OUT/bench_matmul.json" --plot "$OUT/bench_matmul.png" --roofline "$OUT/roofline.png" \
     > "$OUT/bench_matmul.log" 2>&1
   local rc=$?
-  tail -n 60 "$OUT/bench_matmul.log"
+  tail -n 100 "$OUT/bench_matmul.log"
   return $rc
 }
 
 case "$STEP" in
   tests) step_tests || status=1 ;;
+  smoke) step_smoke || status=1 ;;
   sanitize) step_sanitize || status=1 ;;
   bench) step_bench || status=1 ;;
   bench-quick) step_bench --quick || status=1 ;;
   all)
     step_tests || status=1
+    step_smoke || status=1
     step_sanitize || status=1
     step_bench || status=1
     ;;
   *)
-    echo "usage: $0 [all|tests|sanitize|bench|bench-quick]" >&2
+    echo "usage: $0 [all|tests|smoke|sanitize|bench|bench-quick]" >&2
     exit 2
     ;;
 esac

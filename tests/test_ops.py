@@ -471,48 +471,97 @@ def test_cuda_graph_capture():
 
 _is_sm90 = HAS_CUDA and _cuda_cc() == (9, 0)
 
+# Forced variants of the Hopper kernel (FASTCOMM_MATMUL_* settings): both
+# schedules, both cooperative tile widths, both epilogues and both tile orders.
+WGMMA_VARIANTS = {
+    "coop256": {"SCHED": "coop", "TILE": "large", "EPI": "direct", "RASTER": "m"},
+    "coop256_tma": {"SCHED": "coop", "TILE": "large", "EPI": "tma", "RASTER": "n"},
+    "coop128_tma": {"SCHED": "coop", "TILE": "small", "EPI": "tma", "RASTER": "m"},
+    "pingpong": {"SCHED": "pingpong", "RASTER": "m"},
+    "pingpong_rn": {"SCHED": "pingpong", "RASTER": "n"},
+}
+# One tile; tiny; odd edges; K of one slice; TMA-store edges (N % 8 == 0, M
+# and N not tile multiples, a warpgroup block wholly below M); many tiles per
+# CTA (persistent loop, stage phases wrapping, ping-pong turns); long K.
+WGMMA_SHAPES = [
+    (128, 256, 64),
+    (1, 1, 1),
+    (7, 13, 5),
+    (129, 257, 200),
+    (300, 520, 1000),
+    (1000, 1512, 700),
+    (1000, 1500, 700),
+    (4096, 4096, 512),
+    (257, 1024, 4096),
+]
+
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("variant", sorted(WGMMA_VARIANTS))
 @pytest.mark.parametrize("cluster", ["1", "2"])
-@pytest.mark.parametrize("tile", ["large", "small"])
 @pytest.mark.parametrize("mn_major", ["1", "0"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_wgmma_kernel(monkeypatch, cluster, tile, mn_major, dtype):
-    """The Hopper kernel, forced (FASTCOMM_MATMUL_IMPL=wgmma raises if it cannot run);
-    mn_major=0 copies M/N-major operands to K-major first; cluster=2 uses CTA pairs
-    with TMA multicast."""
-    monkeypatch.setenv("FASTCOMM_MATMUL_WGMMA", "1")
+def test_cuda_wgmma_kernel(monkeypatch, variant, cluster, mn_major, dtype):
+    """The Hopper kernel, forced (FASTCOMM_MATMUL_IMPL=wgmma raises if it cannot run), in
+    each variant; mn_major=0 copies M/N-major operands to K-major first; cluster=2 uses CTA
+    pairs with TMA multicast."""
     monkeypatch.setenv("FASTCOMM_MATMUL_IMPL", "wgmma")
-    monkeypatch.setenv("FASTCOMM_MATMUL_TILE", tile)
     monkeypatch.setenv("FASTCOMM_MATMUL_WGMMA_MN", mn_major)
     monkeypatch.setenv("FASTCOMM_MATMUL_CLUSTER", cluster)
-    shapes = [
-        (128, 256, 64),
-        (1, 1, 1),
-        (7, 13, 5),
-        (129, 257, 200),
-        (1000, 1500, 700),
-        (4096, 4096, 512),
-        (257, 1024, 4096),
-    ]
-    _check_all_layouts("cuda", dtype, shapes, acts=ACTS)
+    for k, v in WGMMA_VARIANTS[variant].items():
+        monkeypatch.setenv(f"FASTCOMM_MATMUL_{k}", v)
+    probe = torch.empty(4096, 4096, device="cuda", dtype=dtype)
+    name = torch.ops.fastcomm._kernel_name(probe, probe)
+    sched = WGMMA_VARIANTS[variant]["SCHED"]
+    assert name.startswith(f"wgmma {sched}") and f"cluster {cluster}" in name, name
+    if "EPI" in WGMMA_VARIANTS[variant]:
+        assert f"epi {WGMMA_VARIANTS[variant]['EPI']}" in name, name
+    _check_all_layouts("cuda", dtype, WGMMA_SHAPES, acts=ACTS)
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
-def test_cuda_wgmma_auto_selection(monkeypatch):
-    """FASTCOMM_MATMUL_WGMMA=1 alone switches the default path; results agree with mma.sync."""
-    a = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(3072, 1024, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(3072, device="cuda", dtype=torch.bfloat16)
-    monkeypatch.setenv("FASTCOMM_MATMUL_IMPL", "mma")
-    y_mma = ops.linear(a, w, b, "gelu").float()
-    monkeypatch.setenv("FASTCOMM_MATMUL_IMPL", "auto")
-    monkeypatch.setenv("FASTCOMM_MATMUL_WGMMA", "1")
-    y_wg = ops.linear(a, w, b, "gelu").float()
-    ref = F.gelu(a.double() @ w.double().t() + b.double())
-    assert _rel_err(y_wg, ref) < RTOL[torch.bfloat16]
-    # both round the same float32 sums to bf16: nearly all elements agree exactly
-    assert (y_wg != y_mma).float().mean().item() < 0.05
-    assert math.isfinite(y_wg.sum().item())
+@_skip_no_cuda
+def test_cuda_default_dispatch(monkeypatch):
+    """With no FASTCOMM_MATMUL_* settings: half types take the Hopper kernel on sm_90 for
+    problems that fill the GPU and the mma.sync kernel for small ones (and on other
+    sm_80+ GPUs); float32 the CUDA-core kernel. The default path's results are right."""
+    for k in ("IMPL", "TILE", "SCHED", "CLUSTER", "EPI", "RASTER", "WGMMA_MN"):
+        monkeypatch.delenv(f"FASTCOMM_MATMUL_{k}", raising=False)
+    bf = torch.bfloat16
+    big = torch.empty(4096, 4096, device="cuda", dtype=bf)
+    small = torch.empty(512, 512, device="cuda", dtype=bf)
+    name_big = torch.ops.fastcomm._kernel_name(big, big)
+    name_small = torch.ops.fastcomm._kernel_name(small, small)
+    if _is_sm90:
+        assert name_big.startswith("wgmma "), name_big
+        assert name_small.startswith("mma "), name_small
+    elif _cuda_cc()[0] >= 8:
+        assert name_big.startswith("mma ") and name_small.startswith("mma "), (name_big, name_small)
+    f32 = torch.empty(64, 64, device="cuda")
+    assert torch.ops.fastcomm._kernel_name(f32, f32).startswith("simt"), "float32 path"
+    a = _rand(2048, 1024, dtype=bf, device="cuda")
+    w = _rand(3072, 1024, dtype=bf, device="cuda")
+    b = _rand(3072, dtype=bf, device="cuda")
+    for act in ("none", "gelu_tanh"):
+        _poison_cuda_cache("cuda")
+        y = ops.linear(a, w, b, act)
+        ref = _ref_act(a.double() @ w.double().t() + b.double(), act)
+        assert _rel_err(y, ref) < RTOL[bf], act
+
+
+@pytest.mark.cuda
+@_skip_no_cuda
+def test_cuda_matmul_knob_errors(monkeypatch):
+    """A bad FASTCOMM_MATMUL_* value is an error that names the variable."""
+    a = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setenv("FASTCOMM_MATMUL_SCHED", "zigzag")
+    with pytest.raises(RuntimeError, match="FASTCOMM_MATMUL_SCHED"):
+        ops.matmul(a, a)
+
+
+def test_kernel_name_cpu():
+    a = torch.randn(8, 4)
+    assert torch.ops.fastcomm._kernel_name(a, torch.randn(4, 3)) == "cpu blocked"
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        torch.ops.fastcomm._kernel_name(a, torch.randn(5, 3))

@@ -131,4 +131,29 @@ std::string Config::describe() const {
   return os.str();
 }
 
+MatmulConfig MatmulConfig::fromEnv() {
+  MatmulConfig c;
+  if (const char* v = env("FASTCOMM_MATMUL_IMPL"))
+    c.impl = oneOf("FASTCOMM_MATMUL_IMPL", v, {"auto", "wgmma", "mma", "simt"});
+  if (const char* v = env("FASTCOMM_MATMUL_TILE"))
+    c.tile = oneOf("FASTCOMM_MATMUL_TILE", v, {"auto", "large", "small"});
+  if (const char* v = env("FASTCOMM_MATMUL_SCHED"))
+    c.sched = oneOf("FASTCOMM_MATMUL_SCHED", v, {"auto", "coop", "pingpong"});
+  if (const char* v = env("FASTCOMM_MATMUL_CLUSTER"))
+    c.cluster = oneOf("FASTCOMM_MATMUL_CLUSTER", v, {"auto", "1", "2"});
+  if (const char* v = env("FASTCOMM_MATMUL_EPI"))
+    c.epi = oneOf("FASTCOMM_MATMUL_EPI", v, {"auto", "direct", "tma"});
+  if (const char* v = env("FASTCOMM_MATMUL_RASTER"))
+    c.raster = oneOf("FASTCOMM_MATMUL_RASTER", v, {"auto", "m", "n"});
+  c.wgmmaMnMajor = flag("FASTCOMM_MATMUL_WGMMA_MN", true);
+  return c;
+}
+
+std::string MatmulConfig::describe() const {
+  std::ostringstream os;
+  os << "matmul impl=" << impl << " tile=" << tile << " sched=" << sched << " cluster=" << cluster
+     << " epi=" << epi << " raster=" << raster << " wgmma_mn=" << wgmmaMnMajor;
+  return os.str();
+}
+
 }  // namespace fastcomm

@@ -79,4 +79,31 @@ struct Config {
   std::string describe() const;
 };
 
+// Kernel choices of the fused matmul ops (torch.ops.fastcomm.matmul / linear
+// on CUDA). Read on every call, unlike Config, so that tests and benchmarks can
+// switch kernels inside one process; logged (FASTCOMM_LOG=INFO) when it changes.
+// Every field's "auto" leaves the choice to the dispatcher's heuristic.
+struct MatmulConfig {
+  // FASTCOMM_MATMUL_IMPL: auto | wgmma | mma | simt. Forcing wgmma or mma
+  // raises where that kernel cannot run instead of falling back.
+  std::string impl = "auto";
+  // FASTCOMM_MATMUL_TILE: auto | large | small (mma.sync: 128x128 / 64x64;
+  // Hopper: the cooperative 128x256 / 128x128 tile, which implies sched=coop).
+  std::string tile = "auto";
+  // FASTCOMM_MATMUL_SCHED: auto | coop | pingpong (Hopper consumer schedule).
+  std::string sched = "auto";
+  // FASTCOMM_MATMUL_CLUSTER: auto | 1 | 2 (Hopper CTA pairs sharing B via multicast).
+  std::string cluster = "auto";
+  // FASTCOMM_MATMUL_EPI: auto | direct | tma (Hopper cooperative epilogue stores).
+  std::string epi = "auto";
+  // FASTCOMM_MATMUL_RASTER: auto | m | n (Hopper tile order: row or column groups).
+  std::string raster = "auto";
+  // FASTCOMM_MATMUL_WGMMA_MN=0: copy M-/N-major operands to K-major before the
+  // Hopper kernel instead of loading them transposed.
+  bool wgmmaMnMajor = true;
+
+  static MatmulConfig fromEnv();
+  std::string describe() const;
+};
+
 }  // namespace fastcomm

@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -120,6 +121,21 @@ inline GemmProblem make_linear_problem(const at::Tensor& x, const at::Tensor& we
   p.out_sizes = x.sizes().vec();
   p.out_sizes.back() = p.N;
   return p;
+}
+
+// The new [M, N] output of a problem and the contiguous bias the kernels
+// read (undefined without bias); result() gives the output in the user's shape.
+struct GemmOutput {
+  at::Tensor out;
+  at::Tensor bias;
+  at::Tensor result(const GemmProblem& p) const { return out.view(p.out_sizes); }
+};
+
+inline GemmOutput make_gemm_output(const GemmProblem& p, const std::optional<at::Tensor>& bias) {
+  GemmOutput o;
+  o.out = at::empty({p.M, p.N}, p.A.options());
+  if (bias.has_value()) o.bias = bias->contiguous();
+  return o;
 }
 
 }  // namespace ops

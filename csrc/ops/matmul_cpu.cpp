@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <string>
 #include <string_view>
 #include <type_traits>
 #include <vector>
@@ -147,20 +148,18 @@ void gemm_cpu_kernel(const T* a, int64_t sam, int64_t sak, const T* b, int64_t s
 
 // C[M, N] = act(A[M, K] @ B[K, N] + bias), A and B any strides.
 at::Tensor gemm_cpu(const GemmProblem& p, const std::optional<at::Tensor>& bias, Activation act) {
-  at::Tensor out = at::empty({p.M, p.N}, p.A.options());
-  if (p.M == 0 || p.N == 0) return out.view(p.out_sizes);
-  at::Tensor bias_c;
-  if (bias.has_value()) bias_c = bias->contiguous();
+  const GemmOutput o = make_gemm_output(p, bias);
+  if (p.M == 0 || p.N == 0) return o.result(p);
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, p.A.scalar_type(), "fastcomm_gemm_cpu", [&] {
         using Acc = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
         gemm_cpu_kernel<scalar_t, Acc>(
             p.A.const_data_ptr<scalar_t>(), p.A.stride(0), p.A.stride(1),
             p.B.const_data_ptr<scalar_t>(), p.B.stride(0), p.B.stride(1),
-            bias_c.defined() ? bias_c.const_data_ptr<scalar_t>() : nullptr,
-            out.mutable_data_ptr<scalar_t>(), p.M, p.N, p.K, act);
+            o.bias.defined() ? o.bias.const_data_ptr<scalar_t>() : nullptr,
+            o.out.mutable_data_ptr<scalar_t>(), p.M, p.N, p.K, act);
       });
-  return out.view(p.out_sizes);
+  return o.result(p);
 }
 
 at::Tensor matmul_cpu(const at::Tensor& a, const at::Tensor& b) {
@@ -177,11 +176,17 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight,
   return gemm_cpu(p, bias, act);
 }
 
+std::string kernel_name_cpu(const at::Tensor& a, const at::Tensor& b) {
+  make_matmul_problem(a, b);  // the same argument checks as matmul
+  return "cpu blocked";
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fastcomm, CPU, m) {
   m.impl("matmul", &matmul_cpu);
   m.impl("linear", &linear_cpu);
+  m.impl("_kernel_name", &kernel_name_cpu);
 }
 
 }  // namespace ops

@@ -11,6 +11,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <string>
 
 namespace fastcomm {
 namespace ops {
@@ -49,9 +50,11 @@ cudaError_t launch_gemm_simt(const GemmArgs& args, cudaStream_t stream);
 //   aligned; K >= 1.
 bool gemm_mma_supported(const GemmArgs& args);
 cudaError_t launch_gemm_mma_sm80(const GemmArgs& args, int num_sms, Tile tile, cudaStream_t stream);
+// The mma.sync launcher's tile choice: true for 128 x 128, false for 64 x 64.
+bool gemm_mma_large_tile(const GemmArgs& args, int num_sms, Tile tile);
 
 // Hopper kernel: TMA loads, wgmma, warp-specialised producer / consumers,
-// persistent tile loop (sm_90a only; see kernels/matmul_sm90.cu).
+// persistent tile loop (sm_90a only; see kernels/matmul_sm90_kernel.cuh).
 // Same operand requirements as the mma.sync kernel, plus the TMA ones
 // (leading dimension >= the contiguous extent and below 2^31 elements).
 // allow_mn_major = false makes gemm_wgmma_supported reject M-/N-major
@@ -59,9 +62,32 @@ cudaError_t launch_gemm_mma_sm80(const GemmArgs& args, int num_sms, Tile tile, c
 bool gemm_wgmma_supported(const GemmArgs& args, bool allow_mn_major);
 // True when the loaded module carries the sm_90a kernel for the current device.
 bool gemm_wgmma_compiled();
-// cluster = 1, or 2 for CTA pairs sharing the B tile through TMA multicast.
-cudaError_t launch_gemm_wgmma_sm90(const GemmArgs& args, int num_sms, Tile tile, int cluster,
+// Whether the default dispatch should take the Hopper kernel for this
+// problem: false when it has too few 128 x 128 tiles to occupy the SMs, where
+// the mma.sync kernel's 64 x 64 tiles spread better.
+bool gemm_wgmma_preferred(const GemmArgs& args, int num_sms);
+
+// Schedules of the Hopper kernel: two consumer warpgroups on one 128 x 256
+// (or 128 x 128) tile, or ping-pong on two 128 x 128 tiles.
+enum class WgmmaSched : int { kAuto = 0, kCoop = 1, kPingpong = 2 };
+// Cooperative epilogue: stores from registers, or through shared memory and TMA.
+enum class WgmmaEpi : int { kAuto = 0, kDirect = 1, kTma = 2 };
+// Tile order: groups of tile rows (kM) or of tile columns (kN).
+enum class Raster : int { kAuto = 0, kM = 1, kN = 2 };
+
+// Choices for one Hopper launch; kAuto / 0 leave them to the heuristic.
+struct WgmmaOptions {
+  WgmmaSched sched = WgmmaSched::kAuto;
+  Tile tile = Tile::kAuto;  // cooperative tile: kLarge = 128 x 256, kSmall = 128 x 128
+  int cluster = 0;          // 0 (auto), 1, or 2: CTA pairs sharing B through TMA multicast
+  WgmmaEpi epi = WgmmaEpi::kAuto;
+  Raster raster = Raster::kAuto;
+};
+cudaError_t launch_gemm_wgmma_sm90(const GemmArgs& args, int num_sms, const WgmmaOptions& opts,
                                    cudaStream_t stream);
+// What launch_gemm_wgmma_sm90 would run, e.g. "wgmma pingpong 128x128 cluster 1
+// raster m" (for tests and benchmark reports).
+std::string describe_gemm_wgmma_sm90(const GemmArgs& args, int num_sms, const WgmmaOptions& opts);
 
 }  // namespace cuda
 }  // namespace ops

@@ -4,21 +4,15 @@
 //
 // Kernel choice, for float16 / bfloat16 (float32 / float64 always take the
 // tiled CUDA-core kernel):
-//   1. the Hopper kernel (TMA + wgmma, warp-specialised, persistent;
-//      kernels/matmul_sm90.cu) on an sm_90 device when FASTCOMM_MATMUL_WGMMA=1.
-//      It is OFF by default until it has been validated on the GPU machine
-//      (tests/test_ops.py::test_cuda_wgmma_kernel); then flip the default here.
+//   1. on sm_90, the Hopper kernel (TMA + wgmma, warp-specialised,
+//      persistent; kernels/matmul_sm90*.cu{,h}) unless the problem has too
+//      few tiles to fill the GPU (gemm_wgmma_preferred);
 //   2. otherwise the mma.sync tensor-core kernel (kernels/matmul_sm80.cu) on
 //      sm_80+;
 //   3. otherwise the CUDA-core kernel (kernels/matmul_simt.cu).
-// Debug / benchmark knobs (read on every call):
-//   FASTCOMM_MATMUL_IMPL = auto | wgmma | mma | simt   force a path (wgmma and
-//       mma raise an error when they cannot run, rather than fall back);
-//   FASTCOMM_MATMUL_TILE = auto | large | small        force the tile shape;
-//   FASTCOMM_MATMUL_WGMMA_MN = 0                       copy M-/N-major operands to
-//       K-major before the wgmma kernel instead of using its transposed loads;
-//   FASTCOMM_MATMUL_CLUSTER = 1 | 2                    wgmma kernel on single CTAs
-//       (default) or on CTA pairs sharing B through TMA multicast.
+// The FASTCOMM_MATMUL_* knobs (common/config.hpp, MatmulConfig) force a path,
+// tile, schedule, cluster size, epilogue or tile order; they are read on
+// every call so that tests and benchmarks can switch kernels in one process.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -26,12 +20,14 @@
 #include <torch/library.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
+#include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 
+#include "common/config.hpp"
+#include "common/logging.hpp"
 #include "ops/cuda/matmul_api.h"
 #include "ops/matmul_common.h"
 
@@ -41,28 +37,45 @@ namespace {
 
 namespace kc = ::fastcomm::ops::cuda;
 
-enum class Impl { kAuto, kWgmma, kMma, kSimt };
-
-std::string env_or(const char* name, const char* fallback) {
-  const char* v = std::getenv(name);
-  return (v != nullptr && v[0] != '\0') ? std::string(v) : std::string(fallback);
+// The knobs of this call; logged when they differ from the last call's.
+MatmulConfig matmul_config() {
+  MatmulConfig c;
+  try {
+    c = MatmulConfig::fromEnv();
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK(false, e.what());
+  }
+  if (logLevel() >= LogLevel::Info) {
+    static std::mutex mu;
+    static std::string last;
+    std::string d = c.describe();
+    std::lock_guard<std::mutex> lock(mu);
+    if (d != last) {
+      FASTCOMM_LOG(Info, d);
+      last = std::move(d);
+    }
+  }
+  return c;
 }
 
-Impl impl_from_env() {
-  const std::string v = env_or("FASTCOMM_MATMUL_IMPL", "auto");
-  if (v == "auto") return Impl::kAuto;
-  if (v == "wgmma") return Impl::kWgmma;
-  if (v == "mma") return Impl::kMma;
-  if (v == "simt") return Impl::kSimt;
-  TORCH_CHECK(false, "FASTCOMM_MATMUL_IMPL must be auto, wgmma, mma or simt, got '", v, "'");
+kc::Tile to_tile(const std::string& v) {
+  return v == "large" ? kc::Tile::kLarge : v == "small" ? kc::Tile::kSmall : kc::Tile::kAuto;
 }
 
-kc::Tile tile_from_env() {
-  const std::string v = env_or("FASTCOMM_MATMUL_TILE", "auto");
-  if (v == "auto") return kc::Tile::kAuto;
-  if (v == "large") return kc::Tile::kLarge;
-  if (v == "small") return kc::Tile::kSmall;
-  TORCH_CHECK(false, "FASTCOMM_MATMUL_TILE must be auto, large or small, got '", v, "'");
+kc::WgmmaOptions wgmma_options(const MatmulConfig& c) {
+  kc::WgmmaOptions o;
+  o.sched = c.sched == "coop"       ? kc::WgmmaSched::kCoop
+            : c.sched == "pingpong" ? kc::WgmmaSched::kPingpong
+                                    : kc::WgmmaSched::kAuto;
+  o.tile = to_tile(c.tile);
+  o.cluster = c.cluster == "1" ? 1 : c.cluster == "2" ? 2 : 0;
+  o.epi = c.epi == "direct" ? kc::WgmmaEpi::kDirect
+          : c.epi == "tma"  ? kc::WgmmaEpi::kTma
+                            : kc::WgmmaEpi::kAuto;
+  o.raster = c.raster == "m"   ? kc::Raster::kM
+             : c.raster == "n" ? kc::Raster::kN
+                               : kc::Raster::kAuto;
+  return o;
 }
 
 kc::DType to_kdtype(at::ScalarType t) {
@@ -150,85 +163,118 @@ void fill_ab(kc::GemmArgs& args, const Operand& a, const Operand& b) {
   args.sbn = b.s1;
 }
 
-at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias, Activation act) {
-  TORCH_CHECK(p.M < (int64_t(1) << 31) && p.N < (int64_t(1) << 31) && p.K < (int64_t(1) << 31),
-              "fastcomm: matrix dimensions must be below 2^31, got M=", p.M, " N=", p.N,
-              " K=", p.K);
-  c10::cuda::CUDAGuard guard(p.A.device());
-  at::Tensor out = at::empty({p.M, p.N}, p.A.options());
-  if (p.M == 0 || p.N == 0) return out.view(p.out_sizes);
+// The CUDA-core kernel reads A and B through their strides, any layout.
+cudaError_t launch_simt(kc::GemmArgs& args, const GemmProblem& p, cudaStream_t stream) {
+  args.a = p.A.const_data_ptr();
+  args.sam = p.A.stride(0);
+  args.sak = p.A.stride(1);
+  args.b = p.B.const_data_ptr();
+  args.sbk = p.B.stride(0);
+  args.sbn = p.B.stride(1);
+  return kc::launch_gemm_simt(args, stream);
+}
 
-  at::Tensor bias_c;
-  if (bias.has_value()) bias_c = bias->contiguous();
-
+// The problem's sizes and types as the kernels see them; operand pointers
+// and strides are filled in per kernel.
+kc::GemmArgs problem_args(const GemmProblem& p, Activation act) {
   kc::GemmArgs args;
-  args.bias = bias_c.defined() ? bias_c.const_data_ptr() : nullptr;
-  args.c = out.mutable_data_ptr();
   args.ldc = p.N;
   args.M = p.M;
   args.N = p.N;
   args.K = p.K;
   args.dtype = to_kdtype(p.A.scalar_type());
   args.act = static_cast<kc::Act>(static_cast<int>(act));
+  return args;
+}
 
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(p.A.device().index()).stream();
-  const Impl impl = impl_from_env();
-  const kc::Tile tile = tile_from_env();
+enum class Path { kSimt, kMma, kWgmma };
+
+// The kernel for a problem on the current device (see the top of the file);
+// raises where a forced kernel cannot run.
+Path choose_path(const kc::GemmArgs& args, const MatmulConfig& cfg, const cudaDeviceProp* prop) {
   const bool half = args.dtype == kc::DType::kF16 || args.dtype == kc::DType::kBF16;
+  // K == 0 (bias + activation only) also goes to the CUDA-core kernel.
+  if (!half || args.K == 0 || cfg.impl == "simt") return Path::kSimt;
+  const bool wgmma_ok = prop->major == 9 && prop->minor == 0 && kc::gemm_wgmma_compiled();
+  TORCH_CHECK(cfg.impl != "wgmma" || wgmma_ok,
+              "FASTCOMM_MATMUL_IMPL=wgmma: the wgmma kernel needs an sm_90 device (", prop->name,
+              " is sm_", prop->major, prop->minor,
+              ") and an extension built for sm_90a (TORCH_CUDA_ARCH_LIST containing 9.0a)");
+  if (cfg.impl == "wgmma" || (cfg.impl == "auto" && wgmma_ok &&
+                              kc::gemm_wgmma_preferred(args, prop->multiProcessorCount))) {
+    return Path::kWgmma;
+  }
+  if (prop->major >= 8) return Path::kMma;
+  TORCH_CHECK(cfg.impl != "mma", "FASTCOMM_MATMUL_IMPL=mma: the mma.sync kernel needs sm_80+, ",
+              prop->name, " is sm_", prop->major, prop->minor);
+  return Path::kSimt;
+}
+
+at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias, Activation act) {
+  TORCH_CHECK(p.M < (int64_t(1) << 31) && p.N < (int64_t(1) << 31) && p.K < (int64_t(1) << 31),
+              "fastcomm: matrix dimensions must be below 2^31, got M=", p.M, " N=", p.N,
+              " K=", p.K);
+  c10::cuda::CUDAGuard guard(p.A.device());
+  const GemmOutput o = make_gemm_output(p, bias);
+  if (p.M == 0 || p.N == 0) return o.result(p);
+
+  kc::GemmArgs args = problem_args(p, act);
+  args.bias = o.bias.defined() ? o.bias.const_data_ptr() : nullptr;
+  args.c = o.out.mutable_data_ptr();
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(p.A.device().index()).stream();
+  const MatmulConfig cfg = matmul_config();
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
 
   cudaError_t err = cudaSuccess;
-  if (!half || p.K == 0 || impl == Impl::kSimt) {
-    // Strided loads, any layout; also the K == 0 case (bias + activation only).
-    args.a = p.A.const_data_ptr();
-    args.sam = p.A.stride(0);
-    args.sak = p.A.stride(1);
-    args.b = p.B.const_data_ptr();
-    args.sbk = p.B.stride(0);
-    args.sbn = p.B.stride(1);
-    err = kc::launch_gemm_simt(args, stream);
-  } else {
-    const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-    const bool sm90 = prop->major == 9 && prop->minor == 0;
-    bool use_wgmma = impl == Impl::kWgmma ||
-                     (impl == Impl::kAuto && sm90 && env_or("FASTCOMM_MATMUL_WGMMA", "0") == "1");
-    if (use_wgmma && !(sm90 && kc::gemm_wgmma_compiled())) {
-      TORCH_CHECK(impl != Impl::kWgmma,
-                  "FASTCOMM_MATMUL_IMPL=wgmma: the wgmma kernel needs an sm_90 device (",
-                  prop->name, " is sm_", prop->major, prop->minor,
-                  ") and an extension built for sm_90a (TORCH_CUDA_ARCH_LIST containing 9.0a)");
-      use_wgmma = false;
-    }
-    if (use_wgmma) {
-      const bool allow_mn = env_or("FASTCOMM_MATMUL_WGMMA_MN", "1") != "0";
-      Operand a = prepare_tc_operand(p.A, 1, allow_mn);
-      Operand b = prepare_tc_operand(p.B, 0, allow_mn);
+  switch (choose_path(args, cfg, prop)) {
+    case Path::kWgmma: {
+      Operand a = prepare_tc_operand(p.A, 1, cfg.wgmmaMnMajor);
+      Operand b = prepare_tc_operand(p.B, 0, cfg.wgmmaMnMajor);
       fill_ab(args, a, b);
-      TORCH_INTERNAL_ASSERT(kc::gemm_wgmma_supported(args, allow_mn));
-      const std::string cl = env_or("FASTCOMM_MATMUL_CLUSTER", "1");
-      TORCH_CHECK(cl == "1" || cl == "2", "FASTCOMM_MATMUL_CLUSTER must be 1 or 2, got '", cl, "'");
-      err = kc::launch_gemm_wgmma_sm90(args, prop->multiProcessorCount, tile, cl == "2" ? 2 : 1,
-                                       stream);
-    } else if (prop->major >= 8) {
+      TORCH_INTERNAL_ASSERT(kc::gemm_wgmma_supported(args, cfg.wgmmaMnMajor));
+      err = kc::launch_gemm_wgmma_sm90(args, prop->multiProcessorCount, wgmma_options(cfg), stream);
+      break;
+    }
+    case Path::kMma: {
       Operand a = prepare_tc_operand(p.A, 1, true);
       Operand b = prepare_tc_operand(p.B, 0, true);
       fill_ab(args, a, b);
       TORCH_INTERNAL_ASSERT(kc::gemm_mma_supported(args));
-      err = kc::launch_gemm_mma_sm80(args, prop->multiProcessorCount, tile, stream);
-    } else {
-      TORCH_CHECK(impl != Impl::kMma,
-                  "FASTCOMM_MATMUL_IMPL=mma: the mma.sync kernel needs sm_80+, ", prop->name,
-                  " is sm_", prop->major, prop->minor);
-      args.a = p.A.const_data_ptr();
-      args.sam = p.A.stride(0);
-      args.sak = p.A.stride(1);
-      args.b = p.B.const_data_ptr();
-      args.sbk = p.B.stride(0);
-      args.sbn = p.B.stride(1);
-      err = kc::launch_gemm_simt(args, stream);
+      err = kc::launch_gemm_mma_sm80(args, prop->multiProcessorCount, to_tile(cfg.tile), stream);
+      break;
     }
+    case Path::kSimt:
+      err = launch_simt(args, p, stream);
+      break;
   }
   C10_CUDA_CHECK(err);
-  return out.view(p.out_sizes);
+  return o.result(p);
+}
+
+// fastcomm::_kernel_name(a, b): the kernel matmul(a, b) would run here with
+// the current FASTCOMM_MATMUL_* settings (tests, benchmark reports).
+std::string kernel_name_cuda(const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(a.device().is_cuda(), "fastcomm._kernel_name (CUDA kernel): a is on ", a.device());
+  const GemmProblem p = make_matmul_problem(a, b);
+  c10::cuda::CUDAGuard guard(p.A.device());
+  kc::GemmArgs args = problem_args(p, Activation::kNone);
+  // The output of a real call is a fresh caching-allocator block, which is
+  // 512-byte aligned: any aligned address stands for it here.
+  alignas(16) static const char aligned_c[16] = {};
+  args.c = const_cast<char*>(aligned_c);
+  const MatmulConfig cfg = matmul_config();
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  switch (choose_path(args, cfg, prop)) {
+    case Path::kWgmma:
+      return kc::describe_gemm_wgmma_sm90(args, prop->multiProcessorCount, wgmma_options(cfg));
+    case Path::kMma:
+      return kc::gemm_mma_large_tile(args, prop->multiProcessorCount, to_tile(cfg.tile))
+                 ? "mma 128x128"
+                 : "mma 64x64";
+    case Path::kSimt:
+      break;
+  }
+  return "simt 64x64";
 }
 
 at::Tensor matmul_cuda(const at::Tensor& a, const at::Tensor& b) {
@@ -250,6 +296,7 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight,
 TORCH_LIBRARY_IMPL(fastcomm, CUDA, m) {
   m.impl("matmul", &matmul_cuda);
   m.impl("linear", &linear_cuda);
+  m.impl("_kernel_name", &kernel_name_cuda);
 }
 
 }  // namespace ops

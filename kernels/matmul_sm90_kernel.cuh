@@ -1,0 +1,890 @@
+// Hopper (sm_90a) GEMM for float16 / bfloat16: TMA loads, wgmma, a multi-stage
+// shared-memory pipeline, warp-specialised producer / consumers, persistent
+// tile scheduling, and the epilogue (bias, activation, cast) fused into the
+// store. Included only by the instantiation files
+// kernels/matmul_sm90_{coop,pingpong}_{bf16,f16}.cu; the dispatcher is
+// kernels/matmul_sm90.cu, the design and measurements are in docs/matmul.md.
+//
+// One CTA per SM, 384 threads = 3 warpgroups:
+//  * warpgroup 0, the producer: gives registers back (setmaxnreg.dec) and one
+//    thread walks the CTA's tiles and K-slices in order, waiting for a free
+//    stage ("empty" mbarrier) and issuing the TMA copies of the slice's A and
+//    B tiles into it, which complete the stage's "full" mbarrier with their
+//    byte count;
+//  * warpgroups 1 and 2, the consumers (setmaxnreg.inc), in one of two
+//    schedules (template parameter S):
+//    - cooperative (Sched::kCoop): both work on the same 128 x BN tile, 64
+//      rows each (BN/2 float32 accumulators per thread, one m64nBNk16 per k16
+//      step); per K-slice they wait for "full", issue the MMAs, and release
+//      the previous slice's stage once the wgmma reading it has retired
+//      (wgmma.wait_group 1: one batch always in flight). The epilogue stores
+//      straight from registers, or (tma_store) through two 8 KB staging
+//      buffers per warpgroup and TMA stores, so that the global writes drain
+//      while the next tile's MMAs run;
+//    - ping-pong (Sched::kPingpong): each warpgroup owns a whole 128 x 128
+//      tile (two m64n128k16 per k16 step, 128 accumulators per thread) and the
+//      two take the CTA's tiles in turn. An "order" mbarrier pair hands the
+//      tensor cores from one to the other once a warpgroup has issued its
+//      last MMA, so one warpgroup's epilogue (bias, activation, stores) runs
+//      under the other one's main loop instead of stalling the tensor cores.
+//  * Tiles: 128 x 256 (4 stages of 48 KB) or 128 x 128 (6 stages of 32 KB),
+//    BK = 64 (one 128-byte swizzle row). Tile order: groups of 2048 rows
+//    (raster by rows) or 2048 columns (raster by columns), the dispatcher
+//    picking the one that re-reads fewer bytes from DRAM.
+//  * Layouts: K-major operands are one TMA box per tile (128B swizzle, the
+//    canonical K-major wgmma layout, descriptor advanced by 32 bytes per
+//    k16 step). M-/N-major operands (e.g. b of matmul(a, b) with b [K, N]
+//    row-major) are loaded as 64-wide boxes along M/N and consumed with the
+//    wgmma transpose flag (canonical MN-major 128B-swizzle layout: LBO = 8 KB
+//    between 64-element M/N chunks, SBO = 1 KB between 8-row K groups).
+//  * Edges: TMA zero-fills out-of-range rows / columns of a box (any M, N,
+//    K); the direct epilogue masks its stores, TMA stores clip at the edges.
+//  * Clusters of 2 CTAs (CLUSTER = 2): vertically adjacent tiles share the B
+//    tile, each CTA loading half of it with a TMA multicast to both, so each
+//    SM pulls a third less from L2 per stage. Each "empty" barrier then
+//    counts the consumer warps of both CTAs (remote arrivals through mapa).
+#pragma once
+
+#include <cuda.h>
+
+#include <climits>
+#include <cstdio>
+#include <mutex>
+#include <type_traits>
+
+#include "common/logging.hpp"
+#include "matmul_device.cuh"
+#include "matmul_sm90_launch.h"
+#include "matmul_wgmma_ops.cuh"
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FASTCOMM_SM90A_DEVICE 1
+#else
+#define FASTCOMM_SM90A_DEVICE 0
+#endif
+
+namespace fastcomm {
+namespace ops {
+namespace cuda {
+namespace sm90 {
+
+using namespace detail;
+
+constexpr int kBM = 128;                     // tile rows
+constexpr int kBK = 64;                      // K per stage: 64 x 2 bytes = one 128-byte swizzle row
+constexpr int kThreads = 384;                // producer + 2 consumer warpgroups
+constexpr int kEpiChunkBytes = 64 * 64 * 2;  // TMA-store epilogue: 64 x 64 output chunks
+
+template <Sched S, int BN>
+struct Cfg {
+  static_assert(BN == 256 || BN == 128, "BN must be 128 or 256");
+  static_assert(S == Sched::kCoop || BN == 128,
+                "ping-pong keeps a whole 128 x 128 tile per warpgroup (128 accumulators)");
+  static constexpr bool PINGPONG = S == Sched::kPingpong;
+  static constexpr int STAGES = BN == 256 ? 4 : 6;
+  static constexpr int A_BYTES = kBM * kBK * 2;  // 16 KB
+  static constexpr int B_BYTES = BN * kBK * 2;
+  static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+  // Staging of the TMA-store epilogue (cooperative only): two chunk buffers
+  // per consumer warpgroup, so that one chunk is written while the previous
+  // one is being stored.
+  static constexpr int EPI_BYTES = PINGPONG ? 0 : 2 * 2 * kEpiChunkBytes;
+  // + 1 KB slack for the 1024-byte alignment of 128B-swizzled tiles.
+  static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + EPI_BYTES;
+  // The static part (the mbarriers, padded by the 1024-byte alignment of the
+  // dynamic array) reads 2 KB in cuobjdump's resource usage: the cooperative
+  // kernels fill the 227 KB per block exactly.
+  static_assert(SMEM_BYTES + 2048 <= 227 * 1024, "over the sm_90 shared-memory limit per block");
+  static constexpr int BOX_BYTES = 64 * 64 * 2;  // one 64 x 64 box (M/N-major operands)
+  // Warps that read a stage and arrive on its "empty" barrier: both consumer
+  // warpgroups (cooperative) or the one that owns the tile (ping-pong).
+  static constexpr int STAGE_READERS = PINGPONG ? 4 : 8;
+  // m64 sub-tiles in a consumer warpgroup's accumulator: 64 rows (cooperative)
+  // or the whole 128-row tile (ping-pong).
+  static constexpr int MSUB = PINGPONG ? 2 : 1;
+  static constexpr int PRODUCER_REGS = 40;
+  static constexpr int CONSUMER_REGS = 232;  // 128 x (40 + 2 x 232) <= 64K registers
+};
+
+// Run-time options of one launch (by value, in the kernel parameters).
+struct KernelOpts {
+  int raster_n = 0;   // tile order: groups of columns (1) or of rows (0)
+  int tma_store = 0;  // cooperative epilogue through TMA stores (tma_c is valid)
+};
+
+// ---- PTX wrappers (sm_90a) ---------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+#if FASTCOMM_SM90A_DEVICE
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void mbar_init_fence() {
+#if FASTCOMM_SM90A_DEVICE
+  // Makes the initialised barriers visible to the async proxy (TMA) and to
+  // the other CTA of a cluster.
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+#if FASTCOMM_SM90A_DEVICE
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+#endif
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+#if FASTCOMM_SM90A_DEVICE
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+#endif
+}
+
+// Arrives on the mbarrier at the same shared-memory offset in CTA `cta` of the
+// cluster. Default (release, CTA-scope) semantics, as for a local arrive: the
+// arrival only says that our wgmma reads of the stage have retired (which
+// wgmma.wait_group already guarantees), it publishes no data. A cluster-scope
+// release here would order it after every outstanding global store of the
+// thread (the previous tile's epilogue) on each stage release, stalling the
+// main loop; the first 2-CTA version did that.
+__device__ __forceinline__ void mbar_arrive_remote(uint32_t bar, uint32_t cta) {
+#if FASTCOMM_SM90A_DEVICE
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
+      "}\n" ::"r"(bar),
+      "r"(cta)
+      : "memory");
+#endif
+}
+
+// Blocks until the phase of `bar` with the given parity has completed. A
+// freshly initialised barrier counts as having completed the phase of
+// parity 1, so waiting for parity 1 passes at once.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+#if FASTCOMM_SM90A_DEVICE
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+#endif
+}
+
+// 2-D TMA copy of the box at (c0 = inner coordinate, c1 = outer coordinate)
+// into shared memory at dst, completing its bytes on the mbarrier bar.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
+                                            uint32_t bar) {
+#if FASTCOMM_SM90A_DEVICE
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+#endif
+}
+
+// Same, multicast to the CTAs of the cluster in cta_mask: the box lands at
+// the same shared-memory offset in each and completes on each one's mbarrier
+// at the same offset.
+__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* map, int c0,
+                                                      int c1, uint32_t bar, uint16_t cta_mask) {
+#if FASTCOMM_SM90A_DEVICE
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::"
+      "cluster"
+      " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(cta_mask)
+      : "memory");
+#endif
+}
+
+// 2-D TMA store of the box at (c0, c1) from shared memory at src; elements
+// outside the tensor are not written. Tracked by this thread's bulk groups.
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, uint32_t src, int c0, int c1) {
+#if FASTCOMM_SM90A_DEVICE
+  asm volatile(
+      "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(c0), "r"(c1), "r"(src)
+      : "memory");
+#endif
+}
+
+__device__ __forceinline__ void bulk_commit_group() {
+#if FASTCOMM_SM90A_DEVICE
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most N of this thread's bulk store groups are still reading
+// their shared-memory source.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+#if FASTCOMM_SM90A_DEVICE
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// Waits until all of this thread's bulk store groups have completed.
+__device__ __forceinline__ void bulk_wait_all() {
+#if FASTCOMM_SM90A_DEVICE
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+#endif
+}
+
+// Makes this thread's ordinary shared-memory writes visible to the async
+// proxy (the TMA engine that reads them next).
+__device__ __forceinline__ void fence_proxy_async_smem() {
+#if FASTCOMM_SM90A_DEVICE
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// Barrier among `count` threads on hardware barrier `id` (0 is __syncthreads).
+__device__ __forceinline__ void named_barrier_sync(int id, int count) {
+#if FASTCOMM_SM90A_DEVICE
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {
+#if FASTCOMM_SM90A_DEVICE
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+#endif
+}
+
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r = 0;
+#if FASTCOMM_SM90A_DEVICE
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+#endif
+  return r;
+}
+
+// All threads of all CTAs of the cluster (also a CTA-wide barrier).
+__device__ __forceinline__ void cluster_sync() {
+#if FASTCOMM_SM90A_DEVICE
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void tma_prefetch_map(const CUtensorMap* map) {
+#if FASTCOMM_SM90A_DEVICE
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#if FASTCOMM_SM90A_DEVICE
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wgmma_commit() {
+#if FASTCOMM_SM90A_DEVICE
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#if FASTCOMM_SM90A_DEVICE
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+template <int R>
+__device__ __forceinline__ void setmaxnreg_inc() {
+#if FASTCOMM_SM90A_DEVICE
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
+#endif
+}
+
+template <int R>
+__device__ __forceinline__ void setmaxnreg_dec() {
+#if FASTCOMM_SM90A_DEVICE
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
+#endif
+}
+
+// Keeps the compiler from moving accumulator reads / writes across the
+// asynchronous wgmma (the registers are in use until wgmma.wait_group).
+template <int MS, int N>
+__device__ __forceinline__ void fence_accumulators(float (&d)[MS][N]) {
+#pragma unroll
+  for (int m = 0; m < MS; ++m) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[m][i])::"memory");
+  }
+}
+
+// wgmma shared-memory matrix descriptor, 128-byte swizzle.
+//   bits  0-13: start address >> 4
+//   bits 16-29: leading-dimension byte offset >> 4
+//   bits 32-45: stride-dimension byte offset >> 4
+//   bits 62-63: swizzle mode (1 = 128B)
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) |
+         (static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16) |
+         (static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+// x through a volatile move: the compiler cannot hoist or share what is
+// computed from it, so values derived from it are recomputed where used.
+__device__ __forceinline__ uint32_t opaque_u32(uint32_t x) {
+  uint32_t y;
+  asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack_pair(float v0, float v1) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(v0, v1);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const __half2 h = __floats2half2_rn(v0, v1);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
+
+// ---- epilogues -------------------------------------------------------------------------
+//
+// Accumulator layout of wgmma m64nNk16 (float32): in warp w of the
+// warpgroup, lane l holds for each 8-column block j the elements
+// (16w + l/4, 8j + 2(l%4) + {0,1}) in d[4j], d[4j+1] and the same two
+// columns of row 16w + l/4 + 8 in d[4j+2], d[4j+3]. Sub-tile mi of a
+// ping-pong accumulator covers rows 64 mi .. 64 mi + 63.
+
+// Straight from registers: bias + activation + cast, paired 4-byte stores.
+// block_row / n0: the first row and column of the warpgroup's block in C;
+// wtid: the thread's index in the warpgroup. `interior`: the whole block lies
+// inside C, stores and bias loads may be paired; then one unmasked path with
+// constant offsets runs, small enough to stay in the instruction cache. Edge
+// blocks take the masked path, which checks every pair.
+template <typename T, Act ACT, int MSUB, int BN>
+__device__ __forceinline__ void epilogue_direct(const GemmArgs& p, const float (&acc)[MSUB][BN / 2],
+                                                int block_row, int n0, int wtid, bool interior,
+                                                bool pair_ok, bool bias_paired) {
+  const T* bias = static_cast<const T*>(p.bias);
+  // The thread's offsets derive from an opaque copy of its index, inside each
+  // activation's instance of this function: otherwise the compiler hoists
+  // them (and the addresses built on them) out of the activation switch and
+  // the tile loop, and keeps them live across the main loop next to the
+  // accumulators (spills).
+  const int et = static_cast<int>(opaque_u32(static_cast<uint32_t>(wtid)));
+  const int row0 = block_row + (et / 32) * 16 + ((et % 32) >> 2);
+  const int col0 = n0 + (et & 3) * 2;
+  if (interior) {
+    T* const c = static_cast<T*>(p.c) + static_cast<int64_t>(row0) * p.ldc + col0;
+    const int64_t ld8 = 8 * p.ldc;  // rows r0 + 8 h + 64 mi are (h + 8 mi) ld8 apart
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      float b0 = 0.0f, b1 = 0.0f;
+      if (bias != nullptr) load_bias_pair<T>(bias, col0 + 8 * j, true, true, b0, b1);
+#pragma unroll
+      for (int mi = 0; mi < MSUB; ++mi) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          store_pair<T>(c + (8 * mi + h) * ld8 + 8 * j,
+                        activate<ACT, true>(acc[mi][4 * j + 2 * h] + b0),
+                        activate<ACT, true>(acc[mi][4 * j + 2 * h + 1] + b1));
+        }
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+    const int col = col0 + 8 * j;
+    if (col < p.N) {
+      const bool two = col + 1 < p.N;
+      // One bias load per column pair, shared by the 2 (or 4) rows below.
+      float b0 = 0.0f, b1 = 0.0f;
+      if (bias != nullptr) load_bias_pair<T>(bias, col, two, bias_paired, b0, b1);
+#pragma unroll
+      for (int mi = 0; mi < MSUB; ++mi) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = row0 + 64 * mi + 8 * h;
+          if (row < p.M) {
+            store_out_pair<T, ACT>(p, row, col, acc[mi][4 * j + 2 * h] + b0,
+                                   acc[mi][4 * j + 2 * h + 1] + b1, two, pair_ok);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Through shared memory and TMA stores (cooperative schedule): the
+// warpgroup's 64 x BN block is written as BN/64 chunks of 64 x 64, each into
+// one of two 8 KB staging buffers (`stage`, 128B-swizzled rows of 128 bytes,
+// the layout of the C tensor map), and stored by one thread with a bulk
+// tensor copy that runs on while the warpgroup goes on to the next chunk or
+// tile. row_base / n0: the block's first row and column in C.
+template <typename T, Act ACT, int BN>
+__device__ __forceinline__ void epilogue_tma(const GemmArgs& p, const CUtensorMap* map_c,
+                                             const float (&acc)[1][BN / 2], uint32_t stage,
+                                             int row_base, int n0, int wtid, int bar_id,
+                                             bool bias_paired) {
+  const T* bias = static_cast<const T*>(p.bias);
+  // Everything per-thread below derives from an opaque copy of the thread
+  // index: otherwise the compiler hoists the 16 swizzled addresses and the
+  // column offsets out of the tile loop and keeps them live across the main
+  // loop, next to the 128 accumulators (spills).
+  const int et = static_cast<int>(opaque_u32(static_cast<uint32_t>(wtid)));
+  const int warp = et / 32, lane = et % 32;
+  const int r0 = 16 * warp + (lane >> 2);  // rows r0 and r0 + 8 of the block
+  // Byte offset of the thread's pair in row r0, and the row's swizzle (r0 % 8,
+  // the same for r0 + 8).
+  const uint32_t row_off = static_cast<uint32_t>(r0 * 128 + ((lane & 3) << 2));
+  const uint32_t swz = static_cast<uint32_t>(r0 & 7);
+#pragma unroll
+  for (int c = 0; c < BN / 64; ++c) {
+    const uint32_t buf = stage + static_cast<uint32_t>(c & 1) * kEpiChunkBytes;
+    // The store that last read buf (two chunks ago, perhaps in the previous
+    // tile) must be done reading it before anyone writes it again.
+    if (wtid == 0) bulk_wait_read<1>();
+    named_barrier_sync(bar_id, 128);
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      const int j = 8 * c + jj;
+      const int col = n0 + 8 * j + 2 * (lane & 3);
+      float b0 = 0.0f, b1 = 0.0f;
+      if (bias != nullptr && col < p.N) {
+        load_bias_pair<T>(bias, col, col + 1 < p.N, bias_paired, b0, b1);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float v0 = activate<ACT, true>(acc[0][4 * j + 2 * h] + b0);
+        const float v1 = activate<ACT, true>(acc[0][4 * j + 2 * h + 1] + b1);
+        // 128B swizzle: the 16-byte unit jj of row r sits at unit jj ^ (r % 8);
+        // the 8 rows a warp writes then hit 8 different units (no conflicts).
+        const uint32_t addr = buf + row_off + 1024u * h + ((jj ^ swz) << 4);
+        st_shared_b32(addr, pack_pair<T>(v0, v1));
+      }
+    }
+    // Each writer orders its shared-memory stores before the TMA engine's
+    // reads; the barrier then tells the issuing thread that all have.
+    fence_proxy_async_smem();
+    named_barrier_sync(bar_id, 128);
+    if (wtid == 0) {
+      // A chunk wholly outside C (edge tiles) is not stored, but its (empty)
+      // group is still committed: the wait above counts one group per chunk.
+      if (row_base < p.M && n0 + 64 * c < p.N) tma_store_2d(map_c, buf, n0 + 64 * c, row_base);
+      bulk_commit_group();
+    }
+  }
+}
+
+// ---- the kernel ------------------------------------------------------------------------
+
+// A_K: A is K-major ([M][K], lda = sam), else M-major ([K][M], lda = sak).
+// B_K: B is K-major ([N][K], ldb = sbn), else N-major ([K][N], ldb = sbk).
+// CLUSTER: 1, or 2 for pairs of CTAs that compute vertically adjacent tiles
+// (same columns of B): each CTA loads half of the B tile and multicasts it
+// to both, which cuts the L2 -> shared-memory traffic per CTA by a third.
+template <typename T, Sched S, int BN, bool A_K, bool B_K, int CLUSTER>
+__global__ void __launch_bounds__(kThreads, 1)
+    gemm_wgmma_kernel(const __grid_constant__ CUtensorMap tma_a,
+                      const __grid_constant__ CUtensorMap tma_b,
+                      const __grid_constant__ CUtensorMap tma_c, const GemmArgs p,
+                      const KernelOpts opts) {
+#if FASTCOMM_SM90A_DEVICE
+  static_assert(CLUSTER == 1 || CLUSTER == 2, "cluster of 1 or 2 CTAs");
+  using C = Cfg<S, BN>;
+  constexpr int STAGES = C::STAGES;
+  constexpr bool PINGPONG = C::PINGPONG;
+  constexpr int MSUB = C::MSUB;
+  // Static shared memory only in the real kernel: gemm_wgmma_compiled() reads
+  // its size to tell this build from an empty one (plain sm_90 target).
+  // full[0..S), empty[S..2S), then the ping-pong order barriers.
+  __shared__ __align__(8) uint64_t bars[2 * STAGES + 2];
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  // 128B-swizzled tiles must start on 1024-byte boundaries.
+  const uint32_t smem_base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t sA = smem_base;
+  const uint32_t sB = sA + STAGES * C::A_BYTES;
+  const uint32_t sEpi = sB + STAGES * C::B_BYTES;  // TMA-store staging (cooperative)
+  const uint32_t bar0 = smem_u32(bars);
+  auto full_bar = [&](int s) { return bar0 + 8u * s; };
+  auto empty_bar = [&](int s) { return bar0 + 8u * (STAGES + s); };
+  // order_bar(w) completes a phase each time the other consumer warpgroup
+  // has issued a tile's MMAs: warpgroup w's turn on the tensor cores.
+  auto order_bar = [&](int w) { return bar0 + 8u * (2 * STAGES + w); };
+
+  const int tid = threadIdx.x;
+  const int wg = tid / 128;
+  const int M = static_cast<int>(p.M), N = static_cast<int>(p.N), K = static_cast<int>(p.K);
+  const int tiles_m = (M + kBM - 1) / kBM;
+  const int tiles_n = (N + BN - 1) / BN;
+  const int num_kb = (K + kBK - 1) / kBK;
+  // Work units: single tiles, or vertical pairs of tiles for a cluster of 2.
+  const int units_m = (tiles_m + CLUSTER - 1) / CLUSTER;
+  const int num_units = units_m * tiles_n;
+  const int first_unit = blockIdx.x / CLUSTER;
+  const int unit_stride = gridDim.x / CLUSTER;
+  const uint32_t rank = CLUSTER == 2 ? cluster_ctarank() : 0u;
+  // Tile order for L2 reuse: groups of 2048 rows (16 tile rows) walked
+  // column by column, or groups of 2048 columns walked row by row.
+  auto unit_tile = [&](int unit, int& m0, int& n0) {
+    int um, tn;
+    if (opts.raster_n) {
+      grouped_tile<2048 / BN>(unit, tiles_n, units_m, tn, um);
+    } else {
+      grouped_tile<16 / CLUSTER>(unit, units_m, tiles_n, um, tn);
+    }
+    m0 = (um * CLUSTER + static_cast<int>(rank)) * kBM;
+    n0 = tn * BN;
+  };
+
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full_bar(s), 1);  // the producer's arrive.expect_tx (+ TMA bytes)
+      mbar_init(empty_bar(s), C::STAGE_READERS * CLUSTER);  // reading warps of the cluster
+    }
+    mbar_init(order_bar(0), 4);  // one arrival per warp of the other warpgroup
+    mbar_init(order_bar(1), 4);
+    mbar_init_fence();
+  }
+  if constexpr (CLUSTER == 2) {
+    cluster_sync();  // the peer's barriers are initialised before anyone signals them
+  } else {
+    __syncthreads();
+  }
+
+  if (wg == 0) {
+    // ---------------- producer ----------------
+    setmaxnreg_dec<C::PRODUCER_REGS>();
+    if (tid == 0) {
+      tma_prefetch_map(&tma_a);
+      tma_prefetch_map(&tma_b);
+      int s = 0;
+      uint32_t phase = 0;
+      for (int unit = first_unit; unit < num_units; unit += unit_stride) {
+        int m0, n0;
+        unit_tile(unit, m0, n0);
+        for (int kb = 0; kb < num_kb; ++kb) {
+          // First round passes at once. With a cluster, this also waits for
+          // the peer's consumers: our multicast writes into their stage too.
+          mbar_wait(empty_bar(s), phase ^ 1);
+          mbar_arrive_expect_tx(full_bar(s), C::STAGE_BYTES);
+          const int k0 = kb * kBK;
+          const uint32_t a_dst = sA + s * C::A_BYTES;
+          const uint32_t b_dst = sB + s * C::B_BYTES;
+          if constexpr (A_K) {
+            tma_load_2d(a_dst, &tma_a, k0, m0, full_bar(s));  // box {64 k, 128 m}
+          } else {
+#pragma unroll
+            for (int j = 0; j < kBM / 64; ++j) {
+              tma_load_2d(a_dst + j * C::BOX_BYTES, &tma_a, m0 + 64 * j, k0,
+                          full_bar(s));  // box {64 m, 64 k}
+            }
+          }
+          if constexpr (CLUSTER == 1) {
+            if constexpr (B_K) {
+              tma_load_2d(b_dst, &tma_b, k0, n0, full_bar(s));  // box {64 k, BN n}
+            } else {
+#pragma unroll
+              for (int j = 0; j < BN / 64; ++j) {
+                tma_load_2d(b_dst + j * C::BOX_BYTES, &tma_b, n0 + 64 * j, k0,
+                            full_bar(s));  // box {64 n, 64 k}
+              }
+            }
+          } else {
+            // This CTA's half of the B tile, to both CTAs.
+            if constexpr (B_K) {
+              const int half = static_cast<int>(rank) * (BN / 2);  // box {64 k, BN/2 n}
+              tma_load_2d_multicast(b_dst + half * 128, &tma_b, k0, n0 + half, full_bar(s), 0x3);
+            } else {
+#pragma unroll
+              for (int jj = 0; jj < BN / 128; ++jj) {
+                const int j = static_cast<int>(rank) * (BN / 128) + jj;
+                tma_load_2d_multicast(b_dst + j * C::BOX_BYTES, &tma_b, n0 + 64 * j, k0,
+                                      full_bar(s), 0x3);
+              }
+            }
+          }
+          if (++s == STAGES) {
+            s = 0;
+            phase ^= 1;
+          }
+        }
+      }
+    }
+  } else {
+    // ---------------- consumers ----------------
+    setmaxnreg_inc<C::CONSUMER_REGS>();
+    const int cw = wg - 1;            // consumer warpgroup 0 or 1
+    const int wtid = tid - 128 * wg;  // thread within the warpgroup
+    const int lane = tid % 32;
+    const bool pair_ok = (p.ldc % 2 == 0) && ((reinterpret_cast<uintptr_t>(p.c) & 3) == 0);
+    const bool bias_paired = (reinterpret_cast<uintptr_t>(p.bias) & 3) == 0;
+    // Descriptor geometry (bytes): K-major: rows of 128 B, 8-row groups 1 KB
+    // apart, k16 step = 32 B within the swizzled row. M/N-major: 64-element
+    // chunks 8 KB apart (LBO), 8-k groups 1 KB apart (SBO), k16 step = 2 KB.
+    constexpr uint32_t kAStepK = A_K ? 32u : 2048u;
+    constexpr uint32_t kBStepK = B_K ? 32u : 2048u;
+    constexpr uint32_t kALbo = A_K ? 16u : static_cast<uint32_t>(C::BOX_BYTES);
+    constexpr uint32_t kBLbo = B_K ? 16u : static_cast<uint32_t>(C::BOX_BYTES);
+    constexpr bool kBF16 = std::is_same<T, __nv_bfloat16>::value;
+    // A rows of this warpgroup's first m64 sub-tile: 64 rows = 8 KB into a
+    // K-major tile, or the second 64-wide box of an M-major one: 8 KB either
+    // way (cooperative, warpgroup 1); ping-pong warpgroups read all 128 rows.
+    const uint32_t a_off = PINGPONG ? 0u : static_cast<uint32_t>(cw) * 8192u;
+    auto release = [&](int s) {
+      if (lane == 0) {
+        mbar_arrive(empty_bar(s));
+        if constexpr (CLUSTER == 2) mbar_arrive_remote(empty_bar(s), rank ^ 1u);
+      }
+    };
+    // This warpgroup's tiles: all of the CTA's (cooperative), or every other
+    // one starting at the cw-th (ping-pong).
+    const int first = first_unit + (PINGPONG ? cw * unit_stride : 0);
+    const int stride = PINGPONG ? 2 * unit_stride : unit_stride;
+
+    float acc[MSUB][BN / 2];
+    int j = 0;  // tiles this warpgroup has done
+    for (int unit = first; unit < num_units; unit += stride, ++j) {
+      int m0, n0;
+      unit_tile(unit, m0, n0);
+      // Where the tile's first K-slice sits in the producer's stage sequence.
+      const int64_t seq = PINGPONG ? 2 * j + cw : j;
+      const int64_t it0 = seq * num_kb;
+      int s = static_cast<int>(it0 % STAGES);
+      uint32_t phase = static_cast<uint32_t>((it0 / STAGES) & 1);
+#pragma unroll
+      for (int mi = 0; mi < MSUB; ++mi) {
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) acc[mi][i] = 0.0f;
+      }
+      fence_accumulators(acc);
+      if constexpr (PINGPONG) {
+        // Warpgroup 0 goes first (parity 1 passes on a fresh barrier); after
+        // that each waits until the other has issued its tile's MMAs.
+        mbar_wait(order_bar(cw), static_cast<uint32_t>(j & 1) ^ (cw == 0 ? 1u : 0u));
+      }
+      int prev_s = 0;
+      for (int kb = 0; kb < num_kb; ++kb) {
+        mbar_wait(full_bar(s), phase);
+        const uint32_t a_base = sA + s * C::A_BYTES + a_off;
+        const uint32_t b_base = sB + s * C::B_BYTES;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk) {
+          const uint64_t db = smem_desc(b_base + kk * kBStepK, kBLbo, 1024u);
+#pragma unroll
+          for (int mi = 0; mi < MSUB; ++mi) {
+            const uint64_t da = smem_desc(a_base + mi * 8192u + kk * kAStepK, kALbo, 1024u);
+            wgmma_m64k16<BN, kBF16, A_K ? 0 : 1, B_K ? 0 : 1>(acc[mi], da, db, 1);
+          }
+        }
+        wgmma_commit();
+        wgmma_wait<1>();  // the batch of slice kb-1 has retired: free its stage
+        if (kb > 0) release(prev_s);
+        prev_s = s;
+        if (++s == STAGES) {
+          s = 0;
+          phase ^= 1;
+        }
+      }
+      if constexpr (PINGPONG) {
+        // All our MMAs are issued: the other warpgroup may start its tile.
+        if (lane == 0) mbar_arrive(order_bar(cw ^ 1));
+      }
+      wgmma_wait<0>();
+      fence_accumulators(acc);
+      if (num_kb > 0) release(prev_s);
+
+      if constexpr (!PINGPONG) {
+        if (opts.tma_store) {
+          const uint32_t stage = sEpi + static_cast<uint32_t>(cw) * 2u * kEpiChunkBytes;
+          FASTCOMM_DISPATCH_ACT(
+              p.act, (epilogue_tma<T, kAct, BN>(p, &tma_c, acc, stage, m0 + 64 * cw, n0, wtid,
+                                                1 + cw, bias_paired)));
+          continue;
+        }
+      }
+      const int block_row = m0 + (PINGPONG ? 0 : 64 * cw);  // first row of our 64 * MSUB
+      const bool interior = block_row + 64 * MSUB <= M && n0 + BN <= N && pair_ok &&
+                            (p.bias == nullptr || bias_paired);
+      FASTCOMM_DISPATCH_ACT(
+          p.act, (epilogue_direct<T, kAct, MSUB, BN>(p, acc, block_row, n0, wtid, interior, pair_ok,
+                                                     bias_paired)));
+    }
+    if constexpr (!PINGPONG) {
+      // The staging buffers must outlive the stores that read them.
+      if (opts.tma_store && wtid == 0) bulk_wait_all();
+    }
+  }
+  if constexpr (CLUSTER == 2) {
+    // No CTA may exit while its peer can still multicast into its shared
+    // memory or arrive on its barriers.
+    cluster_sync();
+  }
+#endif
+}
+
+// ---- host side -----------------------------------------------------------------------
+
+// Per-kernel, per-device launch setup done once: the dynamic shared-memory
+// limit and, for clusters, the number of clusters that can be resident.
+struct LaunchSetup {
+  cudaError_t err = cudaSuccess;
+  int resident_clusters = 0;
+};
+
+template <typename T, Sched S, int BN, bool A_K, bool B_K, int CLUSTER>
+cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stream) {
+  using C = Cfg<S, BN>;
+  CUtensorMap ma, mb, mc;
+  const bool ok_a = A_K ? make_map(&ma, p.dtype, p.a, p.K, p.M, p.sam, kBK, kBM)
+                        : make_map(&ma, p.dtype, p.a, p.M, p.K, p.sak, 64, kBK);
+  // With a cluster of 2, each CTA loads half of a K-major B tile.
+  const bool ok_b = B_K ? make_map(&mb, p.dtype, p.b, p.K, p.N, p.sbn, kBK, BN / CLUSTER)
+                        : make_map(&mb, p.dtype, p.b, p.N, p.K, p.sbk, 64, kBK);
+  if (!ok_a || !ok_b) return cudaErrorInvalidValue;
+  KernelOpts opts;
+  opts.raster_n = plan.raster_n ? 1 : 0;
+  opts.tma_store = (S == Sched::kCoop && plan.tma_store) ? 1 : 0;
+  if (opts.tma_store) {
+    // C [M][N] row-major, 64 x 64 boxes (one swizzle row wide).
+    if (!make_map(&mc, p.dtype, p.c, p.N, p.M, p.ldc, 64, 64)) return cudaErrorInvalidValue;
+  } else {
+    mc = mb;  // unused by the kernel; any valid map
+  }
+  const int64_t tiles_m = (p.M + kBM - 1) / kBM;
+  const int64_t units = ((tiles_m + CLUSTER - 1) / CLUSTER) * ((p.N + BN - 1) / BN);
+  if (units * CLUSTER > INT_MAX) return cudaErrorInvalidValue;
+  auto kernel = gemm_wgmma_kernel<T, S, BN, A_K, B_K, CLUSTER>;
+
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
+  static LaunchSetup setup[64];
+  static std::once_flag once[64];
+  std::call_once(once[dev], [&] {
+    LaunchSetup& su = setup[dev];
+    su.err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
+    if (su.err == cudaSuccess && CLUSTER > 1) {
+      cudaLaunchConfig_t cfg = {};
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeClusterDimension;
+      attr[0].val.clusterDim.x = CLUSTER;
+      attr[0].val.clusterDim.y = 1;
+      attr[0].val.clusterDim.z = 1;
+      cfg.gridDim = dim3(static_cast<unsigned>(plan.num_sms / CLUSTER * CLUSTER), 1, 1);
+      cfg.blockDim = dim3(kThreads, 1, 1);
+      cfg.dynamicSmemBytes = C::SMEM_BYTES;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      int n = 0;
+      su.err = cudaOccupancyMaxActiveClusters(&n, kernel, &cfg);
+      su.resident_clusters = n > 0 ? n : 1;
+    }
+    // Once per kernel and device (FASTCOMM_LOG=INFO): the persistent grid
+    // decides how well the tiles spread over the SMs.
+    FASTCOMM_LOG(Info, "matmul wgmma kernel "
+                           << (S == Sched::kPingpong ? "ping-pong" : "cooperative") << " 128x" << BN
+                           << " cluster " << CLUSTER << " layout " << (A_K ? "K" : "M")
+                           << (B_K ? "K" : "N") << " on device " << dev << ": " << C::SMEM_BYTES
+                           << " B shared memory, "
+                           << (CLUSTER > 1 ? su.resident_clusters : plan.num_sms)
+                           << (CLUSTER > 1 ? " resident clusters" : " SMs") << ", setup "
+                           << cudaGetErrorString(su.err));
+  });
+  if (setup[dev].err != cudaSuccess) return setup[dev].err;
+
+  if constexpr (CLUSTER == 1) {
+    const int64_t grid = units < plan.num_sms ? units : plan.num_sms;
+    kernel<<<static_cast<unsigned>(grid), kThreads, C::SMEM_BYTES, stream>>>(ma, mb, mc, p, opts);
+    return cudaGetLastError();
+  } else {
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = CLUSTER;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.blockDim = dim3(kThreads, 1, 1);
+    cfg.dynamicSmemBytes = C::SMEM_BYTES;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    // Persistent grid: as many clusters as can be resident at once (pairs of
+    // SMs of one GPC).
+    const int64_t max_units = setup[dev].resident_clusters;
+    cfg.gridDim =
+        dim3(static_cast<unsigned>((units < max_units ? units : max_units) * CLUSTER), 1, 1);
+    return cudaLaunchKernelEx(&cfg, kernel, ma, mb, mc, p, opts);
+  }
+}
+
+template <typename T, Sched S, int BN, int CLUSTER>
+cudaError_t launch_layout(const GemmArgs& p, const Plan& plan, cudaStream_t stream) {
+  const bool a_k = p.sak == 1, b_k = p.sbk == 1;
+  if (a_k && b_k) return launch_kernel<T, S, BN, true, true, CLUSTER>(p, plan, stream);
+  if (a_k) return launch_kernel<T, S, BN, true, false, CLUSTER>(p, plan, stream);
+  if (b_k) return launch_kernel<T, S, BN, false, true, CLUSTER>(p, plan, stream);
+  return launch_kernel<T, S, BN, false, false, CLUSTER>(p, plan, stream);
+}
+
+template <typename T, Sched S>
+cudaError_t launch_sched(const GemmArgs& p, const Plan& plan, cudaStream_t stream) {
+  if constexpr (S == Sched::kPingpong) {
+    if (plan.bn != 128) return cudaErrorInvalidValue;
+    return plan.cluster == 2 ? launch_layout<T, S, 128, 2>(p, plan, stream)
+                             : launch_layout<T, S, 128, 1>(p, plan, stream);
+  } else {
+    if (plan.bn == 256) {
+      return plan.cluster == 2 ? launch_layout<T, S, 256, 2>(p, plan, stream)
+                               : launch_layout<T, S, 256, 1>(p, plan, stream);
+    }
+    return plan.cluster == 2 ? launch_layout<T, S, 128, 2>(p, plan, stream)
+                             : launch_layout<T, S, 128, 1>(p, plan, stream);
+  }
+}
+
+template <typename T, Sched S>
+cudaError_t kernel_attributes(cudaFuncAttributes* attr) {
+  return cudaFuncGetAttributes(attr, gemm_wgmma_kernel < T, S, S == Sched::kPingpong ? 128 : 256,
+                               true, true, 1 >);
+}
+
+}  // namespace sm90
+}  // namespace cuda
+}  // namespace ops
+}  // namespace fastcomm
+
+// Explicit instantiation of one schedule for one type: the body of each
+// kernels/matmul_sm90_<schedule>_<type>.cu.
+#define FASTCOMM_SM90_INSTANTIATE(TYPE, SCHED)                                                \
+  namespace fastcomm {                                                                        \
+  namespace ops {                                                                             \
+  namespace cuda {                                                                            \
+  namespace sm90 {                                                                            \
+  template cudaError_t launch_sched<TYPE, SCHED>(const GemmArgs&, const Plan&, cudaStream_t); \
+  template cudaError_t kernel_attributes<TYPE, SCHED>(cudaFuncAttributes*);                   \
+  }                                                                                           \
+  }                                                                                           \
+  }                                                                                           \
+  }

@@ -1,0 +1,56 @@
+// Host-side interface of the Hopper GEMM between its dispatcher
+// (kernels/matmul_sm90.cu: operand checks, the choice of schedule / tile /
+// cluster, tensor-map encoding) and the translation units that instantiate
+// the kernels (kernels/matmul_sm90_{coop,pingpong}_{bf16,f16}.cu, one per
+// schedule and type so that a parallel build compiles them side by side).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "ops/cuda/matmul_api.h"
+
+namespace fastcomm {
+namespace ops {
+namespace cuda {
+namespace sm90 {
+
+// How the two consumer warpgroups of a CTA share the work (see
+// kernels/matmul_sm90_kernel.cuh):
+//   kCoop:     both work on one 128 x BN tile, 64 rows each (BN = 256 or 128);
+//   kPingpong: each owns a whole 128 x 128 tile; they alternate, so that one
+//              warpgroup's epilogue runs while the other one's MMAs do.
+enum class Sched : int { kCoop = 0, kPingpong = 1 };
+
+// One launch, as chosen by the dispatcher.
+struct Plan {
+  Sched sched = Sched::kCoop;
+  int bn = 256;            // tile width: 256 or 128 (ping-pong: 128)
+  int cluster = 1;         // 1, or 2: CTA pairs on vertically adjacent tiles, B multicast
+  bool tma_store = false;  // epilogue through shared memory + TMA stores (cooperative)
+  bool raster_n = false;   // walk tiles in groups of columns (true) or of rows (false)
+  int num_sms = 0;
+};
+
+// Encodes a 2-D TMA map over a row-major [outer][inner] 16-bit matrix with
+// leading dimension ld (elements): boxes of box_inner x box_outer, 128-byte
+// swizzle, zero fill. False when the driver entry point is missing or the
+// driver rejects the geometry.
+bool make_map(CUtensorMap* map, DType dtype, const void* ptr, int64_t inner, int64_t outer,
+              int64_t ld, uint32_t box_inner, uint32_t box_outer);
+
+// Defined in kernels/matmul_sm90_kernel.cuh, explicitly instantiated for
+// T in {__nv_bfloat16, __half} and both schedules by the files named above.
+template <typename T, Sched S>
+cudaError_t launch_sched(const GemmArgs& p, const Plan& plan, cudaStream_t stream);
+
+// Attributes of one kernel of that file (the probe of gemm_wgmma_compiled()).
+template <typename T, Sched S>
+cudaError_t kernel_attributes(cudaFuncAttributes* attr);
+
+}  // namespace sm90
+}  // namespace cuda
+}  // namespace ops
+}  // namespace fastcomm
