@@ -26,6 +26,7 @@ import dataclasses
 import importlib
 import os
 import pickle
+import random
 import signal
 import socket
 import subprocess
@@ -63,7 +64,26 @@ def gloo_skip(reason: str) -> pytest.MarkDecorator:
 
 
 def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now."""
+    """A TCP port that is free on 127.0.0.1 right now, chosen below the kernel's ephemeral
+    range: a port from bind(0) is ephemeral, and the many connections the tests open draw
+    their local ports from that range, so one of them could take it before rank 0 listens
+    (EADDRINUSE)."""
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10000, max(low, 10001))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", 0))
