@@ -115,9 +115,12 @@ for stage in "${stages[@]}"; do
       ;;
     killed)
       # The killed-peer test of the staged path; if a survivor is still alive
-      # after 60 s (destroy hanging), dump every thread's stack of the ranks.
+      # after 60 s (destroy hanging), dump every thread's stack of the ranks
+      # (kernel view here; the harness adds native stacks via SIGUSR2 into
+      # $OUT/hung when its own timeout fires).
       say "killed peer on the staged path, with stack dumps of hung ranks"
-      timeout 200 "$PY" -m pytest -q -x tests/test_cuda_hier.py -k killed > "$OUT/killed.log" 2>&1 &
+      FASTCOMM_CRASH_BACKTRACE=1 FASTCOMM_TEST_HANG_DIR="$OUT/hung" \
+        timeout 200 "$PY" -m pytest -q -x tests/test_cuda_hier.py -k killed > "$OUT/killed.log" 2>&1 &
       tpid=$!
       sleep 60
       for pid in $(pgrep -f "_harness" || true); do

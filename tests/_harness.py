@@ -27,6 +27,7 @@ import importlib
 import os
 import pickle
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -274,7 +275,20 @@ def run_ranks(
                 except OSError:
                     pass
             time.sleep(1.0)
+            if os.environ.get("FASTCOMM_CRASH_BACKTRACE") == "1":
+                # fastcomm then prints every thread's native stack on SIGUSR2.
+                for r in hung:
+                    try:
+                        os.kill(procs[r].pid, signal.SIGUSR2)
+                    except OSError:
+                        pass
+                time.sleep(5.0)
             _kill_all(procs)
+            keep = os.environ.get("FASTCOMM_TEST_HANG_DIR")
+            if keep:  # the whole output of hung ranks (the tail below is short)
+                os.makedirs(keep, exist_ok=True)
+                for r in hung:
+                    shutil.copy(logs[r], os.path.join(keep, f"{fn.__name__}-rank{r}.log"))
             failures = [
                 RankFailure(
                     r, p.returncode, None, None, _tail(logs[r])
