@@ -245,7 +245,6 @@ namespace verbs {
 bool load(std::string* why);
 std::vector<PortInfo> listPorts(std::string* why);
 std::unique_ptr<Device> open(const std::string& device, int port);
-bool hasDmaBuf();  // libibverbs exports ibv_reg_dmabuf_mr
 }  // namespace verbs
 
 namespace emu {

@@ -54,7 +54,6 @@ std::vector<PortInfo> listPorts(std::string* why) {
   return {};
 }
 std::unique_ptr<Device> open(const std::string&, int) { throw std::runtime_error(kNoHeaders); }
-bool hasDmaBuf() { return false; }
 
 #else  // FASTCOMM_HAVE_VERBS_H
 
@@ -633,11 +632,6 @@ class VDevice : public Device {
 }  // namespace
 
 bool load(std::string* why) { return api(why) != nullptr; }
-
-bool hasDmaBuf() {
-  const Api* a = api(nullptr);
-  return a != nullptr && a->regDmabufMr != nullptr;
-}
 
 std::vector<PortInfo> listPorts(std::string* why) {
   std::vector<PortInfo> out;
