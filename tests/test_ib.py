@@ -104,6 +104,151 @@ def test_zero_copy_and_registration_cache() -> None:
     run_ranks(2, _zero_copy, init=False, timeout_s=120, env=EMU)
 
 
+# ------------------------------------------------------------------------------ GPUDirect RDMA
+
+# Device-memory sizes: empty, tiny, odd, a piece striped over the QPs (>= 64 KiB per
+# stripe), and several MiB spanning more than one 8 MiB zero-copy piece.
+GDR_SIZES = [0, 1, 7, 4097, (512 << 10) + 13, 3 << 20, (17 << 20) + 3]
+
+
+def test_device_memory_registration_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Device registration says clearly why it cannot work: FASTCOMM_IB_GDR=0, no usable
+    CUDA (CPU machines, CPU-only builds), memory that is not device memory, and tcp."""
+    import torch
+    import torch.distributed as dist
+    import torchext._C as C
+
+    store = dist.HashStore()
+    host = torch.zeros(4096, dtype=torch.uint8)
+    monkeypatch.setenv("FASTCOMM_IB_EMULATE", "1")
+
+    monkeypatch.setenv("FASTCOMM_IB_GDR", "0")
+    ep = C._TransportEndpoint(store, 0, 1, name="ib", prefix="gdr-off")
+    assert not ep.supports_device_memory
+    with pytest.raises(RuntimeError, match="GPUDirect RDMA is off \\(FASTCOMM_IB_GDR=0\\)"):
+        ep.register_memory(host, device=True)
+    assert ep.register_memory(host).nbytes == 4096  # host registration is unaffected
+    ep.close()
+
+    monkeypatch.delenv("FASTCOMM_IB_GDR")
+    ep = C._TransportEndpoint(store, 0, 1, name="ib", prefix="gdr-on")
+    if torch.cuda.is_available():
+        # The emulation moves device memory with cudaMemcpy where CUDA works...
+        assert ep.supports_device_memory
+        # (This process has no CUDA context unless an earlier test made one.)
+        with pytest.raises(
+            RuntimeError, match="as device memory: (it is host memory|no CUDA context exists)"
+        ):
+            ep.register_memory(host, device=True)
+    else:
+        # ...and says why not elsewhere (no GPU, no driver, or a CPU-only build).
+        assert not ep.supports_device_memory
+        with pytest.raises(RuntimeError, match="GPUDirect RDMA is not available: .*CUDA"):
+            ep.register_memory(host, device=True)
+    ep.close()
+
+    ep = C._TransportEndpoint(store, 0, 1, name="tcp", prefix="gdr-tcp")
+    assert not ep.supports_device_memory
+    with pytest.raises(RuntimeError, match="tcp transport cannot register device memory"):
+        ep.register_memory(host, device=True)
+    ep.close()
+
+
+def _device_memory(rank: int, world: int) -> None:
+    import torch
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    chk = Checker(f"rank {rank}")
+    store = _store(rank, world)
+    peer = 1 - rank
+    for config in (None, {"FASTCOMM_IB_QPS_PER_PEER": "4"}):
+        tag = f"gdr{config}"
+        ep = _endpoint(store, rank, world, "ib", config)
+        chk.true(ep.supports_device_memory, f"{tag}: no device memory on the emulation")
+        c0 = ep.counters()
+        total = 0
+        for i, n in enumerate(GDR_SIZES):
+            src = _payload(n, tag, rank, peer, i).to(dev)
+            dst = torch.full((n,), 0xA5, dtype=torch.uint8, device=dev)
+            # The sender's buffer is recognised as device memory (cudaPointerGetAttributes),
+            # the receiver's registered explicitly as device memory.
+            mr_src = ep.register_memory(src)
+            mr_dst = ep.register_memory(dst, device=True)
+            torch.cuda.synchronize()  # the transport reads src outside torch's streams
+            hr = ep.irecv(peer, dst, mr_dst)
+            hs = ep.isend(peer, src, mr_src)
+            hr.wait()
+            hs.wait()
+            chk.equal(dst.cpu(), _payload(n, tag, peer, rank, i), f"{tag}: {n} bytes GPU->GPU")
+            total += n
+            del mr_src, mr_dst, hr, hs
+        c1 = ep.counters()
+        chk.true(c1["staged_bytes"] == c0["staged_bytes"], f"{tag}: staged: {c0} -> {c1}")
+        chk.true(
+            c1["zero_copy_bytes"] - c0["zero_copy_bytes"] == 2 * total,
+            f"{tag}: zero-copy bytes {c0} -> {c1}, expected {2 * total}",
+        )
+        chk.true(c1["reg_cache_entries"] == 0, f"{tag}: registrations left: {c1}")
+
+        # Device memory to registered host memory and back (the emulated HCA's
+        # device-to-wire and wire-to-device copies on opposite sides).
+        n = (5 << 20) + 11
+        src_dev = _payload(n, tag, "d2h", rank).to(dev)
+        dst_host = torch.zeros(n, dtype=torch.uint8)
+        mr_sd, mr_dh = ep.register_memory(src_dev), ep.register_memory(dst_host)
+        torch.cuda.synchronize()
+        if rank == 0:
+            ep.isend(peer, src_dev, mr_sd).wait()
+            ep.irecv(peer, dst_host, mr_dh).wait()
+        else:
+            ep.irecv(peer, dst_host, mr_dh).wait()
+            ep.isend(peer, src_dev, mr_sd).wait()
+        chk.equal(dst_host, _payload(n, tag, "d2h", peer), f"{tag}: GPU -> host")
+        src_host = _payload(n, tag, "h2d", rank).clone()
+        dst_dev = torch.zeros(n, dtype=torch.uint8, device=dev)
+        mr_sh, mr_dd = ep.register_memory(src_host), ep.register_memory(dst_dev)
+        if rank == 0:
+            ep.isend(peer, src_host, mr_sh).wait()
+            ep.irecv(peer, dst_dev, mr_dd).wait()
+        else:
+            ep.irecv(peer, dst_dev, mr_dd).wait()
+            ep.isend(peer, src_host, mr_sh).wait()
+        chk.equal(dst_dev.cpu(), _payload(n, tag, "h2d", peer), f"{tag}: host -> GPU")
+
+        # A device buffer outside the registration given with it cannot be staged.
+        other = torch.zeros(64, dtype=torch.uint8, device=dev)
+        try:
+            ep.isend(peer, other, mr_sd)
+            chk.fail(f"{tag}: device buffer outside its registration accepted")
+        except ValueError as e:
+            chk.true("inside its registration" in str(e), f"{tag}: error: {e}")
+        del mr_sd, mr_dh, mr_sh, mr_dd
+        ep.close()
+        del ep
+
+    # FASTCOMM_IB_GDR=0: device memory is refused, naming the setting.
+    ep = _endpoint(store, rank, world, "ib", {"FASTCOMM_IB_GDR": "0"})
+    chk.true(not ep.supports_device_memory, "FASTCOMM_IB_GDR=0: still supports device memory")
+    gpu = torch.zeros(4096, dtype=torch.uint8, device=dev)
+    try:
+        ep.register_memory(gpu)
+        chk.fail("FASTCOMM_IB_GDR=0: device memory registered")
+    except RuntimeError as e:
+        chk.true("FASTCOMM_IB_GDR=0" in str(e), f"FASTCOMM_IB_GDR=0: error: {e}")
+    ep.close()
+    _finish(store, rank, world)
+    chk.raise_if_failed()
+
+
+@pytest.mark.cuda(2)
+def test_device_memory_send_recv() -> None:
+    """GPUDirect RDMA end to end on the emulation: device-memory buffers registered on both
+    sides (sizes 0 to 17 MiB, 2 and 4 QPs) arrive intact and move zero-copy; device to
+    host and host to device; FASTCOMM_IB_GDR=0 refuses device memory."""
+    run_ranks(2, _device_memory, init=False, timeout_s=180, env=EMU)
+
+
 # ------------------------------------------------------------------------------ faults
 
 

@@ -8,6 +8,12 @@
 namespace fastcomm {
 namespace transport {
 
+std::unique_ptr<MemoryRegion> Transport::registerDeviceMemory(void* data, int64_t bytes) {
+  throw std::runtime_error("fastcomm: the " + name() +
+                           " transport cannot register device memory (" + std::to_string(bytes) +
+                           " bytes): only ib with GPUDirect RDMA moves GPU memory directly");
+}
+
 std::unique_ptr<Transport> createTransport(const std::string& name, const Config& cfg) {
   if (name == "tcp") return tcp::createTcpTransport(cfg);
   if (name == "ib") return ib::createIbTransport(cfg);

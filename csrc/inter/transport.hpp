@@ -84,7 +84,14 @@ class Transport {
   virtual ~Transport() = default;
   virtual std::string name() const = 0;
 
+  // ib in a CUDA build sends device pointers (cudaPointerGetAttributes) on to
+  // registerDeviceMemory; everything else is registered as host memory.
   virtual std::unique_ptr<MemoryRegion> registerMemory(void* data, int64_t bytes) = 0;
+  // Registers CUDA device memory, which then moves without host staging
+  // (GPUDirect RDMA; NCCL's regMr with NCCL_PTR_CUDA). Throws
+  // std::runtime_error saying why where supportsDeviceMemory() is false.
+  // Device buffers must always be sent and received with their registration.
+  virtual std::unique_ptr<MemoryRegion> registerDeviceMemory(void* data, int64_t bytes);
 
   // Connects this rank (`rank` of `size`) with each rank in `peers`, exchanging
   // the listen handles through `store` (already prefixed for the group). Every
@@ -102,8 +109,9 @@ class Transport {
   // fail. Idempotent; the destructor calls it.
   virtual void close() = 0;
 
-  // Whether registerMemory() accepts device (GPU) memory, moved without host
-  // staging (ib with GPUDirect RDMA).
+  // Whether registerDeviceMemory() works: ib with GPUDirect RDMA (dma-buf,
+  // nvidia-peermem, or its emulation on a machine with a GPU), unless
+  // FASTCOMM_IB_GDR=0.
   virtual bool supportsDeviceMemory() const { return false; }
   // Implementation counters for tests and logs (ib: bytes sent zero-copy or
   // staged, registration cache hits and misses).

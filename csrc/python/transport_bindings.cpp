@@ -27,8 +27,13 @@ using transport::Request;
 using transport::Transport;
 using transport::TransportError;
 
-char* bufferOf(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.device().is_cpu(), "_TransportEndpoint.", what, ": the tensor must be on the CPU");
+// CUDA tensors only where a registration goes with them (GPUDirect RDMA);
+// the caller synchronizes the producing stream first.
+char* bufferOf(const at::Tensor& t, const char* what, bool allowCuda = false) {
+  TORCH_CHECK(t.device().is_cpu() || (allowCuda && t.device().is_cuda()), "_TransportEndpoint.",
+              what,
+              allowCuda ? ": the tensor must be on the CPU or a CUDA device"
+                        : ": the tensor must be on the CPU (CUDA tensors need a registration)");
   TORCH_CHECK(t.is_contiguous(), "_TransportEndpoint.", what, ": the tensor must be contiguous");
   return static_cast<char*>(t.data_ptr());
 }
@@ -67,7 +72,7 @@ class Endpoint {
 
   std::unique_ptr<Request> post(int peer, const at::Tensor& t, bool send,
                                 const transport::MemoryRegion* mr = nullptr) {
-    char* p = bufferOf(t, send ? "isend" : "irecv");
+    char* p = bufferOf(t, send ? "isend" : "irecv", mr != nullptr);
     auto nbytes = static_cast<int64_t>(t.nbytes());
     return send ? conn(peer).isend(p, nbytes, mr) : conn(peer).irecv(p, nbytes, mr);
   }
@@ -244,12 +249,17 @@ void bindTransport(py::module_& m) {
            "A handle, or None when the connection is full (retry later).")
       .def(
           "register_memory",
-          [](std::shared_ptr<Endpoint> ep, at::Tensor t) {
-            char* p = bufferOf(t, "register_memory");
-            auto mr = ep->transport().registerMemory(p, static_cast<int64_t>(t.nbytes()));
+          [](std::shared_ptr<Endpoint> ep, at::Tensor t, bool device) {
+            char* p = bufferOf(t, "register_memory", true);
+            const auto n = static_cast<int64_t>(t.nbytes());
+            auto mr = device ? ep->transport().registerDeviceMemory(p, n)
+                             : ep->transport().registerMemory(p, n);
             return std::make_shared<Memory>(Memory{std::move(ep), std::move(mr), t});
           },
-          "Registers the tensor's memory with the transport (ib: the registration cache).")
+          py::arg("tensor"), py::arg("device") = false,
+          "Registers the tensor's memory with the transport (ib: the registration cache; CUDA "
+          "tensors as device memory). device=True: Transport::registerDeviceMemory, whatever "
+          "the tensor is.")
       .def("counters", [](Endpoint& ep) { return ep.transport().counters(); })
       .def_property_readonly("supports_device_memory",
                              [](Endpoint& ep) { return ep.transport().supportsDeviceMemory(); })

@@ -3,7 +3,6 @@
 // GPUDirect RDMA is possible (FASTCOMM_IB_GDR).
 #include "inter/ib/device.hpp"
 
-#include <dlfcn.h>
 #include <sys/stat.h>
 
 #include <cstdio>
@@ -12,6 +11,7 @@
 #include <stdexcept>
 
 #include "common/logging.hpp"
+#include "inter/ib/gpu_memory.hpp"
 
 namespace fastcomm {
 namespace transport {
@@ -261,16 +261,6 @@ bool exists(const char* path) {
   return ::stat(path, &st) == 0;
 }
 
-// libcuda exports the driver call that gives a dma-buf fd for device memory.
-bool cudaHasDmaBufExport() {
-  void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-  if (h == nullptr) h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
-  if (h == nullptr) return false;
-  const bool ok = dlsym(h, "cuMemGetHandleForAddressRange") != nullptr;
-  dlclose(h);
-  return ok;
-}
-
 }  // namespace
 
 GdrSupport detectGdr(const Config& cfg, const Device& dev) {
@@ -279,24 +269,38 @@ GdrSupport detectGdr(const Config& cfg, const Device& dev) {
     g.how = "off (FASTCOMM_IB_GDR=0): GPU data is staged through pinned host memory";
     return g;
   }
-  if (dev.emulated()) {
-    g.how = "not available: the emulated device registers host memory only";
+  std::string why;
+  if (!gpu::usable(&why)) {
+    g.how = "not available: " + why;
     return g;
   }
-  if (verbs::hasDmaBuf() && cudaHasDmaBufExport()) {
+  if (dev.emulated()) {
+    // The software HCA reads and writes device memory with cudaMemcpy, so
+    // the GPUDirect code paths run end to end on a GPU machine without a NIC.
     g.available = true;
+    g.route = GdrRoute::Emulated;
+    g.how = "emulated (the software HCA copies device memory with cudaMemcpy)";
+    return g;
+  }
+  std::string dmaWhy;
+  if (dev.dmaBufRegistration() && gpu::dmaBufExportSupported(&dmaWhy)) {
+    g.available = true;
+    g.route = GdrRoute::DmaBuf;
     g.how = "dma-buf (ibv_reg_dmabuf_mr with cuMemGetHandleForAddressRange)";
     return g;
+  }
+  if (!dev.dmaBufRegistration()) {
+    dmaWhy = "libibverbs, the kernel or the RDMA driver has no ibv_reg_dmabuf_mr";
   }
   if (exists("/sys/module/nvidia_peermem") || exists("/sys/module/nv_peer_mem") ||
       exists("/sys/kernel/mm/memory_peers/nv_mem/version")) {
     g.available = true;
-    g.how = "nvidia-peermem (ibv_reg_mr on device pointers)";
+    g.route = GdrRoute::PeerMem;
+    g.how = "nvidia-peermem (ibv_reg_mr on device pointers; no dma-buf: " + dmaWhy + ")";
     return g;
   }
-  g.how =
-      "not available (no dma-buf export in libcuda/libibverbs, no nvidia-peermem module): GPU "
-      "data is staged through pinned host memory";
+  g.how = "not available (no dma-buf: " + dmaWhy +
+          "; no nvidia-peermem module): GPU data is staged through pinned host memory";
   return g;
 }
 

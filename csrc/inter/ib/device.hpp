@@ -141,6 +141,10 @@ struct AsyncEvent {
   uint32_t qpn = 0;  // for QP-affiliated events
 };
 
+// What a memory region is: host memory, or CUDA device memory (GPUDirect
+// RDMA: the HCA reads and writes GPU memory directly).
+enum class MemKind { Host, Device };
+
 class Mr {
  public:
   virtual ~Mr() = default;  // deregisters
@@ -184,8 +188,14 @@ class Device {
   virtual ~Device() = default;
   virtual const PortInfo& port() const = 0;
   virtual bool emulated() const = 0;
-  // Local write + remote write access.
-  virtual std::unique_ptr<Mr> regMr(void* addr, size_t length) = 0;
+  // Local write + remote write access. Device memory: verbs through dma-buf
+  // (ibv_reg_dmabuf_mr) where the kernel, libibverbs and the CUDA driver
+  // support it, else plain ibv_reg_mr (nvidia-peermem); the emulation copies
+  // it with cudaMemcpy. Throws std::runtime_error saying why on failure.
+  virtual std::unique_ptr<Mr> regMr(void* addr, size_t length, MemKind kind) = 0;
+  // Whether regMr registers device memory through dma-buf (false: through
+  // ibv_reg_mr, which needs nvidia-peermem; or the emulation).
+  virtual bool dmaBufRegistration() const { return false; }
   virtual std::unique_ptr<Cq> createCq(int depth) = 0;
   virtual std::unique_ptr<Qp> createQp(Cq& cq, int maxSendWr, int maxRecvWr) = 0;
   // Readable when an async event is pending; nextAsyncEvent takes one.
@@ -221,9 +231,11 @@ bool hcaMatches(const std::string& filter, const std::string& device, int port);
 int chooseGid(const PortInfo& port, int configured, std::string* why);
 
 // GPUDirect RDMA: whether registered memory may be GPU memory here.
+enum class GdrRoute { None, DmaBuf, PeerMem, Emulated };
 struct GdrSupport {
   bool available = false;
-  std::string how;  // "dma-buf", "nvidia-peermem", or why not
+  GdrRoute route = GdrRoute::None;
+  std::string how;  // "dma-buf ...", "nvidia-peermem ...", "emulated ...", or why not
 };
 GdrSupport detectGdr(const Config& cfg, const Device& dev);
 
@@ -233,7 +245,6 @@ namespace verbs {
 bool load(std::string* why);
 std::vector<PortInfo> listPorts(std::string* why);
 std::unique_ptr<Device> open(const std::string& device, int port);
-bool hasDmaBuf();  // libibverbs exports ibv_reg_dmabuf_mr
 }  // namespace verbs
 
 namespace emu {

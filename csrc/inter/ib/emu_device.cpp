@@ -18,6 +18,11 @@
 //   acknowledges by advancing the wire's `acked` message number, which the
 //   requester turns into the send completion. User memory is never touched
 //   by another process: only the wires are shared.
+// - Device (GPU) memory regions, in a CUDA build with a visible GPU: the
+//   HCA thread moves their payload between the wire and GPU memory with
+//   cudaMemcpy on a stream of its own, as a NIC's DMA to and from GPU memory
+//   (GPUDirect RDMA) would. Each side only touches its own GPU memory, so no
+//   CUDA IPC mapping is needed and a killed peer leaves nothing mapped.
 // - Failures as on hardware: a bad rkey or range is NAKed (the requester's
 //   work request completes IBV_WC_REM_ACCESS_ERR; both QPs go to the error
 //   state, the responder with IBV_EVENT_QP_ACCESS_ERR); a local key that does
@@ -59,6 +64,7 @@
 
 #include "common/logging.hpp"
 #include "inter/ib/device.hpp"
+#include "inter/ib/gpu_memory.hpp"
 
 namespace fastcomm {
 namespace transport {
@@ -389,6 +395,7 @@ class EmuDevice;
 struct MrEntry {
   uintptr_t addr;
   size_t length;
+  int device;  // CUDA device of device memory, -1: host memory
 };
 
 enum class QpState { Reset, Init, Rtr, Rts, Error, Destroyed };
@@ -399,6 +406,7 @@ struct PendingWr {
   uint64_t sent = 0;           // payload bytes already in the wire
   Clock::time_point sentAt{};  // when its last packet went out
   bool injectFatal = false;
+  int localDevice = -1;  // the source's CUDA device (device memory), -1: host
 };
 
 // A QP's state, shared between its owner (the transport) and the HCA thread.
@@ -441,7 +449,7 @@ class EmuDevice : public Device {
 
   const PortInfo& port() const override { return port_; }
   bool emulated() const override { return true; }
-  std::unique_ptr<Mr> regMr(void* addr, size_t length) override;
+  std::unique_ptr<Mr> regMr(void* addr, size_t length, MemKind kind) override;
   std::unique_ptr<Cq> createCq(int depth) override { return std::make_unique<EmuCq>(depth); }
   std::unique_ptr<Qp> createQp(Cq& cq, int maxSend, int maxRecv) override;
   int asyncFd() const override { return asyncFd_; }
@@ -490,8 +498,12 @@ class EmuDevice : public Device {
   bool transmit(QpCore& qp);
   bool checkAcks(QpCore& qp);
   void complete(QpCore& qp, uint64_t wrId, WcStatus st, WcOpcode op, uint32_t len, uint32_t imm);
-  // Local key check: [addr, addr + len) inside the region of `lkey`.
-  bool localOk(uint32_t lkey, const void* addr, uint32_t len);
+  // Local key check: [addr, addr + len) inside the region of `lkey`; *device
+  // gets the region's CUDA device (-1: host memory).
+  bool localOk(uint32_t lkey, const void* addr, uint32_t len, int* device);
+  // The payload copy of either side: memcpy for host memory, cudaMemcpy
+  // where the region is device memory (what a NIC's DMA to GPU memory is).
+  bool copyPayload(void* dst, const void* src, size_t n, int device, uint32_t qpn);
 
   PortInfo port_;
   Fault fault_;
@@ -693,10 +705,13 @@ EmuDevice::~EmuDevice() {
   ::close(asyncFd_);
 }
 
-std::unique_ptr<Mr> EmuDevice::regMr(void* addr, size_t length) {
+std::unique_ptr<Mr> EmuDevice::regMr(void* addr, size_t length, MemKind kind) {
   if (addr == nullptr || length == 0) {
     throw std::invalid_argument("fastcomm: ib emulation: registering an empty memory region");
   }
+  // Device memory: checked (and its device found) now, so the HCA thread
+  // knows which copy each region needs; throws saying why without CUDA.
+  const int device = kind == MemKind::Device ? gpu::deviceOf(addr, length) : -1;
   auto mr = std::make_unique<EmuMr>(this);
   std::unique_lock<std::shared_mutex> lock(mrMu_);
   // Keys as hardware makes them: an index with a rotating low byte.
@@ -705,7 +720,7 @@ std::unique_ptr<Mr> EmuDevice::regMr(void* addr, size_t length) {
     const uint32_t index = nextKey_++;
     key = (index << 8) | ((index * 37u) & 0xff);
   } while (mrs_.count(key) || key == 0);
-  mrs_[key] = MrEntry{reinterpret_cast<uintptr_t>(addr), length};
+  mrs_[key] = MrEntry{reinterpret_cast<uintptr_t>(addr), length, device};
   mr->addr = addr;
   mr->length = length;
   mr->lkey = mr->rkey = key;
@@ -777,12 +792,28 @@ void EmuDevice::errorLocked(QpCore& qp) {
   qp.recvs.clear();
 }
 
-bool EmuDevice::localOk(uint32_t lkey, const void* addr, uint32_t len) {
+bool EmuDevice::localOk(uint32_t lkey, const void* addr, uint32_t len, int* device) {
+  *device = -1;
   if (len == 0) return true;
   std::shared_lock<std::shared_mutex> lock(mrMu_);
   auto it = mrs_.find(lkey);
   const auto a = reinterpret_cast<uintptr_t>(addr);
-  return it != mrs_.end() && a >= it->second.addr && a + len <= it->second.addr + it->second.length;
+  if (it == mrs_.end() || a < it->second.addr || a + len > it->second.addr + it->second.length) {
+    return false;
+  }
+  *device = it->second.device;
+  return true;
+}
+
+bool EmuDevice::copyPayload(void* dst, const void* src, size_t n, int device, uint32_t qpn) {
+  if (device < 0) {
+    std::memcpy(dst, src, n);
+    return true;
+  }
+  std::string err;
+  if (gpu::copy(dst, src, n, device, &err)) return true;
+  FASTCOMM_LOG(Warn, "ib emulation: QP " << qpn << ": " << err);
+  return false;
 }
 
 // Responder: consumes this QP's wire.
@@ -846,8 +877,11 @@ bool EmuDevice::receive(QpCore& qp) {
       // again, holding the table while the data lands.
       std::shared_lock<std::shared_mutex> lock(mrMu_);
       auto it = mrs_.find(pkt.rkey);
+      // A failed device copy is NAKed like a bad region: the data did not land.
       if (it == mrs_.end() || pkt.raddr < it->second.addr ||
-          pkt.raddr + pkt.len > it->second.addr + it->second.length) {
+          pkt.raddr + pkt.len > it->second.addr + it->second.length ||
+          !copyPayload(reinterpret_cast<void*>(pkt.raddr), data + off + kPktHeader, pkt.len,
+                       it->second.device, qp.qpn)) {
         lock.unlock();
         l->nakMsn.store(pkt.msn);
         l->nakStatus.store(static_cast<uint32_t>(WcStatus::RemAccessErr) + 1,
@@ -859,7 +893,6 @@ bool EmuDevice::receive(QpCore& qp) {
         if (qp.remote) qp.remote->ring();
         return true;
       }
-      std::memcpy(reinterpret_cast<void*>(pkt.raddr), data + off + kPktHeader, pkt.len);
     }
     l->head.store(head + size, std::memory_order_release);
     if (pkt.flags & kLast) {
@@ -950,7 +983,7 @@ bool EmuDevice::transmit(QpCore& qp) {
         errorLocked(qp);
         return true;
       }
-      if (!localOk(p.wr.lkey, p.wr.local, p.wr.length)) {
+      if (!localOk(p.wr.lkey, p.wr.local, p.wr.length, &p.localDevice)) {
         complete(qp, p.wr.wrId, WcStatus::LocProtErr, WcOpcode::RdmaWrite, 0, 0);
         qp.pending.pop_front();
         errorLocked(qp);
@@ -987,7 +1020,15 @@ bool EmuDevice::transmit(QpCore& qp) {
     pkt.imm = p.wr.imm;
     char* dst = data + tail % kLaneBytes;
     std::memcpy(dst, &pkt, sizeof pkt);
-    if (len > 0) std::memcpy(dst + kPktHeader, static_cast<const char*>(p.wr.local) + p.sent, len);
+    if (len > 0 && !copyPayload(dst + kPktHeader, static_cast<const char*>(p.wr.local) + p.sent,
+                                len, p.localDevice, qp.qpn)) {
+      // The HCA could not read the local buffer: a local protection error,
+      // as a DMA read fault is on hardware. Nothing of this packet was sent.
+      complete(qp, p.wr.wrId, WcStatus::LocProtErr, WcOpcode::RdmaWrite, 0, 0);
+      qp.pending.pop_front();
+      errorLocked(qp);
+      return true;
+    }
     rl->tail.store(tail + need, std::memory_order_release);
     p.sent += len;
     moved = true;

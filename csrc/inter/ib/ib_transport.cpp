@@ -21,6 +21,7 @@
 #include "common/logging.hpp"
 #include "common/store_util.hpp"
 #include "inter/ib/device.hpp"
+#include "inter/ib/gpu_memory.hpp"
 #include "inter/notifier.hpp"
 #include "inter/request.hpp"
 
@@ -134,13 +135,16 @@ class RegCache {
  public:
   struct Entry {
     uintptr_t start = 0, end = 0;
+    MemKind kind = MemKind::Host;
     std::unique_ptr<Mr> mr;
     int refs = 0;
   };
 
   explicit RegCache(Device* dev) : dev_(dev) {}
 
-  Entry* acquire(void* data, int64_t bytes) {
+  // Host and device ranges never overlap (one virtual address space), so a
+  // hit needs no kind check.
+  Entry* acquire(void* data, int64_t bytes, MemKind kind) {
     const auto pageMask = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE) - 1);
     const uintptr_t a = reinterpret_cast<uintptr_t>(data) & ~pageMask;
     const uintptr_t b = (reinterpret_cast<uintptr_t>(data) + bytes + pageMask) & ~pageMask;
@@ -156,7 +160,8 @@ class RegCache {
     auto e = std::make_unique<Entry>();
     e->start = a;
     e->end = b;
-    e->mr = dev_->regMr(reinterpret_cast<void*>(a), b - a);
+    e->kind = kind;
+    e->mr = dev_->regMr(reinterpret_cast<void*>(a), b - a, kind);
     e->refs = 1;
     ++misses_;
     entries_.push_back(std::move(e));
@@ -201,6 +206,7 @@ class IbMemoryRegion : public MemoryRegion {
   }
   void* data() const override { return data_; }
   int64_t bytes() const override { return bytes_; }
+  bool device() const { return entry_ != nullptr && entry_->kind == MemKind::Device; }
 
   // The keys when [p, p + n) lies in this registration of `cache`.
   bool covers(const RegCache* cache, const void* p, int64_t n, uint32_t* lkey,
@@ -226,7 +232,7 @@ class Staging {
   int take(Device& dev) {
     if (!mem_.get()) {
       mem_ = AlignedBuffer(static_cast<size_t>(kStagingSlots * kPieceBytes));
-      mr_ = dev.regMr(mem_.get(), mem_.size());
+      mr_ = dev.regMr(mem_.get(), mem_.size(), MemKind::Host);
       for (int i = kStagingSlots - 1; i >= 0; --i) free_.push_back(i);
     }
     if (free_.empty()) return -1;
@@ -396,6 +402,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::unique_ptr<Request> post(Peer& p, bool send, char* data, int64_t bytes,
                                 const MemoryRegion* mr);
   std::unique_ptr<MemoryRegion> registerMemory(void* data, int64_t bytes);
+  std::unique_ptr<MemoryRegion> registerDeviceMemory(void* data, int64_t bytes);
   void waitForProgress(std::chrono::microseconds max) { notifier_->wait(max, spinMicros_); }
   void close();
   bool deviceMemory() const { return deviceMemory_; }
@@ -427,6 +434,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::unique_ptr<Cq> cq_;
   std::shared_ptr<RegCache> regCache_;
   bool deviceMemory_ = false;
+  std::string gdrHow_;  // the GPUDirect RDMA route, or why there is none
   std::shared_ptr<Notifier> notifier_;
 
   std::mutex mu_;
@@ -461,10 +469,10 @@ Engine::Engine(const Config& cfg)
   }
   regCache_ = std::make_shared<RegCache>(dev_.get());
   GdrSupport gdr = detectGdr(cfg, *dev_);
-  // With nvidia-peermem, ibv_reg_mr takes device pointers as they are; the
-  // dma-buf route needs a registration call of its own, which the staged
-  // CUDA path does not use yet.
-  deviceMemory_ = gdr.available && gdr.how.rfind("nvidia-peermem", 0) == 0;
+  // Every route registers device memory through Device::regMr (dma-buf,
+  // nvidia-peermem, or the emulation's cudaMemcpy).
+  deviceMemory_ = gdr.available;
+  gdrHow_ = gdr.how;
   wakeFd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (wakeFd_ < 0) throw std::system_error(errno, std::generic_category(), "eventfd");
   FASTCOMM_LOG(Info, "ib transport on "
@@ -513,7 +521,7 @@ std::vector<std::shared_ptr<Peer>> Engine::connect(const c10::intrusive_ptr<c10d
     p->rank = r;
     p->ctrlMem = AlignedBuffer(sizeof(CtrlBlock));
     p->ctrl = reinterpret_cast<CtrlBlock*>(p->ctrlMem.get());
-    p->ctrlMr = dev_->regMr(p->ctrlMem.get(), p->ctrlMem.size());
+    p->ctrlMr = dev_->regMr(p->ctrlMem.get(), p->ctrlMem.size(), MemKind::Host);
     p->psn = rng() & 0xffffff;
     p->where = port.device + " port " + std::to_string(port.port) + ", QP";
     for (int q = 0; q < qps_; ++q) {
@@ -626,10 +634,28 @@ std::vector<std::shared_ptr<Peer>> Engine::connect(const c10::intrusive_ptr<c10d
 }
 
 std::unique_ptr<MemoryRegion> Engine::registerMemory(void* data, int64_t bytes) {
+  // Device pointers are told apart only in a CUDA build (never true in a
+  // CPU-only one); the check creates no CUDA context.
+  if (data != nullptr && gpu::isDeviceMemory(data)) return registerDeviceMemory(data, bytes);
   if (data == nullptr || bytes <= 0) {
     return std::make_unique<IbMemoryRegion>(regCache_, nullptr, data, bytes);
   }
-  return std::make_unique<IbMemoryRegion>(regCache_, regCache_->acquire(data, bytes), data, bytes);
+  return std::make_unique<IbMemoryRegion>(regCache_, regCache_->acquire(data, bytes, MemKind::Host),
+                                          data, bytes);
+}
+
+std::unique_ptr<MemoryRegion> Engine::registerDeviceMemory(void* data, int64_t bytes) {
+  if (!deviceMemory_) {
+    std::ostringstream os;
+    os << "fastcomm: ib transport: cannot register " << bytes << " bytes of device memory at "
+       << data << ": GPUDirect RDMA is " << gdrHow_;
+    throw std::runtime_error(os.str());
+  }
+  if (data == nullptr || bytes <= 0) {
+    return std::make_unique<IbMemoryRegion>(regCache_, nullptr, data, bytes);
+  }
+  return std::make_unique<IbMemoryRegion>(
+      regCache_, regCache_->acquire(data, bytes, MemKind::Device), data, bytes);
 }
 
 std::unique_ptr<Request> Engine::post(Peer& p, bool send, char* data, int64_t bytes,
@@ -639,6 +665,12 @@ std::unique_ptr<Request> Engine::post(Peer& p, bool send, char* data, int64_t by
   bool zc = false;
   if (auto* imr = dynamic_cast<const IbMemoryRegion*>(mr)) {
     zc = bytes > 0 && imr->covers(regCache_.get(), data, bytes, &lkey, &rkey);
+    // Staging copies with memcpy: device memory must move zero-copy.
+    if (bytes > 0 && !zc && imr->device()) {
+      throw std::invalid_argument(
+          "fastcomm: ib: a buffer of device memory must lie inside its registration "
+          "(registerMemory of this transport covering all of it)");
+    }
   }
   std::lock_guard<std::mutex> lock(mu_);
   if (p.failed) {
@@ -1209,6 +1241,9 @@ class IbTransport : public Transport {
   std::string name() const override { return "ib"; }
   std::unique_ptr<MemoryRegion> registerMemory(void* data, int64_t bytes) override {
     return engine_->registerMemory(data, bytes);
+  }
+  std::unique_ptr<MemoryRegion> registerDeviceMemory(void* data, int64_t bytes) override {
+    return engine_->registerDeviceMemory(data, bytes);
   }
   std::vector<std::unique_ptr<Connection>> connect(const c10::intrusive_ptr<c10d::Store>& store,
                                                    int rank, int size,

@@ -24,6 +24,7 @@
 #include <system_error>
 
 #include "common/logging.hpp"
+#include "inter/ib/gpu_memory.hpp"
 
 #if !defined(FASTCOMM_NO_VERBS) && __has_include(<infiniband/verbs.h>)
 #define FASTCOMM_HAVE_VERBS_H 1
@@ -53,7 +54,6 @@ std::vector<PortInfo> listPorts(std::string* why) {
   return {};
 }
 std::unique_ptr<Device> open(const std::string&, int) { throw std::runtime_error(kNoHeaders); }
-bool hasDmaBuf() { return false; }
 
 #else  // FASTCOMM_HAVE_VERBS_H
 
@@ -86,7 +86,7 @@ struct Api {
   void (*ackAsyncEvent)(ibv_async_event*) = nullptr;
   const char* (*eventTypeStr)(ibv_event_type) = nullptr;
   // Optional (rdma-core >= 34): GPUDirect through dma-buf.
-  void* regDmabufMr = nullptr;
+  ibv_mr* (*regDmabufMr)(ibv_pd*, uint64_t, size_t, uint64_t, int, int) = nullptr;
 };
 
 Api gApi;
@@ -505,6 +505,7 @@ class VDevice : public Device {
       fail("ibv_alloc_pd on " + port_.device, err);
     }
     setNonBlocking(ctx_->async_fd);
+    dmaBuf_ = probeDmaBuf();
   }
   ~VDevice() override {
     a_.deallocPd(pd_);
@@ -514,8 +515,22 @@ class VDevice : public Device {
   const PortInfo& port() const override { return port_; }
   bool emulated() const override { return false; }
 
-  std::unique_ptr<Mr> regMr(void* addr, size_t length) override {
-    ibv_mr* mr = a_.regMr(pd_, addr, length, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+  std::unique_ptr<Mr> regMr(void* addr, size_t length, MemKind kind) override {
+    constexpr int kAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
+    if (kind == MemKind::Device) {
+      const int device = gpu::deviceOf(addr, length);
+      if (dmaBuf_ && gpu::dmaBufExportSupported(nullptr)) return regDmaBuf(addr, length, device);
+      // nvidia-peermem: the kernel resolves device pointers inside ibv_reg_mr.
+      ibv_mr* mr = a_.regMr(pd_, addr, length, kAccess);
+      if (mr == nullptr) {
+        fail("ibv_reg_mr of " + std::to_string(length) + " bytes of CUDA device " +
+                 std::to_string(device) +
+                 " memory (GPUDirect RDMA without dma-buf needs the nvidia-peermem module)",
+             errno);
+      }
+      return std::make_unique<VMr>(a_, mr);
+    }
+    ibv_mr* mr = a_.regMr(pd_, addr, length, kAccess);
     if (mr == nullptr) {
       fail("ibv_reg_mr of " + std::to_string(length) +
                " bytes (is the locked-memory limit, ulimit -l, high enough?)",
@@ -523,6 +538,8 @@ class VDevice : public Device {
     }
     return std::make_unique<VMr>(a_, mr);
   }
+
+  bool dmaBufRegistration() const override { return dmaBuf_; }
 
   std::unique_ptr<Cq> createCq(int depth) override {
     return std::make_unique<VCq>(a_, ctx_, depth);
@@ -571,20 +588,50 @@ class VDevice : public Device {
   }
 
  private:
+  // Whether ibv_reg_dmabuf_mr works here: the symbol (rdma-core >= 34) is
+  // not enough, the kernel and the provider must support it too. A call
+  // with fd -1 tells them apart without registering anything: EOPNOTSUPP
+  // or EPROTONOSUPPORT means no support, any other failure (EBADF) that the
+  // call got as far as the fd.
+  bool probeDmaBuf() {
+    if (a_.regDmabufMr == nullptr) return false;
+    errno = 0;
+    ibv_mr* mr = a_.regDmabufMr(pd_, 0, 0, 0, -1, 0);
+    if (mr != nullptr) {
+      a_.deregMr(mr);
+      return true;
+    }
+    return errno != EOPNOTSUPP && errno != EPROTONOSUPPORT;
+  }
+
+  // [addr, addr + length) is page-aligned (the registration cache aligns
+  // every range). The MR's I/O virtual address is the device pointer, so the
+  // peer addresses it by the same numbers as host registrations. The fd is
+  // only needed while registering: the MR holds its own reference.
+  std::unique_ptr<Mr> regDmaBuf(void* addr, size_t length, int device) {
+    const int fd = gpu::dmaBufFd(addr, length, device);
+    ibv_mr* mr = a_.regDmabufMr(pd_, 0, length, reinterpret_cast<uint64_t>(addr), fd,
+                                IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+    const int err = errno;
+    ::close(fd);
+    if (mr == nullptr) {
+      fail("ibv_reg_dmabuf_mr of " + std::to_string(length) + " bytes of CUDA device " +
+               std::to_string(device) + " memory",
+           err);
+    }
+    return std::make_unique<VMr>(a_, mr);
+  }
+
   const Api& a_;
   ibv_context* ctx_;
   ibv_pd* pd_ = nullptr;
   PortInfo port_;
+  bool dmaBuf_ = false;
 };
 
 }  // namespace
 
 bool load(std::string* why) { return api(why) != nullptr; }
-
-bool hasDmaBuf() {
-  const Api* a = api(nullptr);
-  return a != nullptr && a->regDmabufMr != nullptr;
-}
 
 std::vector<PortInfo> listPorts(std::string* why) {
   std::vector<PortInfo> out;
