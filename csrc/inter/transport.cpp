@@ -1,6 +1,7 @@
 #include "inter/transport.hpp"
 
 #include <algorithm>
+#include <stdexcept>
 
 #include "inter/ib/ib_transport.hpp"
 #include "inter/tcp/tcp_transport.hpp"
@@ -18,6 +19,19 @@ std::unique_ptr<Transport> createTransport(const std::string& name, const Config
   if (name == "tcp") return tcp::createTcpTransport(cfg);
   if (name == "ib") return ib::createIbTransport(cfg);
   throw std::invalid_argument("fastcomm: unknown transport '" + name + "' (known: tcp, ib)");
+}
+
+void checkPeerList(const char* transport, int rank, int size, const std::vector<int>& peers) {
+  std::vector<int> sorted = peers;
+  std::sort(sorted.begin(), sorted.end());
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    if (sorted[i] < 0 || sorted[i] >= size || sorted[i] == rank ||
+        (i > 0 && sorted[i] == sorted[i - 1])) {
+      throw std::invalid_argument(std::string("fastcomm: ") + transport +
+                                  " transport: bad peer list " + formatRanks(peers) + " for rank " +
+                                  std::to_string(rank) + " of " + std::to_string(size));
+    }
+  }
 }
 
 bool transportUsable(const std::string& name, const Config& cfg, std::string* why) {

@@ -118,6 +118,10 @@ class Transport {
   virtual std::map<std::string, int64_t> counters() const { return {}; }
 };
 
+// For connect(): throws std::invalid_argument unless `peers` are distinct
+// ranks of [0, size) other than `rank`.
+void checkPeerList(const char* transport, int rank, int size, const std::vector<int>& peers);
+
 // `name` is "tcp" or "ib". Reads its settings from `cfg`.
 std::unique_ptr<Transport> createTransport(const std::string& name, const Config& cfg);
 

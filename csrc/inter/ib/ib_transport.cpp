@@ -492,16 +492,7 @@ std::vector<std::shared_ptr<Peer>> Engine::connect(const c10::intrusive_ptr<c10d
     throw std::logic_error("fastcomm: ib transport: connect() may be called once, before close()");
   }
   connected_ = true;
-  std::vector<int> sorted = peers;
-  std::sort(sorted.begin(), sorted.end());
-  for (size_t i = 0; i < sorted.size(); ++i) {
-    if (sorted[i] < 0 || sorted[i] >= size || sorted[i] == rank ||
-        (i > 0 && sorted[i] == sorted[i - 1])) {
-      throw std::invalid_argument("fastcomm: ib transport: bad peer list " + formatRanks(peers) +
-                                  " for rank " + std::to_string(rank) + " of " +
-                                  std::to_string(size));
-    }
-  }
+  checkPeerList("ib", rank, size, peers);
   const PortInfo& port = dev_->port();
   QpEndpoint local;
   local.lid = port.lid;

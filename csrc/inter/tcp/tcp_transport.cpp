@@ -873,16 +873,7 @@ std::vector<std::unique_ptr<Connection>> TcpTransport::connect(
     throw std::logic_error("fastcomm: tcp transport: connect() may be called once, before close()");
   }
   connected_ = true;
-  std::vector<int> sorted = peers;
-  std::sort(sorted.begin(), sorted.end());
-  for (size_t i = 0; i < sorted.size(); ++i) {
-    if (sorted[i] < 0 || sorted[i] >= size || sorted[i] == rank ||
-        (i > 0 && sorted[i] == sorted[i - 1])) {
-      throw std::invalid_argument("fastcomm: tcp transport: bad peer list " + formatRanks(peers) +
-                                  " for rank " + std::to_string(rank) + " of " +
-                                  std::to_string(size));
-    }
-  }
+  checkPeerList("tcp", rank, size, peers);
 
   store->set(storeKey(rank), [&] {
     std::string h = encodeHandle(listenAddr_, nonce_, sockets_);
