@@ -107,8 +107,7 @@ def params_in_sync(model: nn.Module) -> bool:
 def format_stats(stats: dict[str, dict[str, float]]) -> str:
     """torchext.stats() as a table: calls, bytes, time and the resulting rate per collective."""
     lines = [
-        f"{'collective':<24}{'calls':>8}{'bytes':>14}{'time (ms)':>12}{'avg (us)':>11}"
-        f"{'GB/s':>9}"
+        f"{'collective':<24}{'calls':>8}{'bytes':>14}{'time (ms)':>12}{'avg (us)':>11}{'GB/s':>9}"
     ]
     for name, s in sorted(stats.items()):
         calls, nbytes, t_us = int(s["count"]), s["bytes"], s["time_us"]

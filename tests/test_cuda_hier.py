@@ -369,9 +369,7 @@ def killed_fn(rank: int, ws: int) -> dict[str, Any]:
         chk.true("all_reduce" in msg, f"error does not name all_reduce: {msg!r}")
         # The error names the dead rank in a rank list: "[1]", or "[1, 3]" when a
         # survivor that already failed and left is named beside it.
-        named = [
-            {int(r) for r in m.split(",")} for m in re.findall(r"\[(\d+(?:, \d+)*)\]", msg)
-        ]
+        named = [{int(r) for r in m.split(",")} for m in re.findall(r"\[(\d+(?:, \d+)*)\]", msg)]
         chk.true(any(victim in s for s in named), f"error does not name rank [{victim}]: {msg!r}")
         chk.true("timeout" in msg.lower(), f"error does not mention the timeout: {msg!r}")
     else:

@@ -31,6 +31,18 @@ EMU = {"FASTCOMM_IB_EMULATE": "1"}
 # ------------------------------------------------------------------------------ zero copy
 
 
+def _exchange(
+    ep: Any, rank: int, peer: int, src: torch.Tensor, mr_src: Any, dst: torch.Tensor, mr_dst: Any
+) -> None:
+    """Sends `src` to `peer` and receives its message into `dst` (rank 0 sends first)."""
+    if rank == 0:
+        ep.isend(peer, src, mr_src).wait()
+        ep.irecv(peer, dst, mr_dst).wait()
+    else:
+        ep.irecv(peer, dst, mr_dst).wait()
+        ep.isend(peer, src, mr_src).wait()
+
+
 def _zero_copy(rank: int, world: int) -> None:
     import torch
 
@@ -198,22 +210,12 @@ def _device_memory(rank: int, world: int) -> None:
         dst_host = torch.zeros(n, dtype=torch.uint8)
         mr_sd, mr_dh = ep.register_memory(src_dev), ep.register_memory(dst_host)
         torch.cuda.synchronize()
-        if rank == 0:
-            ep.isend(peer, src_dev, mr_sd).wait()
-            ep.irecv(peer, dst_host, mr_dh).wait()
-        else:
-            ep.irecv(peer, dst_host, mr_dh).wait()
-            ep.isend(peer, src_dev, mr_sd).wait()
+        _exchange(ep, rank, peer, src_dev, mr_sd, dst_host, mr_dh)
         chk.equal(dst_host, _payload(n, tag, "d2h", peer), f"{tag}: GPU -> host")
         src_host = _payload(n, tag, "h2d", rank).clone()
         dst_dev = torch.zeros(n, dtype=torch.uint8, device=dev)
         mr_sh, mr_dd = ep.register_memory(src_host), ep.register_memory(dst_dev)
-        if rank == 0:
-            ep.isend(peer, src_host, mr_sh).wait()
-            ep.irecv(peer, dst_dev, mr_dd).wait()
-        else:
-            ep.irecv(peer, dst_dev, mr_dd).wait()
-            ep.isend(peer, src_host, mr_sh).wait()
+        _exchange(ep, rank, peer, src_host, mr_sh, dst_dev, mr_dd)
         chk.equal(dst_dev.cpu(), _payload(n, tag, "h2d", peer), f"{tag}: host -> GPU")
 
         # A device buffer outside the registration given with it cannot be staged.

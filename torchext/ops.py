@@ -77,8 +77,10 @@ def linear(
 def _check_dtype(op: str, name: str, t: Tensor) -> None:
     torch._check(
         t.dtype in _DTYPES,
-        lambda: f"fastcomm.{op}: {name} has dtype {t.dtype}; supported dtypes are "
-        "float32, float16, bfloat16 (and float64)",
+        lambda: (
+            f"fastcomm.{op}: {name} has dtype {t.dtype}; supported dtypes are "
+            "float32, float16, bfloat16 (and float64)"
+        ),
     )
 
 
@@ -87,11 +89,15 @@ def _matmul_fake(a: Tensor, b: Tensor) -> Tensor:
     torch._check(a.dim() >= 2, lambda: f"fastcomm.matmul: a must be at least 2-D, got {a.dim()}-D")
     torch._check(b.dim() == 2, lambda: f"fastcomm.matmul: b must be 2-D [K, N], got {b.dim()}-D")
     _check_dtype("matmul", "a", a)
-    torch._check(a.dtype == b.dtype, lambda: f"fastcomm.matmul: dtypes differ ({a.dtype}, {b.dtype})")
+    torch._check(
+        a.dtype == b.dtype, lambda: f"fastcomm.matmul: dtypes differ ({a.dtype}, {b.dtype})"
+    )
     torch._check(a.device == b.device, lambda: "fastcomm.matmul: a and b are on different devices")
     torch._check(
         a.shape[-1] == b.shape[0],
-        lambda: f"fastcomm.matmul: shapes {tuple(a.shape)} and {tuple(b.shape)} cannot be multiplied",
+        lambda: (
+            f"fastcomm.matmul: shapes {tuple(a.shape)} and {tuple(b.shape)} cannot be multiplied"
+        ),
     )
     return a.new_empty((*a.shape[:-1], b.shape[1]))
 
@@ -107,7 +113,9 @@ def _linear_fake(
     torch._check(x.device == weight.device, lambda: "fastcomm.linear: x and weight devices differ")
     torch._check(
         x.shape[-1] == weight.shape[1],
-        lambda: f"fastcomm.linear: x has {x.shape[-1]} features but weight expects {weight.shape[1]}",
+        lambda: (
+            f"fastcomm.linear: x has {x.shape[-1]} features but weight expects {weight.shape[1]}"
+        ),
     )
     if bias is not None:
         torch._check(
@@ -115,7 +123,9 @@ def _linear_fake(
             lambda: "fastcomm.linear: bias must be 1-D of size out_features",
         )
         torch._check(bias.dtype == x.dtype, lambda: "fastcomm.linear: bias dtype differs from x")
-    torch._check(activation in ACTIVATIONS, lambda: f"fastcomm.linear: unknown activation {activation!r}")
+    torch._check(
+        activation in ACTIVATIONS, lambda: f"fastcomm.linear: unknown activation {activation!r}"
+    )
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -142,7 +152,9 @@ def _matmul_backward(ctx, grad: Tensor):
     return grad_a, grad_b
 
 
-def _activation_backward(grad: Tensor, activation: str, pre: Optional[Tensor], out: Tensor) -> Tensor:
+def _activation_backward(
+    grad: Tensor, activation: str, pre: Optional[Tensor], out: Tensor
+) -> Tensor:
     """dY' = dY * act'(pre), through aten's own derivative kernels."""
     if activation == "none":
         return grad
