@@ -31,11 +31,7 @@ const char* redOpName(RedOp op) {
   return "?";
 }
 
-namespace {
-
-bool isIntegral(at::ScalarType t) { return at::isIntegralType(t, /*includeBool=*/false); }
-
-bool supportedDtype(at::ScalarType t) {
+bool reducibleDtype(at::ScalarType t) {
   switch (t) {
     case at::kFloat:
     case at::kDouble:
@@ -52,6 +48,10 @@ bool supportedDtype(at::ScalarType t) {
       return false;
   }
 }
+
+namespace {
+
+bool isIntegral(at::ScalarType t) { return at::isIntegralType(t, /*includeBool=*/false); }
 
 template <typename T>
 struct AccOf {
@@ -175,7 +175,7 @@ void reduceBool(void* out, const void* const* ins, int nIn, int64_t count, RedOp
 }  // namespace
 
 RedOp toRedOp(const c10d::ReduceOp& op, at::ScalarType dtype, const char* collective) {
-  TORCH_CHECK(supportedDtype(dtype), "fastcomm: ", collective, " does not support dtype ", dtype,
+  TORCH_CHECK(reducibleDtype(dtype), "fastcomm: ", collective, " does not support dtype ", dtype,
               " (supported: float32, float64, float16, bfloat16, int8, uint8, int16, int32, "
               "int64, bool)");
   RedOp r;

@@ -15,6 +15,9 @@ enum class RedOp : uint8_t { Sum, Avg, Product, Min, Max, BAnd, BOr, BXor };
 
 const char* redOpName(RedOp op);
 
+// The dtypes reduceInto() handles (every arithmetic type but complex, and bool).
+bool reducibleDtype(at::ScalarType t);
+
 // Maps a c10d ReduceOp to ours, or throws a clear error when the op or the
 // (op, dtype) pair is unsupported. `collective` names the caller in errors.
 RedOp toRedOp(const c10d::ReduceOp& op, at::ScalarType dtype, const char* collective);

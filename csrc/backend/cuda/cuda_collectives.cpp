@@ -46,40 +46,6 @@ bool needsLocalReduce(RedOp op, at::ScalarType t) {
   return false;
 }
 
-ncclRedOp_t ncclOp(RedOp op, at::ScalarType t) {
-  if (t == at::kBool) {
-    // bool travels as uint8 0/1: OR is MAX, AND is MIN.
-    switch (op) {
-      case RedOp::Sum:
-      case RedOp::Max:
-      case RedOp::BOr:
-        return ncclMax;
-      case RedOp::Product:
-      case RedOp::Min:
-      case RedOp::BAnd:
-        return ncclMin;
-      default:
-        break;
-    }
-    TORCH_CHECK(false, "fastcomm: internal: no NCCL op for bool ", redOpName(op));
-  }
-  switch (op) {
-    case RedOp::Sum:
-      return ncclSum;
-    case RedOp::Avg:
-      return ncclAvg;
-    case RedOp::Product:
-      return ncclProd;
-    case RedOp::Min:
-      return ncclMin;
-    case RedOp::Max:
-      return ncclMax;
-    default:
-      break;
-  }
-  TORCH_CHECK(false, "fastcomm: internal: no NCCL op for ", redOpName(op));
-}
-
 // rows: [n, ...] gathered contributions; returns their reduction over dim 0.
 at::Tensor reduceRows(const at::Tensor& rows, RedOp op) {
   if (rows.scalar_type() == at::kBool) {  // only BXOR gets here
@@ -744,7 +710,7 @@ WorkPtr CudaCollectives::allreduce(Tensors tensors, RedOp op, const CudaOpInfo& 
           } else if (t.numel() > 0) {
             ncclCheck(
                 ncclAllReduce(c.work.data_ptr(), c.work.data_ptr(), t.numel(),
-                              ncclType(t.scalar_type()), ncclOp(op, t.scalar_type()), comm, s),
+                              ncclType(t.scalar_type()), ncclRedOp(op, t.scalar_type()), comm, s),
                 comm, "all_reduce");
           }
           c.finish();
@@ -780,7 +746,7 @@ WorkPtr CudaCollectives::reduce(at::Tensor tensor, RedOp op, int root, const Cud
           if (me == root) c.work.view({-1}).copy_(reduceRows(rows, op));
         } else if (tensor.numel() > 0) {
           ncclCheck(ncclReduce(c.work.data_ptr(), c.work.data_ptr(), tensor.numel(),
-                               ncclType(tensor.scalar_type()), ncclOp(op, tensor.scalar_type()),
+                               ncclType(tensor.scalar_type()), ncclRedOp(op, tensor.scalar_type()),
                                root, comm, s),
                     comm, "reduce");
         }
@@ -892,7 +858,7 @@ WorkPtr CudaCollectives::reduceScatter(at::Tensor output, Tensors inputs, RedOp 
         } else if (count > 0) {
           ncclCheck(ncclReduceScatter(src.data_ptr(), dst.work.data_ptr(), count,
                                       ncclType(output.scalar_type()),
-                                      ncclOp(op, output.scalar_type()), comm, s),
+                                      ncclRedOp(op, output.scalar_type()), comm, s),
                     comm, "reduce_scatter");
         }
         dst.finish();

@@ -43,6 +43,39 @@ ncclDataType_t ncclType(at::ScalarType t) {
   }
 }
 
+ncclRedOp_t ncclRedOp(RedOp op, at::ScalarType t, NcclAvg avg) {
+  if (t == at::kBool) {
+    switch (op) {
+      case RedOp::Sum:
+      case RedOp::Max:
+      case RedOp::BOr:
+        return ncclMax;
+      case RedOp::Product:
+      case RedOp::Min:
+      case RedOp::BAnd:
+        return ncclMin;
+      default:
+        break;
+    }
+    TORCH_CHECK(false, "fastcomm: internal: no NCCL op for bool ", redOpName(op));
+  }
+  switch (op) {
+    case RedOp::Sum:
+      return ncclSum;
+    case RedOp::Avg:
+      return avg == NcclAvg::Native ? ncclAvg : ncclSum;
+    case RedOp::Product:
+      return ncclProd;
+    case RedOp::Min:
+      return ncclMin;
+    case RedOp::Max:
+      return ncclMax;
+    default:
+      break;
+  }
+  TORCH_CHECK(false, "fastcomm: internal: no NCCL op for ", redOpName(op));
+}
+
 ncclComm_t ncclCommFromStore(const c10::intrusive_ptr<c10d::Store>& store,
                              const std::string& prefix, int nranks, int rank,
                              const std::vector<int>& readyRanks, int groupRank,

@@ -9,6 +9,8 @@
 #include <chrono>
 #include <string>
 
+#include "common/reduce.hpp"
+
 namespace fastcomm {
 
 // Throws a comm error naming `what` and NCCL's reason (ncclInProgress is not
@@ -17,6 +19,17 @@ void ncclCheck(ncclResult_t r, ncclComm_t comm, const char* what);
 
 // The NCCL type of an arithmetic dtype; a clear error for others.
 ncclDataType_t ncclType(at::ScalarType t);
+
+// How an AVG reaches NCCL: as ncclAvg, or as ncclSum when the caller divides
+// itself (the multi-node path sums across the node first and divides once,
+// after the rail phase).
+enum class NcclAvg { Native, AsSum };
+
+// The NCCL reduction for `op` on `t` (bool travels as uint8 0/1: SUM and MAX
+// are OR, i.e. ncclMax; PRODUCT and MIN are AND, i.e. ncclMin). A clear
+// internal error for ops NCCL has no reduction for (the bitwise ones reduce
+// locally).
+ncclRedOp_t ncclRedOp(RedOp op, at::ScalarType t, NcclAvg avg = NcclAvg::Native);
 
 // Creates a communicator of `nranks` ranks (this one being `rank`) from a
 // unique id that rank 0 publishes under `prefix` + "uid". Each of

@@ -62,20 +62,12 @@ hierk::Elem elemOf(at::ScalarType t) {
   }
 }
 
+// The kernels' types: what fastcomm reduces (common/reduce.hpp) but int16
+// (NCCL, which runs the intra-node phases, has no int16) and bool (NCCL's
+// bool reductions are MAX/MIN over 0/1 bytes, which the flat communicator
+// does in one call anyway).
 bool supportedDtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-    case at::kDouble:
-    case at::kHalf:
-    case at::kBFloat16:
-    case at::kChar:
-    case at::kByte:
-    case at::kInt:
-    case at::kLong:
-      return true;
-    default:
-      return false;
-  }
+  return reducibleDtype(t) && t != at::kShort && t != at::kBool;
 }
 
 bool supportedOp(RedOp op) {
@@ -93,19 +85,6 @@ hierk::Op kernelOp(RedOp op) {
       return hierk::Op::Max;
     default:
       return hierk::Op::Sum;  // Sum, and Avg (divided at the end)
-  }
-}
-
-ncclRedOp_t ncclOpOf(RedOp op) {
-  switch (op) {
-    case RedOp::Product:
-      return ncclProd;
-    case RedOp::Min:
-      return ncclMin;
-    case RedOp::Max:
-      return ncclMax;
-    default:
-      return ncclSum;  // Avg divides once, after the rail phase
   }
 }
 
@@ -370,8 +349,9 @@ void CudaHier::allreduce(const at::Tensor& t, RedOp op, cudaStream_t s, const Op
   char* base = static_cast<char*>(buf.data_ptr());
   char* shard = base + topo_.localRank * S * esize;
   if (L > 1) {
-    ncclCheck(ncclReduceScatter(base, shard, S, ncclType(dt), ncclOpOf(op), intra_, s), intra_,
-              ctx.name);
+    ncclCheck(ncclReduceScatter(base, shard, S, ncclType(dt), ncclRedOp(op, dt, NcclAvg::AsSum),
+                                intra_, s),
+              intra_, ctx.name);
   }
   // Device scratch from the caching allocator, on this stream.
   const HierLayout l = HierLayout::make(S, topo_.numNodes(), plan_.cudaChunkBytes, esize);
