@@ -22,14 +22,14 @@ namespace {
 
 // Relative speed per output column of each kernel shape, for the
 // wave-quantised cost model of choose_plan (cooperative 128 x 256 = 1).
-// Cooperative 128 x 128 measured about 0.8 of it on the H200 (2026-11-21).
-// Ping-pong 128 x 128: predicted equal to the wide cooperative tile for the
-// bare product (same main loop rate, tile-quantisation aside) and ahead of
-// it once an epilogue has work, since its epilogue hides under the other
-// warpgroup's MMAs; to be replaced by the sweep's numbers (docs/matmul.md).
+// Measured on one H200, bf16, 2026-11-21 (benchmarks/results/
+// 2026-11-21-H200-matmul-hopper-sweep.md): cooperative 128 x 128 about 0.8
+// of it; ping-pong 128 x 128 0.86-0.91 of the cooperative 128 x 256 kernel
+// with its TMA-store epilogue on the bare product (2048..8192 cubed and the
+// LLM shapes), so it wins only where the wide tile wastes most of a wave.
 constexpr double kEffCoop256 = 1.0;
 constexpr double kEffCoop128 = 0.8;
-constexpr double kEffPingpong = 1.0;
+constexpr double kEffPingpong = 0.87;
 // CTA pairs with B multicast: off by default until the benchmark shows them
 // ahead (the first version was 0.63-0.70x of cuBLAS; see docs/matmul.md).
 constexpr int kDefaultCluster = 1;

@@ -2,7 +2,8 @@
 # Runs on a lent GPU machine (torch preinstalled, no network), from the repo
 # root: builds the extension, runs the GPU tests and the benchmarks, and
 # leaves logs and JSON in $OUT (at most 8 files come back).
-#   scripts/device_check.sh build tests bench cpubench cpubench2x2 multinode sweep hooks ddpbench ops
+#   scripts/device_check.sh build tests bench cpubench cpubench2x2 multinode sweep stagedsweep
+#     killed hooks ddpbench ops
 #   (any subset, in order)
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"
@@ -96,6 +97,47 @@ for stage in "${stages[@]}"; do
         --out-dir /tmp/fastcomm_sweep --json "$OUT/sweep_2x2.json" --plot "$OUT/sweep_2x2.png" \
         --md "$OUT/sweep_2x2.md" --label "4x H200 as 2x2 nodes, TCP loopback, all_reduce" \
         2>&1 | grep -v "^W1" | tail -n 40 | tee -a "$LOG"
+      ;;
+    stagedsweep)
+      # The staged CUDA all_reduce across 2 simulated nodes under transport
+      # settings (FASTCOMM_TCP_SOCKETS x FASTCOMM_TCP_THREADS, chunk bytes):
+      # wall time and the proxy's phases per setting (STAGED_CONFIGS overrides).
+      say "staged all_reduce settings sweep, $NGPU GPUs as 2 nodes"
+      for cfg in ${STAGED_CONFIGS:-4x2:4M 8x4:4M 16x4:4M 8x4:8M 8x4:16M 16x8:8M}; do
+        socks=${cfg%%x*}; rest=${cfg#*x}; threads=${rest%%:*}; chunk=${cfg#*:}
+        echo "--- sockets $socks threads $threads chunk $chunk" | tee -a "$LOG"
+        FASTCOMM_TCP_SOCKETS=$socks FASTCOMM_TCP_THREADS=$threads FASTCOMM_CUDA_CHUNK_BYTES=$chunk \
+          timeout 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
+          benchmarks/trace_staged_allreduce.py --sim-nodes 2 --sizes 16M,256M --iters 7 \
+          ${STAGED_ARGS:-} --json "$OUT/staged_${socks}x${threads}_${chunk}.json" 2>&1 \
+          | grep "B  median" | tee -a "$LOG"
+      done
+      ;;
+    killed)
+      # The killed-peer test of the staged path; if a survivor is still alive
+      # after 60 s (destroy hanging), dump every thread's stack of the ranks
+      # (kernel view here; the harness adds native stacks via SIGUSR2 into
+      # $OUT/hung when its own timeout fires).
+      say "killed peer on the staged path, with stack dumps of hung ranks"
+      FASTCOMM_CRASH_BACKTRACE=1 FASTCOMM_TEST_HANG_DIR="$OUT/hung" \
+        timeout 200 "$PY" -m pytest -q -x tests/test_cuda_hier.py -k killed > "$OUT/killed.log" 2>&1 &
+      tpid=$!
+      sleep 60
+      for pid in $(pgrep -f "_harness" || true); do
+        [[ "$pid" == "$$" ]] && continue
+        echo "=== stacks of pid $pid" >> "$OUT/stacks.log"
+        if command -v gdb > /dev/null; then
+          timeout 60 gdb -p "$pid" -batch -ex "thread apply all bt 25" >> "$OUT/stacks.log" 2>&1
+        elif command -v py-spy > /dev/null; then
+          timeout 60 py-spy dump --native --pid "$pid" >> "$OUT/stacks.log" 2>&1
+        else
+          for t in /proc/"$pid"/task/*; do
+            echo "$(cat "$t"/comm) $(cat "$t"/wchan 2> /dev/null) $(cat "$t"/syscall 2> /dev/null)" >> "$OUT/stacks.log"
+          done
+        fi
+      done
+      wait "$tpid"
+      tail -n 15 "$OUT/killed.log" | tee -a "$LOG"
       ;;
     hooks)
       say "DDP comm hooks and CUDA graph capture, $NGPU GPUs"

@@ -26,6 +26,8 @@ import dataclasses
 import importlib
 import os
 import pickle
+import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -63,7 +65,26 @@ def gloo_skip(reason: str) -> pytest.MarkDecorator:
 
 
 def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now."""
+    """A TCP port that is free on 127.0.0.1 right now, chosen below the kernel's ephemeral
+    range: a port from bind(0) is ephemeral, and the many connections the tests open draw
+    their local ports from that range, so one of them could take it before rank 0 listens
+    (EADDRINUSE)."""
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10000, max(low, 10001))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", 0))
@@ -254,7 +275,20 @@ def run_ranks(
                 except OSError:
                     pass
             time.sleep(1.0)
+            if os.environ.get("FASTCOMM_CRASH_BACKTRACE") == "1":
+                # fastcomm then prints every thread's native stack on SIGUSR2.
+                for r in hung:
+                    try:
+                        os.kill(procs[r].pid, signal.SIGUSR2)
+                    except OSError:
+                        pass
+                time.sleep(5.0)
             _kill_all(procs)
+            keep = os.environ.get("FASTCOMM_TEST_HANG_DIR")
+            if keep:  # the whole output of hung ranks (the tail below is short)
+                os.makedirs(keep, exist_ok=True)
+                for r in hung:
+                    shutil.copy(logs[r], os.path.join(keep, f"{fn.__name__}-rank{r}.log"))
             failures = [
                 RankFailure(
                     r, p.returncode, None, None, _tail(logs[r])

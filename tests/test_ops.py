@@ -22,7 +22,7 @@ from torchext.nn import FusedLinear
 
 HAS_CUDA = torch.cuda.is_available()
 _skip_no_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, _skip_no_cuda])]
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda(1), _skip_no_cuda])]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ACTS = ["none", "relu", "gelu", "gelu_tanh", "silu"]
 
@@ -412,7 +412,7 @@ def _check_all_layouts(device, dtype, shapes, acts=("none", "gelu")):
             assert err < RTOL[dtype], (m, n, k, act, err)
 
 
-@pytest.mark.cuda
+@pytest.mark.cuda(1)
 @_skip_no_cuda
 @pytest.mark.parametrize("impl", ["auto", "mma", "simt"])
 @pytest.mark.parametrize("tile", ["auto", "large", "small"])
@@ -427,14 +427,14 @@ def test_cuda_kernel_paths(monkeypatch, impl, tile, dtype):
     _check_all_layouts("cuda", dtype, shapes)
 
 
-@pytest.mark.cuda
+@pytest.mark.cuda(1)
 @_skip_no_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_cuda_fp32_fp64_paths(monkeypatch, dtype):
     _check_all_layouts("cuda", dtype, SHAPES + CUDA_SHAPES[:2])
 
 
-@pytest.mark.cuda
+@pytest.mark.cuda(1)
 @_skip_no_cuda
 def test_cuda_runs_on_current_stream():
     a = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
@@ -449,7 +449,7 @@ def test_cuda_runs_on_current_stream():
     assert _rel_err(y2, F.relu(a.double() @ w.double().t())) < RTOL[torch.bfloat16]
 
 
-@pytest.mark.cuda
+@pytest.mark.cuda(1)
 @_skip_no_cuda
 def test_cuda_graph_capture():
     a = torch.randn(256, 128, device="cuda", dtype=torch.float16)
@@ -496,7 +496,7 @@ WGMMA_SHAPES = [
 ]
 
 
-@pytest.mark.cuda
+@pytest.mark.cuda(1)
 @pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("variant", sorted(WGMMA_VARIANTS))
 @pytest.mark.parametrize("cluster", ["1", "2"])
@@ -520,7 +520,7 @@ def test_cuda_wgmma_kernel(monkeypatch, variant, cluster, mn_major, dtype):
     _check_all_layouts("cuda", dtype, WGMMA_SHAPES, acts=ACTS)
 
 
-@pytest.mark.cuda
+@pytest.mark.cuda(1)
 @_skip_no_cuda
 def test_cuda_default_dispatch(monkeypatch):
     """With no FASTCOMM_MATMUL_* settings: half types take the Hopper kernel on sm_90 for
@@ -550,7 +550,7 @@ def test_cuda_default_dispatch(monkeypatch):
         assert _rel_err(y, ref) < RTOL[bf], act
 
 
-@pytest.mark.cuda
+@pytest.mark.cuda(1)
 @_skip_no_cuda
 def test_cuda_matmul_knob_errors(monkeypatch):
     """A bad FASTCOMM_MATMUL_* value is an error that names the variable."""

@@ -47,9 +47,12 @@ struct Config {
   bool cudaTiming = false;
   // FASTCOMM_TCP_SOCKETS: sockets per peer connection of the tcp transport
   // (one stream cannot fill a fast link: NCCL_NSOCKS_PERTHREAD likewise).
-  int tcpSocketsPerPeer = 4;
-  // FASTCOMM_TCP_THREADS: progress threads of the tcp transport.
-  int tcpThreads = 2;
+  // FASTCOMM_TCP_THREADS: progress threads of the tcp transport. 8 x 4 was
+  // the fastest of {4x2, 8x4, 16x4, 8x8, 16x8} for the staged 256 MiB CUDA
+  // all_reduce on 4x H200 as 2x2 nodes (30.0 GB/s busbw against 19.8 for
+  // 4 x 2; benchmarks/results/2026-11-21-4xH200-2x2-staged-settings.md).
+  int tcpSocketsPerPeer = 8;
+  int tcpThreads = 4;
   // FASTCOMM_SOCKET_IFNAME: interface (or prefix) whose address the tcp
   // transport listens on; empty picks one automatically.
   std::string socketIfname;

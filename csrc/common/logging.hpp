@@ -12,7 +12,8 @@ LogLevel logLevel();
 void setLogLevel(LogLevel level);
 void logLine(LogLevel level, const std::string& line);
 // FASTCOMM_CRASH_BACKTRACE=1: a segfault prints the native stack of the
-// crashing thread (Python's faulthandler shows only Python frames).
+// crashing thread (Python's faulthandler shows only Python frames), and
+// SIGUSR2 prints every thread's native stack (for a hung process).
 void installCrashBacktrace();
 
 }  // namespace fastcomm

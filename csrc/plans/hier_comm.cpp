@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "common/logging.hpp"
+#include "common/store_util.hpp"
 #include "common/timeline.hpp"
 #include "plans/inter_plan.hpp"
 
@@ -19,11 +20,6 @@ namespace {
 // every rail all-reduces the whole (small) buffer by recursive doubling.
 // Latency, not bandwidth.
 constexpr int64_t kSmallBytes = 64 << 10;
-
-std::string storeGet(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key) {
-  auto v = store->get(key);
-  return std::string(v.begin(), v.end());
-}
 
 }  // namespace
 

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "common/logging.hpp"
+#include "common/store_util.hpp"
 #include "inter/transport.hpp"
 
 namespace fastcomm {
@@ -26,34 +27,6 @@ int64_t number(const std::string& plan, const std::string& key) {
   const std::string v = field(plan, key);
   TORCH_CHECK(!v.empty(), "fastcomm: the multi-node plan in the store lacks '", key, "': ", plan);
   return std::stoll(v);
-}
-
-}  // namespace
-
-std::string InterPlan::encode() const {
-  std::ostringstream os;
-  os << "transport=" << transport << ";wire=" << wireDtype << ";chunk=" << chunkBytes
-     << ";cuda_hier=" << (cudaHier ? 1 : 0) << ";cuda_chunk=" << cudaChunkBytes
-     << ";cuda_min=" << cudaHierMinBytes;
-  return os.str();
-}
-
-InterPlan InterPlan::decode(const std::string& text) {
-  InterPlan p;
-  p.transport = field(text, "transport");
-  p.wireDtype = field(text, "wire");
-  p.chunkBytes = number(text, "chunk");
-  p.cudaHier = number(text, "cuda_hier") != 0;
-  p.cudaChunkBytes = number(text, "cuda_chunk");
-  p.cudaHierMinBytes = number(text, "cuda_min");
-  return p;
-}
-
-namespace {
-
-std::string storeGet(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key) {
-  auto v = store->get(key);
-  return std::string(v.begin(), v.end());
 }
 
 // Rank 0: "tcp", "ib", or "" with `error` set when ib is forced but some rank
@@ -90,6 +63,25 @@ std::string chooseTransport(const c10::intrusive_ptr<c10d::Store>& store, int si
 }
 
 }  // namespace
+
+std::string InterPlan::encode() const {
+  std::ostringstream os;
+  os << "transport=" << transport << ";wire=" << wireDtype << ";chunk=" << chunkBytes
+     << ";cuda_hier=" << (cudaHier ? 1 : 0) << ";cuda_chunk=" << cudaChunkBytes
+     << ";cuda_min=" << cudaHierMinBytes;
+  return os.str();
+}
+
+InterPlan InterPlan::decode(const std::string& text) {
+  InterPlan p;
+  p.transport = field(text, "transport");
+  p.wireDtype = field(text, "wire");
+  p.chunkBytes = number(text, "chunk");
+  p.cudaHier = number(text, "cuda_hier") != 0;
+  p.cudaChunkBytes = number(text, "cuda_chunk");
+  p.cudaHierMinBytes = number(text, "cuda_min");
+  return p;
+}
 
 InterPlan InterPlan::agree(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                            const Config& cfg, const OpContext& ctx) {

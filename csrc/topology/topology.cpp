@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "common/deadline.hpp"
+#include "common/store_util.hpp"
 
 namespace fastcomm {
 
@@ -78,10 +79,7 @@ Topology Topology::exchange(const c10::intrusive_ptr<c10d::Store>& store, int ra
                    " ms");
   }
   std::vector<std::string> hosts(size);
-  for (int r = 0; r < size; ++r) {
-    auto v = store->get(keys[r]);
-    hosts[r].assign(v.begin(), v.end());
-  }
+  for (int r = 0; r < size; ++r) hosts[r] = storeGet(store, keys[r]);
   return fromHostIds(rank, std::move(hosts));
 }
 

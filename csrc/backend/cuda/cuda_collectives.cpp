@@ -667,10 +667,15 @@ void CudaCollectives::Impl::abort(const std::string& why) {
   {
     c10::cuda::CUDAGuard guard(device_);
     std::lock_guard<std::mutex> lock(issueMu_);
-    // Aborting makes NCCL kernels stuck on the dead peer return.
+    // Aborting makes NCCL kernels stuck on the dead peer return. Order
+    // matters: ncclCommAbort waits for the device while it frees (NCCL issues
+    // #829, #1013), so a communicator may only be aborted once nothing queued
+    // before its work can still block. The multi-node path goes first: its
+    // node communicator's kernels and the rail's flag waits sit on the comm
+    // stream, which the flat communicator shares.
+    if (hier_) hier_->abortComms(why);
     if (comm_ != nullptr) ncclCommAbort(comm_);
     comm_ = nullptr;
-    if (hier_) hier_->abortComms(why);
   }
 }
 

@@ -19,8 +19,10 @@
 #include <unordered_map>
 
 #include "common/logging.hpp"
+#include "common/store_util.hpp"
 #include "inter/ib/device.hpp"
 #include "inter/notifier.hpp"
+#include "inter/request.hpp"
 
 namespace fastcomm {
 namespace transport {
@@ -250,8 +252,6 @@ class Staging {
 
 // ----------------------------------------------------------------------------- requests
 
-enum class OpStatus : int { Pending = 0, Done = 1, Failed = 2 };
-
 struct Op {
   Op(bool send, char* data, int64_t bytes, uint64_t seq, bool zc, uint32_t lkey, uint32_t rkey)
       : isSend(send), data(data), bytes(bytes), seq(seq), zeroCopy(zc), lkey(lkey), rkey(rkey) {}
@@ -271,24 +271,7 @@ struct Op {
   int outstanding = 0;     // receive: slots in flight; send: pieces in flight
 };
 
-class IbRequest : public Request {
- public:
-  IbRequest(std::shared_ptr<Op> op, int peer) : op_(std::move(op)), peer_(peer) {}
-  bool test() override {
-    switch (op_->status.load(std::memory_order_acquire)) {
-      case OpStatus::Done:
-        return true;
-      case OpStatus::Failed:
-        throw TransportError(peer_, op_->error);
-      default:
-        return false;
-    }
-  }
-
- private:
-  std::shared_ptr<Op> op_;
-  int peer_;
-};
+using IbRequest = OpRequest<Op>;
 
 // ----------------------------------------------------------------------------- peer
 
@@ -580,8 +563,7 @@ std::vector<std::shared_ptr<Peer>> Engine::connect(const c10::intrusive_ptr<c10d
       if (have[i]) continue;
       const std::string key = handleKey(peers[i], rank);
       if (!store->check({key})) continue;
-      auto raw = store->get(key);
-      const std::string text(raw.begin(), raw.end());
+      const std::string text = storeGet(store, key);
       PeerHandle h;
       std::string why;
       if (!decodeHandle(text, &h, &why)) {

@@ -23,7 +23,9 @@
 #include <unordered_map>
 
 #include "common/logging.hpp"
+#include "common/store_util.hpp"
 #include "inter/notifier.hpp"
+#include "inter/request.hpp"
 #include "inter/tcp/socket.hpp"
 
 namespace fastcomm {
@@ -70,8 +72,6 @@ int64_t stripeCount(int64_t bytes) {
 
 // ----------------------------------------------------------------------------- requests
 
-enum class OpStatus : int { Pending = 0, Done = 1, Failed = 2 };
-
 struct Op {
   Op(bool send, char* data, int64_t bytes, uint64_t seq)
       : isSend(send), data(data), bytes(bytes), seq(seq), framesLeft(stripeCount(bytes)) {}
@@ -91,25 +91,7 @@ struct Op {
   std::string deferredError;
 };
 
-class TcpRequest : public Request {
- public:
-  TcpRequest(std::shared_ptr<Op> op, int peer) : op_(std::move(op)), peer_(peer) {}
-
-  bool test() override {
-    switch (op_->status.load(std::memory_order_acquire)) {
-      case OpStatus::Done:
-        return true;
-      case OpStatus::Failed:
-        throw TransportError(peer_, op_->error);
-      default:
-        return false;
-    }
-  }
-
- private:
-  std::shared_ptr<Op> op_;
-  int peer_;
-};
+using TcpRequest = OpRequest<Op>;
 
 class TcpMemoryRegion : public MemoryRegion {
  public:
@@ -1109,12 +1091,12 @@ std::vector<std::vector<Fd>> TcpTransport::handshake(const c10::intrusive_ptr<c1
             absent.push_back(o.peer);
             continue;
           }
-          auto raw = store->get(key);
+          const std::string text = storeGet(store, key);
           PeerHandle h;
-          if (!decodeHandle(std::string(raw.begin(), raw.end()), &h)) {
+          if (!decodeHandle(text, &h)) {
             throwCommError("fastcomm: " + ctx.describe() + ": tcp transport: the address of rank " +
                            std::to_string(o.peer) + " in the store (" + key +
-                           ") is not readable: '" + std::string(raw.begin(), raw.end()) + "'");
+                           ") is not readable: '" + text + "'");
           }
           if (h.sockets != sockets_) {
             throwCommError("fastcomm: " + ctx.describe() + ": rank " + std::to_string(o.peer) +

@@ -22,6 +22,7 @@
 #include <thread>
 
 #include "common/logging.hpp"
+#include "common/store_util.hpp"
 
 namespace fastcomm {
 
@@ -186,8 +187,7 @@ ShmComm::ShmComm(const c10::intrusive_ptr<c10d::Store>& store, const std::string
     } catch (const std::exception&) {
       fail(ctx, {0}, "shared-memory setup");
     }
-    auto v = store->get(key);
-    name.assign(v.begin(), v.end());
+    name = storeGet(store, key);
     fd = shm_open(name.c_str(), O_RDWR, 0600);
     TORCH_CHECK(fd >= 0, "fastcomm: cannot open shared memory ", name,
                 " of local rank 0: ", errnoText(errno));

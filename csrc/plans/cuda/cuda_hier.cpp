@@ -379,12 +379,17 @@ void CudaHier::allreduce(const at::Tensor& t, RedOp op, cudaStream_t s, const Op
 // ----------------------------------------------------------------------------- failures
 
 void CudaHier::abortComms(const std::string& why) {
+  // The rail first: from now on its proxy keeps releasing every device wait.
+  // ncclCommAbort below waits for the device while it frees, and the comm
+  // stream holds rail waits between this communicator's reduce-scatter and
+  // all-gather; released, the stream runs through (the aborted kernels
+  // return at once).
+  if (rail_) rail_->abort(why);
   // Kernels of the node's communicator stuck on a dead peer return.
   if (intra_ != nullptr) {
     ncclCommAbort(intra_);
     intra_ = nullptr;
   }
-  if (rail_) rail_->abort(why);
 }
 
 void CudaHier::shutdown(cudaStream_t stream, bool failed) {
