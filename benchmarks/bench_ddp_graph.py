@@ -268,7 +268,7 @@ def bench_model(
     rows = {m: Row(spec.name, m, world, warmup=args.warmup) for m in args.modes}
     runners: dict[str, Runner] = {}
     for mode in args.modes:
-        group = groups.get(backend_of(mode))
+        group = groups.get(group_of(mode))
         err: Optional[str] = None
         try:
             if group is None:
@@ -313,27 +313,43 @@ def bench_model(
     return list(rows.values())
 
 
-def table(rows: Sequence[Row], spec: ModelSpec, args: argparse.Namespace) -> list[str]:
-    lines = [
-        f"# model {spec.name}: {spec.describe()}, {args.dtype}, {args.optimizer}, "
-        f"{rows[0].world if rows else 0} ranks",
-        f"# {'mode':<16}{'ms/step':>10}{'±%':>7}{'fastest':>10}{'iters':>7}"
-        f"{'vs nccl':>9}{'ranks agree':>13}",
+COLUMNS = ("mode", "ms/step", "±%", "fastest", "iters", "vs nccl", "ranks agree")
+WIDTHS = (-16, 10, 7, 10, 7, 9, 13)  # console: negative = left-aligned
+
+
+def row_cells(r: Row) -> list[str]:
+    """A row's columns as text (COLUMNS), for the console table and the markdown alike; a
+    failed mode has two: its name and the error."""
+    if r.status != "ok":
+        return [r.mode, f"failed: {r.error}"]
+    sp = f"{r.speedup_vs_nccl:.2f}x" if r.speedup_vs_nccl else "-"
+    return [
+        r.mode,
+        f"{r.time_ms:.3f}",
+        f"{r.spread_pct:.1f}",
+        f"{r.time_ms_min:.3f}",
+        str(r.iters),
+        sp,
+        str(r.ranks_agree),
     ]
-    for r in rows:
-        if r.status != "ok":
-            lines.append(f"  {r.mode:<16}{'failed':>10}  {r.error}")
-            continue
-        sp = f"{r.speedup_vs_nccl:.2f}x" if r.speedup_vs_nccl else "-"
-        lines.append(
-            f"  {r.mode:<16}{r.time_ms:>10.3f}{r.spread_pct:>7.1f}{r.time_ms_min:>10.3f}"
-            f"{r.iters:>7}{sp:>9}{str(r.ranks_agree):>13}"
-        )
-    return lines
+
+
+def table(rows: Sequence[Row], spec: ModelSpec, args: argparse.Namespace) -> list[str]:
+    def line(cells: Sequence[str]) -> str:
+        if len(cells) < len(WIDTHS):  # a failed mode: the error runs on unaligned
+            return f"{cells[0]:<{-WIDTHS[0]}}  {cells[1]}"
+        return "".join(f"{c:<{-w}}" if w < 0 else f"{c:>{w}}" for c, w in zip(cells, WIDTHS))
+
+    title = (
+        f"# model {spec.name}: {spec.describe()}, {args.dtype}, {args.optimizer}, "
+        f"{rows[0].world if rows else 0} ranks"
+    )
+    return [title, "# " + line(COLUMNS)] + ["  " + line(row_cells(r)) for r in rows]
 
 
 def render_markdown(data: dict[str, Any]) -> str:
     meta = data["meta"]
+    sim = meta.get("sim_nodes") or {}
     out = [
         f"# DDP step time, eager vs CUDA graph: {meta['label'] or meta['device']}",
         "",
@@ -347,37 +363,45 @@ def render_markdown(data: dict[str, Any]) -> str:
         f"- Modes: {meta['modes_described']}",
         f"- Timing: {meta['timing']}",
     ]
+    if sim.get("nodes", 1) > 1:
+        out.append(
+            f"- Simulated nodes: {sim['nodes']} x {sim['ranks_per_node']} ranks "
+            f"(FASTCOMM_HOST_ID / NCCL_HOSTID per block of ranks; NCCL network set: "
+            f"{sim.get('set') or 'none'}, kept from the environment: {sim.get('kept') or 'none'})"
+        )
     for name, desc in meta["models"].items():
         out += ["", f"## {name}: {desc}", ""]
-        out.append(
-            "| mode | ms/step (median) | ± % | fastest rank ms | iters | vs nccl | ranks agree |"
-        )
-        out.append("|---|---|---|---|---|---|---|")
+        out.append("| " + " | ".join(COLUMNS) + " |")
+        out.append("|" + "---|" * len(COLUMNS))
         for r in (Row(**x) for x in data["results"] if x["model"] == name):
-            if r.status != "ok":
-                out.append(f"| {r.mode} | failed: {r.error} | | | | | |")
-                continue
-            sp = f"{r.speedup_vs_nccl:.2f}x" if r.speedup_vs_nccl else "-"
-            out.append(
-                f"| {r.mode} | {r.time_ms:.3f} | {r.spread_pct:.1f} | {r.time_ms_min:.3f} | "
-                f"{r.iters} | {sp} | {r.ranks_agree} |"
-            )
+            cells = row_cells(r)
+            cells += [""] * (len(COLUMNS) - len(cells))
+            out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
 
+def group_of(mode: str) -> str:
+    """Which group a mode runs on: eager modes share their backend's, graph modes get one of
+    their own ("nccl-graph"), so a capture cannot change how the eager modes' collectives run
+    (fastcomm hands a group's eager multi-node all_reduces to its proxy in stream order once
+    the group captured one; NCCL routes eager proxy work through host callbacks while
+    captured plans exist)."""
+    return mode if mode.endswith("-graph") else backend_of(mode)
+
+
 def make_groups(modes: Sequence[str]) -> tuple[dict[str, Any], Any, Any]:
-    """The default group is Gloo (barriers, timing reductions); one group per measured
-    backend. Returns (groups, control group, torchext or None)."""
+    """The default group is Gloo (barriers, timing reductions); one group per group_of()
+    key. Returns (groups, control group, torchext or None)."""
     dist.init_process_group(backend="gloo")
     groups: dict[str, Any] = {}
     torchext = None
-    backends = dict.fromkeys(backend_of(m) for m in modes)
-    for b in backends:
-        if b == "fastcomm":
+    for key in dict.fromkeys(group_of(m) for m in modes):
+        b = backend_of(key)
+        if b == "fastcomm" and torchext is None:
             import torchext as te  # registers the backend
 
             torchext = te
-        groups[b] = dist.new_group(backend=b)
+        groups[key] = dist.new_group(backend=b)
     return groups, dist.group.WORLD, torchext
 
 
@@ -403,7 +427,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not torch.cuda.is_available():
         print("bench_ddp_graph measures CUDA graphs: it needs GPUs", file=sys.stderr)
         return 2
-    sim = apply_sim_nodes(args.sim_nodes)
+    try:
+        sim = apply_sim_nodes(args.sim_nodes)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
     torch.backends.cuda.matmul.allow_tf32 = args.tf32

@@ -10,9 +10,11 @@ CPU (CI), 2 and 4 ranks, over the backend under test and over Gloo:
 GPU (marked cuda): DDP with ``static_graph=True``, ``gradient_as_bucket_view=True`` and a
 capturable optimizer, a whole training step captured with ``torch.cuda.graph`` and replayed on
 static inputs: the parameters after N replays equal those of N eager steps (same seed and
-data) for each hook. Also: a hook's future is complete during the capture, eager works
-still watched when a capture begins, FASTCOMM_BLOCKING_WAIT under capture, and on simulated
-multi-node groups the clear error that the capture is not supported.
+data) for each hook, also on 4 GPUs simulated as 2 nodes x 2, where the largest bucket takes
+fastcomm's staged multi-node path (captured with the host node that feeds its proxy) and the
+others the flat NCCL communicator. Also: a hook's future is complete during the capture, eager
+works still watched when a capture begins, FASTCOMM_BLOCKING_WAIT under capture, and the clear
+error when the staged path's first use is under capture.
 """
 
 from __future__ import annotations
@@ -282,12 +284,22 @@ REPLAYS = 6
 G_IN, G_HIDDEN, G_LAYERS, G_BATCH = 64, 128, 6, 16
 
 
-def _gpu_model(seed: int, device: torch.device) -> nn.Module:
+G_WIDE = 1024  # wide model: a 1024 x 1024 weight, 4 MiB of float32 gradients in one bucket
+
+
+def _gpu_model(seed: int, device: torch.device, wide: bool = False) -> nn.Module:
+    """Small layers; ``wide`` adds a G_WIDE x G_WIDE layer, whose bucket (4 MiB, or 2 MiB
+    compressed to 16 bits) is above FASTCOMM_CUDA_HIER_MIN_BYTES (1 MiB) while the others'
+    stay below it."""
     torch.manual_seed(seed)
     layers: list[nn.Module] = [nn.Linear(G_IN, G_HIDDEN), nn.Tanh()]
     for _ in range(G_LAYERS - 2):
         layers += [nn.Linear(G_HIDDEN, G_HIDDEN), nn.Tanh()]
-    layers.append(nn.Linear(G_HIDDEN, 8))
+    if wide:
+        layers += [nn.Linear(G_HIDDEN, G_WIDE), nn.Tanh(), nn.Linear(G_WIDE, G_WIDE), nn.Tanh()]
+        layers.append(nn.Linear(G_WIDE, 8))
+    else:
+        layers.append(nn.Linear(G_HIDDEN, 8))
     return nn.Sequential(*layers).to(device)
 
 
@@ -328,7 +340,13 @@ def _ddp(model: nn.Module, device: torch.device, hook: str) -> DDP:
     return ddp
 
 
-def capture_parity_fn(rank: int, ws: int, cases: list[tuple[str, str]]) -> dict[str, Any]:
+def capture_parity_fn(
+    rank: int, ws: int, cases: list[tuple[str, str]], wide: bool = False
+) -> dict[str, Any]:
+    """``wide``: the wide model, and the staged multi-node path must run in the replays
+    (its proxy's timeline events, FASTCOMM_TIMELINE=1)."""
+    if wide:
+        import torchext
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     chk = Checker(f"rank {rank}")
@@ -337,7 +355,7 @@ def capture_parity_fn(rank: int, ws: int, cases: list[tuple[str, str]]) -> dict[
     for hook, optim in cases:
         what = f"{hook} + {optim}"
         # Eager reference: WARMUP + REPLAYS ordinary steps.
-        ref = _ddp(_gpu_model(42, device), device, hook)
+        ref = _ddp(_gpu_model(42, device, wide), device, hook)
         ref_opt = _make_opt(optim, ref.parameters())
         for x, y in data:
             _gpu_step(ref, ref_opt, x, y)
@@ -347,7 +365,7 @@ def capture_parity_fn(rank: int, ws: int, cases: list[tuple[str, str]]) -> dict[
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            ddp = _ddp(_gpu_model(42, device), device, hook)
+            ddp = _ddp(_gpu_model(42, device, wide), device, hook)
             opt = _make_opt(optim, ddp.parameters())
             static_x = torch.empty_like(data[0][0])
             static_y = torch.empty_like(data[0][1])
@@ -359,11 +377,16 @@ def capture_parity_fn(rank: int, ws: int, cases: list[tuple[str, str]]) -> dict[
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             _gpu_step(ddp, opt, static_x, static_y)
+        if wide:
+            torchext.timeline()  # from here on: the replays' events only
         for x, y in data[WARMUP:]:
             static_x.copy_(x)
             static_y.copy_(y)
             graph.replay()
         torch.cuda.synchronize()
+        if wide:
+            chunks = {e["chunk"] for e in torchext.timeline() if e["thread"] == "fc-cuda-proxy"}
+            chk.true(len(chunks) > 0, f"{what}: the staged multi-node path did not run in replays")
         worst = 0.0
         for j, (p, q) in enumerate(zip(ddp.module.parameters(), ref.module.parameters())):
             d = float((p - q).abs().max())
@@ -373,7 +396,7 @@ def capture_parity_fn(rank: int, ws: int, cases: list[tuple[str, str]]) -> dict[
                 chk.fail(f"{what}: parameter {j} after {REPLAYS} replays differs by {d:.3g}")
         moved = max(
             float((p - q).abs().max())
-            for p, q in zip(ddp.module.parameters(), _gpu_model(42, device).parameters())
+            for p, q in zip(ddp.module.parameters(), _gpu_model(42, device, wide).parameters())
         )
         chk.true(moved > 1e-4, f"{what}: the replays did not train (max change {moved:.3g})")
         diffs[what] = worst
@@ -575,66 +598,55 @@ def _messages(e: BaseException) -> list[str]:
     return out
 
 
-def multinode_capture_fn(rank: int, ws: int) -> dict[str, Any]:
+def multinode_capture_fn(rank: int, ws: int, cases: list[tuple[str, str]]) -> dict[str, Any]:
+    """First the non-capturable case: the staged path's first use under capture (its set-up
+    cannot be captured) raises a clear error naming CUDA graphs and the eager warm-up it
+    needs. Then the parity of captured and eager DDP steps with the wide model."""
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
-    # 4 MiB: above FASTCOMM_CUDA_HIER_MIN_BYTES, so across nodes it takes the staged path,
-    # which cannot be captured yet.
-    x = torch.ones(1 << 20, device=device)
-    dist.all_reduce(x)  # eager multi-node all_reduce works (and sets the staged path up)
-    torch.cuda.synchronize()
-    outcomes: dict[str, Any] = {}
-    for what in ("all_reduce", "allreduce_hook"):
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                if what == "all_reduce":
-                    dist.all_reduce(x)
-                else:
-                    _hook("allreduce_hook")(None, _Bucket(x)).wait()
-        except RuntimeError as e:
-            outcomes[what] = {"raised": True, "messages": _messages(e)}
-        else:
-            outcomes[what] = {"raised": False, "messages": []}
-        del graph
-        torch.cuda.synchronize()
-    # Small all_reduces stay on the flat NCCL communicator across nodes: those capture,
-    # and every replay reduces again.
-    small = torch.empty(4096, device=device)
+    x = torch.ones(1 << 20, device=device)  # 4 MiB: the staged path across nodes
     graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        dist.all_reduce(small)  # warm-up outside the capture
+    first_use: dict[str, Any] = {"raised": False, "messages": []}
+    try:
         with torch.cuda.graph(graph):
-            dist.all_reduce(small)
-    torch.cuda.current_stream().wait_stream(stream)
-    replays = []
-    for _ in range(2):
-        small.fill_(rank + 1.0)
-        graph.replay()
-        torch.cuda.synchronize()
-        replays.append(float(small.min()) == float(small.max()) == ws * (ws + 1) / 2)
-    outcomes["small_replays_correct"] = all(replays)
-    return outcomes
+            _hook("allreduce_hook")(None, _Bucket(x)).wait()
+    except RuntimeError as e:
+        first_use = {"raised": True, "messages": _messages(e)}
+    del graph
+    torch.cuda.synchronize()
+    out = capture_parity_fn(rank, ws, cases, wide=True)
+    out["first_use"] = first_use
+    return out
+
+
+MULTINODE_CASES = [
+    ("allreduce_hook", "adam"),
+    ("bf16_compress_hook", "sgd"),
+    ("fp16_compress_hook", "sgd"),
+]
 
 
 @pytest.mark.skipif(BACKEND != "fastcomm", reason="fastcomm's multi-node CUDA path")
 @pytest.mark.cuda(4)
-def test_multinode_capture_raises_clear_error() -> None:
-    """4 GPUs as 2 nodes x 2: the staged multi-node CUDA path cannot be captured yet, and
-    says so (a RuntimeError mentioning CUDA graphs) instead of hanging or recording a wrong
-    graph; small all_reduces (flat NCCL communicator) capture and replay correctly."""
+def test_multinode_ddp_step_captured_equals_eager() -> None:
+    """4 GPUs as 2 nodes x 2: a whole DDP step captured with each hook, its 4 MiB bucket on
+    the staged multi-node path and the small ones on the flat NCCL communicator; after
+    REPLAYS replays the parameters equal those of the eager steps. Before that, the staged
+    path's first use under capture raises a RuntimeError naming CUDA graphs and the eager
+    warm-up instead of hanging or recording a wrong graph."""
     res = run_ranks(
         4,
         multinode_capture_fn,
-        env=lambda r: {"FASTCOMM_HOST_ID": f"simnode{r // 2}"},
-        timeout_s=240,
+        MULTINODE_CASES,
+        env=lambda r: {"FASTCOMM_HOST_ID": f"simnode{r // 2}", "FASTCOMM_TIMELINE": "1"},
+        timeout_s=400,
     )
-    for rank, outcome in enumerate(res):
-        assert outcome.pop("small_replays_correct"), f"rank {rank}: small all_reduce replays wrong"
-        for what, o in outcome.items():
-            assert o["raised"], f"rank {rank}: capturing {what} on 2 nodes did not raise"
-            assert any("cuda graph" in m.lower() for m in o["messages"]), (
-                f"rank {rank}: {what}: the error does not mention CUDA graphs: {o['messages']}"
-            )
+    print(res[0])
+    for rank, out in enumerate(res):
+        o = out["first_use"]
+        assert o["raised"], f"rank {rank}: the staged path's first use under capture did not raise"
+        text = " ".join(o["messages"]).lower()
+        assert "cuda graph" in text and "eager" in text, (
+            f"rank {rank}: the error does not name CUDA graphs and the eager warm-up: "
+            f"{o['messages']}"
+        )

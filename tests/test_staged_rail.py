@@ -7,6 +7,12 @@ so the rail is the whole group. Checks results against float64/int64 references 
 data, many chunks with short and empty pieces, several ops in flight reusing the staging
 slots, the 16-bit wire dtypes, and that a dead or absent peer makes the others fail with a
 clear error instead of hanging.
+
+Captured mode (what a CUDA graph does on the GPU): the endpoint records the device operations
+of its ops once (capture_begin / issue / capture_end) and replays them; each replay hands the
+op to the proxy from a host call in stream order. Checked: results on fresh data every replay,
+eager ops interleaved with replays (also in flight together with them), two replays in flight,
+every flag back at its initial value after each op, and a peer lost during a replay.
 """
 
 from __future__ import annotations
@@ -188,4 +194,152 @@ def test_staged_rail_dead_or_absent_peer(mode: str) -> None:
         msg = out["message"]
         assert "all_reduce" in msg and "[1]" in msg and "timeout" in msg.lower(), msg
         assert out["elapsed"] <= TIMEOUT_S + 10, out
+        assert out["close_s"] <= 15, out
+
+
+# ----------------------------------------------------------------------------- captured
+
+
+REPLAYS = 4
+
+
+def capture_fn(rank: int, ws: int) -> dict[str, Any]:
+    store = _store(rank, ws)
+    chk = Checker(f"rank {rank}")
+    ep = _endpoint(store, "capture", rank, ws, chunk_bytes=4096, timeout_s=30.0)
+
+    def eager(key: str, n: int, dt: torch.dtype, op: str) -> tuple[Any, torch.Tensor, list[Any]]:
+        inputs = [gen(key, r, (n,), dt, op) for r in range(ws)]
+        t = inputs[rank].clone()
+        return t, inputs, ep.issue(t, op)
+
+    # An eager op first, as a warm-up would be: the captured ops then do not start at slot 0.
+    t, inputs, tk = eager("cap/warm", 2500, torch.float32, "SUM")
+    ep.wait(tk)
+    chk.reduced(t, inputs, "SUM", "warm-up")
+    chk.true(ep.flags_at_rest() == "", "flags after the warm-up")
+
+    # Graph 1: two all_reduces of static buffers, many chunks each (4 KiB chunks).
+    a = torch.zeros(9001, dtype=torch.float32)
+    b = torch.zeros(3001, dtype=torch.int64)
+    ep.capture_begin()
+    tickets = [ep.issue(a, "SUM"), ep.issue(b, "MAX")]
+    g1 = ep.capture_end()
+    chk.true(tickets == [-1, -1], f"captured issues gave tickets {tickets}")
+    chk.true(bool((a == 0).all()) and bool((b == 0).all()), "the capture ran the ops")
+    # Graph 2: one integer SUM, replayed twice in flight (exact: ws * ws * sum).
+    c = torch.zeros(1777, dtype=torch.int64)
+    ep.capture_begin()
+    ep.issue(c, "SUM")
+    g2 = ep.capture_end()
+
+    for i in range(REPLAYS):
+        ins_a = [gen(f"cap/a/{i}", r, a.shape, a.dtype, "SUM") for r in range(ws)]
+        ins_b = [gen(f"cap/b/{i}", r, b.shape, b.dtype, "MAX") for r in range(ws)]
+        a.copy_(ins_a[rank])
+        b.copy_(ins_b[rank])
+        # Eager ops before and after the replay, all in flight together; their sizes move the
+        # chunk counter by amounts that are no multiple of the slot window, so the replay's
+        # fixed slots land on different slots of the eager ops' every time.
+        pending = []
+        if i % 2:
+            pending.append(eager(f"cap/e0/{i}", 1000 * i + 7, torch.float32, "AVG") + ("AVG",))
+        rt = ep.replay(g1)
+        pending.append(eager(f"cap/e1/{i}", 777 * (i + 1) + 3, torch.int32, "SUM") + ("SUM",))
+        pending.append(eager(f"cap/e2/{i}", 5, torch.bfloat16, "MIN") + ("MIN",))
+        for t, inputs, tk, op in reversed(pending):
+            ep.wait(tk)
+            chk.reduced(t, inputs, op, f"replay {i}: eager {op} of {t.numel()} in flight with it")
+        ep.wait(rt)
+        chk.reduced(a, ins_a, "SUM", f"replay {i}: float32 SUM")
+        chk.reduced(b, ins_b, "MAX", f"replay {i}: int64 MAX")
+        rest = ep.flags_at_rest()
+        chk.true(rest == "", f"replay {i}: flags not back at their initial values:{rest}")
+
+    ins_c = [gen("cap/c", r, c.shape, c.dtype, "SUM") for r in range(ws)]
+    c.copy_(ins_c[rank])
+    t1, t2 = ep.replay(g2), ep.replay(g2)
+    ep.wait(t2)
+    ep.wait(t1)
+    chk.equal(c, ws * sum(ins_c), "two replays in flight: the second reduces the first's result")
+    # Graph 1 still replays correctly after the other graph and all the eager ops.
+    ins_a = [gen("cap/a/last", r, a.shape, a.dtype, "SUM") for r in range(ws)]
+    a.copy_(ins_a[rank])
+    ep.wait(ep.replay(g1))
+    chk.reduced(a, ins_a, "SUM", "last replay")
+    chk.true(ep.flags_at_rest() == "", "flags after the last replay")
+    ep.close()
+    _done(store, "capture", rank, ws)
+    chk.raise_if_failed()
+    return {}
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_staged_rail_captured_replays(ws: int) -> None:
+    """Ops recorded once and replayed with fresh data, eager ops of other sizes interleaved
+    and in flight with the replays, two replays in flight: every result equals its reference
+    and every flag is back at its initial value after each round."""
+    run_ranks(ws, capture_fn, init=False, timeout_s=300)
+
+
+def capture_failure_fn(rank: int, ws: int, mode: str) -> dict[str, Any]:
+    store = _store(rank, ws)
+    ep = _endpoint(store, f"capfail-{mode}", rank, ws, chunk_bytes=4096, timeout_s=TIMEOUT_S)
+    a = torch.zeros(50_001)
+    ep.capture_begin()
+    ep.issue(a, "SUM")
+    g = ep.capture_end()
+    a.fill_(1.0)
+    ep.wait(ep.replay(g))  # every rank replays once
+    assert bool((a == ws).all())
+    victim = 1
+    out: dict[str, Any] = {}
+    if rank == victim:
+        if mode == "dies":
+            os._exit(17)
+        store.wait([f"capfail/done/{r}" for r in range(ws) if r != victim], timedelta(seconds=60))
+        ep.close()
+        return out
+    t0 = time.monotonic()
+    try:
+        for _ in range(3):
+            a.fill_(1.0)
+            ep.wait(ep.replay(g))
+    except RuntimeError as e:
+        out["elapsed"] = time.monotonic() - t0
+        out["message"] = str(e)
+    try:
+        ep.issue(torch.ones(10), "SUM")
+        out["next"] = None
+    except RuntimeError as e:
+        out["next"] = str(e)
+    t1 = time.monotonic()
+    ep.close()
+    out["close_s"] = time.monotonic() - t1
+    store.set(f"capfail/done/{rank}", "1")
+    if rank == 0:
+        store.wait([f"capfail/done/{r}" for r in range(ws) if r != victim], timedelta(seconds=60))
+        if mode == "sleeps":
+            time.sleep(1.0)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["dies", "sleeps"])
+def test_staged_rail_peer_lost_during_replay(mode: str) -> None:
+    """Rank 1 of 3 exits, or stops replaying, after one replay: the others' next replay
+    raises within the timeout (+ grace) naming all_reduce in a graph replay, rank [1] and the
+    timeout; the next op raises at once naming that failure; closing returns promptly."""
+    res = run_ranks(
+        3, capture_failure_fn, mode, init=False,
+        expect_fail={1: 17} if mode == "dies" else None, timeout_s=120,
+    )  # fmt: skip
+    for r in (0, 2):
+        out = res[r]
+        assert "message" in out, f"rank {r}: no error without rank 1: {out}"
+        msg = out["message"]
+        assert "all_reduce" in msg and "graph replay" in msg, msg
+        assert "[1]" in msg and "timeout" in msg.lower(), msg
+        assert out["elapsed"] <= TIMEOUT_S + 10, out
+        nxt = out["next"]
+        assert nxt is not None and "failed earlier" in nxt and "[1]" in nxt, nxt
         assert out["close_s"] <= 15, out

@@ -60,6 +60,24 @@ struct StagedRail::ChunkState {
   explicit ChunkState(int peers) : rsRecv(peers), agRecv(peers), rsSend(peers), agSend(peers) {}
 };
 
+// What a host call of the stream reaches the rail through. stop() clears
+// `rail`, so a host call that runs later (a replay after the group was
+// destroyed, which is not allowed, or one the owner could not wait for after
+// a failure) touches no freed rail: it only finds nothing to feed.
+struct StagedRail::Gate {
+  std::mutex mu;
+  StagedRail* rail = nullptr;
+};
+
+// An op handed to the proxy from the stream: a captured one (owned by the
+// rail, run on every replay) or, once the rail has captured ops, an eager
+// one (run once, frees itself).
+struct StagedRail::HostOp {
+  std::shared_ptr<Gate> gate;
+  Op op;
+  bool captured = false;
+};
+
 // ----------------------------------------------------------------------------- setup
 
 StagedRail::Staging StagedRail::stagingFor(int rails, int64_t chunkBytes) {
@@ -90,7 +108,9 @@ StagedRail::StagedRail(StagedDevice& device, Staging staging, std::vector<int> r
       chunkBytes_(chunkBytes),
       wire_(wire),
       store_(store),
-      hooks_(std::move(hooks)) {
+      hooks_(std::move(hooks)),
+      gate_(std::make_shared<Gate>()) {
+  gate_->rail = this;
   const int rails = static_cast<int>(railRanks_.size());
   TORCH_CHECK(rails >= 2 && me_ >= 0 && me_ < rails && railRanks_[me_] == groupRank_,
               "fastcomm: internal: bad rail");
@@ -118,7 +138,12 @@ StagedRail::~StagedRail() { stop(); }
 
 std::string StagedRail::transportName() const { return rsNet_ ? rsNet_->name() : "?"; }
 
-void StagedRail::stop() {
+void StagedRail::stop(bool deviceMayRun) {
+  {
+    // First: an op that comes in after this could not be served.
+    std::lock_guard<std::mutex> lock(gate_->mu);
+    gate_->rail = nullptr;
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
@@ -131,6 +156,12 @@ void StagedRail::stop() {
   if (agNet_) agNet_->close();
   rsConns_.clear();
   agConns_.clear();
+  if (deviceMayRun) {
+    // A replay may still run a host node that reads its descriptor; the
+    // gate keeps it away from this rail.
+    for (auto& h : captured_) (void)h.release();
+  }
+  captured_.clear();
 }
 
 void StagedRail::abort(const std::string& why) {
@@ -236,24 +267,36 @@ void StagedRail::allreduce(char* shard, int64_t shardElems, at::ScalarType dt, R
   char* dPack = dRecv + roundUp(peers * l.qMax * wsize, 256);
   char* dOut = dPack + (wire ? roundUp(peers * l.qMax * 2, 256) : 0);
 
+  const bool capture = dev_.capturing();
   Op desc;
-  desc.name = ctx.name;
+  desc.name = std::string(ctx.name) + (capture ? " (in a CUDA graph replay)" : "");
   desc.seq = ctx.seq;
   desc.timeout = ctx.timeout;
-  desc.deadline = ctx.deadline;
+  desc.deadline = ctx.deadline;  // captured: reset by every replay's host call
   desc.layout = l;
   desc.firstChunk = nextChunk_;
   desc.esize = wsize;
   desc.failWork = std::move(failWork);
   const int64_t first = nextChunk_;
   nextChunk_ += l.chunks;
-  {
+  if (capture || !captured_.empty()) {
+    // Handed over in stream order, before the op's first device wait (the
+    // header says why eager ops join once a graph may replay).
+    auto h = std::make_unique<HostOp>();
+    h->gate = gate_;
+    h->op = std::move(desc);
+    h->captured = capture;
+    dev_.hostCall(&StagedRail::enqueueFromStream, h.get());
+    if (capture) {
+      captured_.push_back(std::move(h));
+    } else {
+      (void)h.release();  // the host call frees it
+    }
+  } else {
     // First, so the proxy posts the receives while the device still works on
     // what came before.
-    std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(std::move(desc));
+    enqueue(std::move(desc));
   }
-  cv_.notify_one();
 
   // The schedule (see the header): P of the first kStagedWindow chunks, then for
   // each chunk t its reduction A(t), the all-gather copies B(t - kStagedLag) and
@@ -276,6 +319,42 @@ void StagedRail::allreduce(char* shard, int64_t shardElems, at::ScalarType dt, R
 }
 
 // ----------------------------------------------------------------------------- proxy
+
+void StagedRail::enqueue(Op op) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(op));
+  }
+  cv_.notify_one();
+}
+
+void StagedRail::enqueueFromStream(void* hostOp) {
+  // A host function of the stream (CUDA's host-function thread, or the
+  // emulated device's): no CUDA calls, only the queue. It must not throw.
+  auto* h = static_cast<HostOp*>(hostOp);
+  {
+    std::lock_guard<std::mutex> lock(h->gate->mu);
+    StagedRail* rail = h->gate->rail;
+    if (rail != nullptr) {
+      try {
+        if (h->captured) {
+          Op op = h->op;  // the descriptor stays for the next replay
+          op.deadline = Clock::now() + op.timeout;
+          rail->enqueue(std::move(op));
+        } else {
+          rail->enqueue(std::move(h->op));
+        }
+      } catch (const std::exception& e) {
+        // Out of memory copying the descriptor: nobody would release the
+        // op's device waits but the failed rail's drain.
+        rail->abort(std::string("fastcomm: internal: a CUDA host function could not hand an op "
+                                "to the multi-node proxy: ") +
+                    e.what());
+      }
+    }
+  }
+  if (!h->captured) delete h;
+}
 
 void StagedRail::proxyLoop() {
   // Precise short naps: the default 50 us timer slack would stretch every

@@ -33,6 +33,42 @@
 // naming the collective, the peer and the timeout, and abort the group (a
 // hook); the proxy then keeps releasing every device wait, so no stream waits
 // forever.
+//
+// CUDA graphs. Under capture (StagedDevice::capturing()) the device steps of
+// an op are recorded once and run again on every replay, and the op must
+// reach the proxy on every replay too. So instead of the issuing thread
+// pushing it once, a host call recorded before the op's first device wait
+// (StagedDevice::hostCall: a host node of the graph) hands a fresh copy of
+// the op's descriptor to the proxy each time the stream gets there, its
+// deadline counted from then. The rail owns the captured descriptors until
+// stop(). NCCL feeds its proxy from captured kernel plans the same way
+// (src/enqueue.cc: for a persistent plan, cudaLaunchHostFunc of
+// hostStreamPlanCallback, which uploads the plan's proxy ops). The device
+// side needs nothing new: its waits are "wait for 1, reset to 0", the
+// staging and flags have fixed addresses, and every flag is back to its
+// initial value when the proxy finishes an op (the flags below), so each
+// replay starts from the state the capture saw.
+//
+// Once an op was captured, eager ops go through a host call too (the issuing
+// thread no longer pushes them directly, so their receives are posted only
+// when the stream reaches them): the proxy must take ops in the device's
+// order, and a replay's op reaches the queue only when its stream reaches
+// the host node, so an eager op pushed at issue could overtake a replay
+// launched before it. NCCL likewise sends an eager plan's proxy work
+// through a host callback while the communicator has captured plans and its
+// host stream may still run one of theirs (src/enqueue.cc, persistentRefs);
+// fastcomm cannot see replays coming and always does once it captured.
+//
+// Slots: chunk k of an op uses slot (firstChunk + k) % kStagedWindow, and the
+// proxy and the device both take firstChunk from the same descriptor, so
+// they agree within an op whatever it is: a replay keeps the one fixed at
+// capture while eager ops in between move the counter on. Nothing about a
+// slot carries over from one op to the next: the proxy serves ops one at a
+// time in the device's order, leaves every flag at its initial value, and
+// the device only reuses a slot after the kFlagFree the proxy gives once
+// the slot's previous chunk (of whichever op) is sent. So a replay starting
+// on a slot an eager op has just used merely waits for it, as consecutive
+// eager ops do.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -105,6 +141,13 @@ class StagedDevice {
                     int me) = 0;
   virtual void unpack(WireDtype wire, const void* in, float* chunk, const HierLayout& l, int64_t k,
                       int me) = 0;
+  // Whether the operations issued now are recorded for replays (a CUDA graph
+  // capture) rather than run once.
+  virtual bool capturing() = 0;
+  // fn(arg) runs on a host thread once the stream gets here (recorded: on
+  // every replay). It must not call CUDA; `arg` must stay valid as long as
+  // the call may run.
+  virtual void hostCall(void (*fn)(void*), void* arg) = 0;
 };
 
 class StagedRail {
@@ -157,9 +200,11 @@ class StagedRail {
                const c10::intrusive_ptr<c10d::Store>& store, const OpContext& ctx);
 
   // Issues the rail phase of an all_reduce of `shard` (device memory, in
-  // place) onto the device and hands its op to the proxy. The caller holds
-  // the group's issue lock (so calls come in one order on every rank).
-  // `scratch` holds scratchBytes() of device memory for this op.
+  // place) onto the device and hands its op to the proxy (while the device
+  // captures: on every replay, see the header). The caller holds the group's
+  // issue lock (so calls come in one order on every rank). `scratch` holds
+  // scratchBytes() of device memory for this op (under capture: memory that
+  // lives as long as the graph). `failWork` may be empty.
   void allreduce(char* shard, int64_t shardElems, at::ScalarType dt, RedOp op, char* scratch,
                  const OpContext& ctx, std::function<void(std::exception_ptr)> failWork);
 
@@ -167,6 +212,8 @@ class StagedRail {
     return wire_ != WireDtype::None && dt == at::kFloat && (op == RedOp::Sum || op == RedOp::Avg);
   }
   bool failed() const { return failed_.load(); }
+  // Whether an op was captured (a graph may replay it until stop()).
+  bool hasCaptured() const { return !captured_.empty(); }
   int64_t stagingBytes() const { return staging_.bytes; }
   std::string transportName() const;
 
@@ -176,14 +223,22 @@ class StagedRail {
   void abort(const std::string& why);
   // Stops the proxy (serving queued ops first unless failed) and closes the
   // transports. Call once the device finished or gave up: afterwards nobody
-  // releases its waits.
-  void stop();
+  // releases its waits, and host calls that still run find no rail to feed.
+  // `deviceMayRun`: the device may still run captured host calls (a replay
+  // the owner could not wait for), so their descriptors are leaked, not
+  // freed.
+  void stop(bool deviceMayRun = false);
 
   StagedRail(const StagedRail&) = delete;
   StagedRail& operator=(const StagedRail&) = delete;
 
  private:
   struct ChunkState;
+  struct Gate;
+  struct HostOp;
+  // The host call of an op (a HostOp): hands a copy to the proxy.
+  static void enqueueFromStream(void* hostOp);
+  void enqueue(Op op);
   void proxyLoop();
   void runOp(Op& op);  // to completion; throws on failure
   [[noreturn]] void failNetwork(const Op& op, const std::vector<int>& pendingPeers);
@@ -218,6 +273,11 @@ class StagedRail {
   std::vector<std::unique_ptr<transport::Connection>> rsConns_, agConns_;
   std::unique_ptr<transport::MemoryRegion> rsMr_, agMr_;
   int64_t nextChunk_ = 0;  // rail-wide chunk counter (issuing thread, under its lock)
+  // What host calls reach the rail through (cleared by stop()).
+  std::shared_ptr<Gate> gate_;
+  // Descriptors of captured ops, each run by its graph's host node on every
+  // replay (issuing thread; freed at stop()).
+  std::vector<std::unique_ptr<HostOp>> captured_;
 
   std::mutex mu_;
   std::condition_variable cv_;

@@ -10,6 +10,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/python.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -49,10 +50,34 @@ struct Abandoned {};
 
 class EmulatedDevice final : public StagedDevice {
  public:
+  using Recording = std::vector<std::function<void()>>;
+
   EmulatedDevice() : flags_(kStagedFlagKinds * kStagedWindow * 16, 0) {
     worker_ = std::thread([this] { loop(); });
   }
   ~EmulatedDevice() override { stop(); }
+
+  // A stream capture: the operations issued until endCapture() are recorded
+  // (with the values they were issued with: addresses, sizes, slots), not
+  // run; replay() runs them again, in order, after everything issued before,
+  // as a CUDA graph launched on the stream would. Issuing thread only.
+  void beginCapture() {
+    TORCH_CHECK(!recording_, "fastcomm: staged rail test: already capturing");
+    recording_ = std::make_shared<Recording>();
+  }
+  std::shared_ptr<const Recording> endCapture() {
+    TORCH_CHECK(recording_, "fastcomm: staged rail test: not capturing");
+    std::shared_ptr<const Recording> r = std::move(recording_);
+    recording_.reset();
+    return r;
+  }
+  void replay(const Recording& r) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.insert(queue_.end(), r.begin(), r.end());
+    }
+    cv_.notify_all();
+  }
 
   // Runs `fn` on the device thread once everything issued before ran.
   void marker(std::function<void()> fn) { enqueue(std::move(fn)); }
@@ -141,6 +166,31 @@ class EmulatedDevice final : public StagedDevice {
       }
     });
   }
+  bool capturing() override { return recording_ != nullptr; }
+  void hostCall(void (*fn)(void*), void* arg) override {
+    // In stream order on the device thread, as CUDA runs a host function
+    // once the stream's earlier work is done (and holds the stream meanwhile).
+    enqueue([fn, arg] { fn(arg); });
+  }
+
+  // "" once every flag is back at its initial value (free slots 1, the rest
+  // 0), else what is not, after `limit`: the proxy may still be finishing
+  // the last op when the device already ran it.
+  std::string flagsAtRest(std::chrono::milliseconds limit) {
+    const auto until = std::chrono::steady_clock::now() + limit;
+    for (;;) {
+      std::string bad;
+      for (int kind = 0; kind < kStagedFlagKinds; ++kind)
+        for (int64_t w = 0; w < kStagedWindow; ++w) {
+          const uint32_t v = loadFlag(hostFlag(kind, w));
+          if (v != (kind == kFlagFree ? 1u : 0u))
+            bad += " flag " + std::to_string(kind) + " of slot " + std::to_string(w) + " is " +
+                   std::to_string(v) + ";";
+        }
+      if (bad.empty() || std::chrono::steady_clock::now() >= until) return bad;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
 
  private:
   bool stopping() {
@@ -148,6 +198,10 @@ class EmulatedDevice final : public StagedDevice {
     return stop_;
   }
   void enqueue(std::function<void()> fn) {
+    if (recording_) {
+      recording_->push_back(std::move(fn));
+      return;
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       queue_.push_back(std::move(fn));
@@ -180,6 +234,7 @@ class EmulatedDevice final : public StagedDevice {
   }
 
   std::vector<uint32_t> flags_;
+  std::shared_ptr<Recording> recording_;  // while capturing (issuing thread)
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;
@@ -226,26 +281,80 @@ class StagedRailEndpoint {
   }
   ~StagedRailEndpoint() { close(); }
 
-  // Issues an in-place all_reduce of the contiguous CPU tensor `t`.
+  // Issues an in-place all_reduce of the contiguous CPU tensor `t`: a ticket
+  // for wait(), or -1 while capturing (the op then runs with every replay).
   int64_t issue(const at::Tensor& t, const std::string& opName) {
     TORCH_CHECK(t.is_contiguous() && t.device().is_cpu() && t.numel() > 0,
                 "fastcomm: staged rail test: a non-empty contiguous CPU tensor is needed");
     const RedOp op = redOpOf(opName);
     const int64_t esize = static_cast<int64_t>(t.element_size());
-    auto p = std::make_shared<Pending>();
-    p->tensor = t;
     const auto ctx = OpContext::start("all_reduce", ++seq_, timeout_);
     const HierLayout l = HierLayout::make(t.numel(), rails_, chunkBytes_, esize);
-    p->scratch =
+    at::Tensor scratch =
         at::empty({StagedRail::scratchBytes(l, esize, rail_->wireFor(t.scalar_type(), op))},
                   t.options().dtype(at::kByte));
+    if (capture_) {
+      // The graph keeps its buffers (as a CUDA graph's memory pool does); a
+      // failure in a replay fails the replays of it in flight.
+      capture_->keep.push_back(t);
+      capture_->keep.push_back(scratch);
+      std::weak_ptr<Graph> g = capture_;
+      rail_->allreduce(static_cast<char*>(t.data_ptr()), t.numel(), t.scalar_type(), op,
+                       static_cast<char*>(scratch.data_ptr()), ctx, [g](std::exception_ptr e) {
+                         if (auto graph = g.lock()) graph->fail(e);
+                       });
+      return -1;
+    }
+    auto p = std::make_shared<Pending>();
+    p->tensor = t;
+    p->scratch = scratch;
     rail_->allreduce(static_cast<char*>(t.data_ptr()), t.numel(), t.scalar_type(), op,
-                     static_cast<char*>(p->scratch.data_ptr()), ctx,
+                     static_cast<char*>(scratch.data_ptr()), ctx,
                      [p](std::exception_ptr e) { p->fail(e); });
     dev_.marker([p] { p->finish(); });
     const int64_t id = nextTicket_++;
     pending_[id] = p;
     return id;
+  }
+
+  // Between captureBegin() and captureEnd(), issue() records its ops into a
+  // graph instead of running them; replay(graph) runs them all again.
+  void captureBegin() {
+    TORCH_CHECK(!capture_, "fastcomm: staged rail test: already capturing");
+    capture_ = std::make_shared<Graph>();
+    dev_.beginCapture();
+  }
+  int64_t captureEnd() {
+    TORCH_CHECK(capture_, "fastcomm: staged rail test: not capturing");
+    capture_->ops = dev_.endCapture();
+    const int64_t id = nextGraph_++;
+    graphs_[id] = std::move(capture_);
+    capture_.reset();
+    return id;
+  }
+  // A ticket for wait(): done once the replay ran on the device, raising the
+  // error of a captured op that failed in it.
+  int64_t replay(int64_t graph) {
+    auto it = graphs_.find(graph);
+    TORCH_CHECK(it != graphs_.end(), "fastcomm: unknown graph ", graph);
+    auto g = it->second;
+    auto p = std::make_shared<Pending>();
+    {
+      std::lock_guard<std::mutex> lock(g->mu);
+      g->inflight.push_back(p);
+    }
+    dev_.replay(*g->ops);
+    dev_.marker([g, p] {
+      g->finished(p);
+      p->finish();
+    });
+    const int64_t id = nextTicket_++;
+    pending_[id] = p;
+    return id;
+  }
+
+  std::string flagsAtRest(double limitS) {
+    return dev_.flagsAtRest(std::chrono::milliseconds(static_cast<int64_t>(limitS * 1000)));
   }
 
   // Waits for op `ticket` on the device, then raises its error if it failed.
@@ -266,11 +375,11 @@ class StagedRailEndpoint {
 
   void close() {
     if (!rail_) return;
-    if (rail_->failed())
-      dev_.drain(std::chrono::seconds(10));
-    else
-      dev_.drain(timeout_ + std::chrono::seconds(20));
-    rail_->stop();
+    const bool drained = rail_->failed() ? dev_.drain(std::chrono::seconds(10))
+                                         : dev_.drain(timeout_ + std::chrono::seconds(20));
+    // Not drained: the device may still reach a recorded host call before it
+    // stops, so the rail must not free the captured descriptors.
+    rail_->stop(/*deviceMayRun=*/!drained);
     dev_.stop();
     rail_.reset();
   }
@@ -294,6 +403,20 @@ class StagedRailEndpoint {
       cv.notify_all();
     }
   };
+  struct Graph {
+    std::shared_ptr<const EmulatedDevice::Recording> ops;
+    std::vector<at::Tensor> keep;
+    std::mutex mu;
+    std::deque<std::shared_ptr<Pending>> inflight;  // replays not finished yet
+    void fail(std::exception_ptr e) {
+      std::lock_guard<std::mutex> lock(mu);
+      for (auto& p : inflight) p->fail(e);
+    }
+    void finished(const std::shared_ptr<Pending>& p) {
+      std::lock_guard<std::mutex> lock(mu);
+      inflight.erase(std::find(inflight.begin(), inflight.end(), p));
+    }
+  };
   std::chrono::milliseconds timeout_;
   int rails_ = 0;
   int64_t chunkBytes_ = 0;
@@ -303,6 +426,9 @@ class StagedRailEndpoint {
   uint64_t seq_ = 0;
   int64_t nextTicket_ = 0;
   std::map<int64_t, std::shared_ptr<Pending>> pending_;
+  std::shared_ptr<Graph> capture_;  // while capturing
+  std::map<int64_t, std::shared_ptr<Graph>> graphs_;
+  int64_t nextGraph_ = 0;
 };
 
 }  // namespace
@@ -322,6 +448,13 @@ void bindStagedRail(py::module_& m) {
       .def("issue", &StagedRailEndpoint::issue, py::arg("tensor"), py::arg("op") = "SUM",
            py::call_guard<py::gil_scoped_release>())
       .def("wait", &StagedRailEndpoint::wait, py::arg("ticket"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("capture_begin", &StagedRailEndpoint::captureBegin,
+           py::call_guard<py::gil_scoped_release>())
+      .def("capture_end", &StagedRailEndpoint::captureEnd, py::call_guard<py::gil_scoped_release>())
+      .def("replay", &StagedRailEndpoint::replay, py::arg("graph"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("flags_at_rest", &StagedRailEndpoint::flagsAtRest, py::arg("limit_s") = 5.0,
            py::call_guard<py::gil_scoped_release>())
       .def("close", &StagedRailEndpoint::close, py::call_guard<py::gil_scoped_release>());
 }

@@ -137,8 +137,8 @@ class CudaCollectives::Impl {
 
   WorkPtr launch(const CudaOpInfo& info, const Tensors& inputs, const Tensors& outputs, Body body);
   // The all_reduce of `t` goes through the multi-node pipeline (CudaHier):
-  // the same answer on every rank. Creates the plan at its first use; raises
-  // while the current stream is being captured.
+  // the same answer on every rank. Creates the plan at its first use, which
+  // must not be under a CUDA graph capture (a clear error then).
   bool useHier(const at::Tensor& t, RedOp op, const CudaOpInfo& info);
   WorkPtr launchHier(const CudaOpInfo& info, const at::Tensor& t, RedOp op);
   void startCoalescing();
@@ -401,13 +401,20 @@ bool CudaCollectives::Impl::useHier(const at::Tensor& t, RedOp op, const CudaOpI
   // A coalesced block is one NCCL group: it stays on the flat communicator.
   if (coalescing_) return false;
   if (hierTried_) return hier_ != nullptr;
-  // Before anything is set up or issued: the pipeline's proxy cannot take
-  // part in a graph yet.
+  // The set-up (a vote through the store, pinned memory, connections, the
+  // node's NCCL communicator) cannot run inside a capture, and setting it
+  // up at group creation would cost pinned memory and connections for
+  // groups that never send a large CUDA all_reduce. As DDP's warm-up before
+  // a capture already runs the step eagerly, the first use must be eager:
+  // refused here, on every rank alike (they all capture), before anything
+  // is issued.
   TORCH_CHECK(!isCapturing(at::cuda::getCurrentCUDAStream(device_.index()).stream()),
-              "fastcomm: ", info.name,
-              " across nodes cannot be captured in a CUDA graph yet (tensors below "
-              "FASTCOMM_CUDA_HIER_MIN_BYTES, or FASTCOMM_CUDA_HIER=0, keep it on the flat "
-              "NCCL communicator, which can be captured)");
+              "fastcomm: ", info.name, " (seq ", info.seq,
+              ") is the first CUDA all_reduce across nodes of this group of at least "
+              "FASTCOMM_CUDA_HIER_MIN_BYTES (",
+              plan_->cudaHierMinBytes,
+              " B), and its multi-node path cannot be set up during a CUDA graph capture: run "
+              "one such all_reduce eagerly before capturing (as a warm-up iteration does)");
   hierTried_ = true;
   CudaHier::Hooks hooks;
   hooks.abortGroup = [this](const std::string& why) { abort(why); };
@@ -437,30 +444,36 @@ WorkPtr CudaCollectives::Impl::launchHier(const CudaOpInfo& info, const at::Tens
   checkHealthy();
   c10::cuda::CUDAGuard guard(device_);
   auto current = at::cuda::getCurrentCUDAStream(device_.index());
-  TORCH_CHECK(!isCapturing(current.stream()), "fastcomm: ", info.name,
-              " across nodes cannot be captured in a CUDA graph yet (tensors below "
-              "FASTCOMM_CUDA_HIER_MIN_BYTES, or FASTCOMM_CUDA_HIER=0, keep it on the flat "
-              "NCCL communicator, which can be captured)");
+  // Under capture the plan records a host node that hands the op to its
+  // proxy on every replay (plans/staged_rail.hpp). The work is then the
+  // capture's only: no timing events, not watched, and a failure in a
+  // replay fails the group (the next call raises), not this work.
+  const bool capturing = isCapturing(current.stream());
   // Always on the internal stream: the pipeline's flag slots are reused in
-  // issue order, which one stream keeps for every all_reduce of the group.
+  // issue order, which one stream keeps for every all_reduce of the group
+  // (replays must be ordered with them by the caller's streams, as any two
+  // collectives of a group must).
   CudaOpInfo hinfo = info;
   hinfo.onCurrentStream = false;
   auto work = c10::make_intrusive<CudaWork>(rank_, hinfo, Tensors{t}, Tensors{t}, device_, this,
-                                            *events_, cfg_.cudaTiming, /*captured=*/false);
+                                            *events_, cfg_.cudaTiming && !capturing, capturing);
   const auto ctx = OpContext::start(info.name, info.seq, info.timeout);
   std::lock_guard<std::mutex> lock(issueMu_);
   TORCH_CHECK(hier_ != nullptr && !coalescing_, "fastcomm: internal: ", info.name,
               " lost its multi-node plan");
   CudaHier* hier = hier_.get();
-  c10::intrusive_ptr<CudaWork> failTarget = work;
-  Body body = [hier, t, op, ctx, failTarget](ncclComm_t, cudaStream_t s) {
+  std::function<void(std::exception_ptr)> failWork;
+  if (!capturing) {
+    c10::intrusive_ptr<CudaWork> failTarget = work;
+    failWork = [failTarget](std::exception_ptr e) { failTarget->fail(e); };
+  }
+  Body body = [hier, t, op, ctx, failWork](ncclComm_t, cudaStream_t s) {
     DeviceContig c(t);
     c.load();
-    hier->allreduce(c.work, op, s, ctx,
-                    [failTarget](std::exception_ptr e) { failTarget->fail(e); });
+    hier->allreduce(c.work, op, s, ctx, failWork);
     c.finish();
   };
-  issue({{std::move(body), work}}, hinfo, /*capturing=*/false);
+  issue({{std::move(body), work}}, hinfo, capturing);
   return work;
 }
 

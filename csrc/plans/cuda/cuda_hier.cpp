@@ -162,6 +162,16 @@ struct CudaHier::Resources : StagedDevice {
               int me) override {
     hierk::unpack(kernelWire(wire), in, chunk, l, k, me, stream);
   }
+  bool capturing() override {
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    cudaCheck(cudaStreamIsCapturing(stream, &st), "cudaStreamIsCapturing");
+    return st != cudaStreamCaptureStatusNone;
+  }
+  void hostCall(void (*fn)(void*), void* arg) override {
+    // Under capture a host node: the graph runs it on every replay, on the
+    // driver's host-function thread, before the nodes that follow it.
+    cudaCheck(cudaLaunchHostFunc(stream, fn, arg), "cudaLaunchHostFunc");
+  }
 
   static std::unique_ptr<Resources> make(int rails, int64_t chunkBytes) {
     auto r = std::make_unique<Resources>();
@@ -385,6 +395,10 @@ void CudaHier::abortComms(const std::string& why) {
 void CudaHier::shutdown(cudaStream_t stream, bool failed) {
   c10::cuda::CUDAGuard guard(device_);
   failed = failed || (rail_ && rail_->failed());
+  // A CUDA graph holding one of these all_reduces replays on streams of its
+  // own, which `stream` does not cover: a replay launched before the destroy
+  // may not even have handed its op to the proxy yet.
+  const bool graphs = rail_ && rail_->hasCaptured();
   bool drained = true;
   if (failed) {
     // The rail's proxy releases every wait; give the stream a bounded time.
@@ -394,16 +408,26 @@ void CudaHier::shutdown(cudaStream_t stream, bool failed) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     drained = st != cudaErrorNotReady;
     (void)cudaGetLastError();  // a failed stream's sticky error is not ours to report
+    // Replays cannot be waited for without risking a hang (a device-wide
+    // synchronize would also wait for other groups' stuck kernels): one may
+    // still use the staging and run its host node later.
+    if (graphs) drained = false;
+  } else if (graphs) {
+    // Replays in flight finish (the proxy serves their ops), as queued
+    // eager ones do below.
+    C10_CUDA_CHECK_WARN(cudaDeviceSynchronize());
   } else {
     // Queued all_reduces finish (the proxy serves them), then the proxy stops.
     C10_CUDA_CHECK_WARN(cudaStreamSynchronize(stream));
   }
-  if (rail_) rail_->stop();
+  if (rail_) rail_->stop(/*deviceMayRun=*/!drained);
   if (!drained) {
     res_->leak = true;
-    FASTCOMM_LOG(Warn, "the comm stream did not drain within "
-                           << kDrainLimit.count()
-                           << " s after a failure; its pinned staging memory is not freed");
+    FASTCOMM_LOG(Warn, (graphs ? "after a failure, CUDA graph replays holding this group's "
+                                 "multi-node all_reduce cannot be waited for"
+                               : "the comm stream did not drain within " +
+                                     std::to_string(kDrainLimit.count()) + " s after a failure")
+                           << "; the pinned staging memory is not freed");
   }
   rail_.reset();
   res_.reset();

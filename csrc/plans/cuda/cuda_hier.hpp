@@ -20,6 +20,13 @@
 // Failures abort the group (the CUDA collectives' abort: works fail, NCCL
 // communicators abort); the rail then keeps releasing the stream's waits, and
 // shutdown frees the pinned memory only once the comm stream drained.
+//
+// CUDA graphs: everything above can be captured (NCCL calls, copies to and
+// from pinned memory, kernels, stream memory operations on mapped memory,
+// scratch and padding from the caching allocator, i.e. the graph's pool),
+// and the rail adds a host node that hands each replay's op to the proxy
+// (plans/staged_rail.hpp). The set-up cannot be captured: the first
+// all_reduce that takes this path must be eager (the caller checks).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -71,9 +78,12 @@ class CudaHier {
   // communicator and the rail's transports; the rail keeps releasing waits.
   void abortComms(const std::string& why);
   // Destroy: `stream` is the comm stream the ops ran on. Waits for it to
-  // drain (bounded after a failure), stops the rail, frees the pinned memory
-  // (leaked, with a warning, if the stream never drained) and releases the
-  // intra-node communicator.
+  // drain (bounded after a failure; once ops were captured, for the whole
+  // device, as a graph may still replay them), stops the rail, frees the
+  // pinned memory (leaked, with a warning, if the stream never drained, or
+  // after a failure once ops were captured) and releases the intra-node
+  // communicator. Graphs holding these all_reduces must not be replayed
+  // afterwards (as with NCCL's communicators).
   void shutdown(cudaStream_t stream, bool failed);
 
   CudaHier(const CudaHier&) = delete;
