@@ -319,21 +319,34 @@ def capture_fn(rank: int, ws: int) -> dict[str, Any]:
     x = torch.ones(n, device=dev)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    g0 = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(side):
-        try:
-            with torch.cuda.graph(g0, stream=side):
-                dist.all_reduce(x)
-        except RuntimeError as e:
-            msg = str(e)
-            chk.true(
-                "CUDA graph" in msg and "eager" in msg and "all_reduce" in msg,
-                f"unclear error for a first use under capture: {msg}",
-            )
-        else:
-            chk.fail("the first staged all_reduce under capture did not raise")
-    del g0
-    torch.cuda.synchronize()
+
+    def refused_capture(what: str, needle: str) -> None:
+        # Refused before any CUDA call: the capture itself stays valid, so
+        # the user sees fastcomm's error, not CUDA's "invalidated capture".
+        g0 = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            try:
+                with torch.cuda.graph(g0, stream=side):
+                    dist.all_reduce(x)
+            except RuntimeError as e:
+                msg = str(e)
+                chk.true(
+                    "CUDA graph" in msg
+                    and "eager" in msg
+                    and "all_reduce" in msg
+                    and needle in msg,
+                    f"unclear error for {what} under capture: {msg}",
+                )
+            else:
+                chk.fail(f"{what} under capture did not raise")
+        del g0
+        torch.cuda.synchronize()
+
+    # The group's very first CUDA collective (its NCCL set-up) ...
+    refused_capture("the group's first CUDA collective", "first CUDA collective of this group")
+    dist.all_reduce(torch.ones(8, device=dev))  # small: the flat path, sets the group up
+    # ... and the first all_reduce that takes the staged multi-node path.
+    refused_capture("the first staged all_reduce", "across nodes")
     dist.all_reduce(x)  # eager: sets the path up
     chk.true(bool((x == ws).all()), "eager all_reduce after the refused capture")
 

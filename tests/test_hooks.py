@@ -605,6 +605,8 @@ def multinode_capture_fn(rank: int, ws: int, cases: list[tuple[str, str]]) -> di
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     x = torch.ones(1 << 20, device=device)  # 4 MiB: the staged path across nodes
+    # The group's CUDA set-up first (test_cuda_hier covers its own refusal).
+    dist.all_reduce(torch.ones(8, device=device))
     graph = torch.cuda.CUDAGraph()
     first_use: dict[str, Any] = {"raised": False, "messages": []}
     try:

@@ -352,6 +352,17 @@ CudaCollectives& ProcessGroupFastComm::cuda(const at::Tensor& sample, const char
   checkUsable();
   std::lock_guard<std::mutex> lock(cudaMu_);
   if (!cuda_) {
+    // Creating the NCCL communicators, streams and events allocates and
+    // synchronises, which would invalidate a capture on the current stream
+    // (the user would then only see CUDA's "operation failed due to a
+    // previous error during capture"). Refused before any CUDA call; every
+    // rank captures alike, so all refuse.
+    TORCH_CHECK(!CudaCollectives::currentStreamCapturing(sample.device()),
+                "fastcomm: ", op ? op : "this collective",
+                " is the first CUDA collective of this group, whose set-up (NCCL communicators, "
+                "streams) cannot run during a CUDA graph capture: run one CUDA collective eagerly "
+                "before capturing (as a warm-up iteration does), or pass device_id to "
+                "init_process_group");
     try {
       cuda_ = std::make_unique<CudaCollectives>(store_, rank_, size_, timeout_, cfg_, stats_,
                                                 sample.device(), topo_);

@@ -708,6 +708,10 @@ at::Tensor flatInput(const Tensors& inputs) {
 }
 }  // namespace
 
+bool CudaCollectives::currentStreamCapturing(at::Device device) {
+  return isCapturing(at::cuda::getCurrentCUDAStream(device.index()).stream());
+}
+
 WorkPtr CudaCollectives::allreduce(Tensors tensors, RedOp op, const CudaOpInfo& info) {
   if (tensors.size() == 1 && impl_->useHier(tensors[0], op, info)) {
     return impl_->launchHier(info, tensors[0], op);

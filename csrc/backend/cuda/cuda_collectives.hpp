@@ -46,6 +46,9 @@ struct CudaOpInfo {
 
 class CudaCollectives {
  public:
+  // Whether `device`'s current stream is capturing a CUDA graph (a query that
+  // is legal during a capture).
+  static bool currentStreamCapturing(at::Device device);
   // `topo` tells the nodes apart: across several, large all_reduces take the
   // staged multi-node pipeline (plans/cuda/cuda_hier.hpp).
   CudaCollectives(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
