@@ -3,7 +3,7 @@
 # root: builds the extension, runs the GPU tests and the benchmarks, and
 # leaves logs and JSON in $OUT (at most 8 files come back).
 #   scripts/device_check.sh build tests bench cpubench cpubench2x2 multinode sweep stagedsweep
-#     killed hooks ddpbench ops
+#     stagedmodes killed capture hooks ddpbench ops
 #   (any subset, in order)
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"
@@ -138,6 +138,29 @@ for stage in "${stages[@]}"; do
       done
       wait "$tpid"
       tail -n 15 "$OUT/killed.log" | tee -a "$LOG"
+      ;;
+    capture)
+      # CUDA-graph capture of the multi-node path (4 GPUs as 2x2 nodes): the
+      # staged all_reduce captured and replayed, and whole DDP steps.
+      say "capture across simulated nodes (4 GPUs as 2x2)"
+      timeout 240 "$PY" -m pytest -q -ra tests/test_cuda_hier.py -k capture > "$OUT/capture.log" 2>&1
+      tail -n 5 "$OUT/capture.log" | tee -a "$LOG"
+      timeout 330 "$PY" -m pytest -q -ra tests/test_hooks.py -k multinode -s > "$OUT/hooks_multinode.log" 2>&1
+      tail -n 5 "$OUT/hooks_multinode.log" | tee -a "$LOG"
+      ;;
+    stagedmodes)
+      # The staged all_reduce's device steps as fused kernels on mapped staging
+      # vs copy-engine copies (FASTCOMM_STAGED_KERNELS), float32 and bf16 wire.
+      say "staged all_reduce: fused kernels vs copies, $NGPU GPUs as 2 nodes"
+      for mode in copy fused; do
+        for wire in none bf16; do
+          echo "--- kernels $mode wire $wire" | tee -a "$LOG"
+          FASTCOMM_STAGED_KERNELS=$mode timeout 120 "$PY" -m torch.distributed.run --standalone \
+            --nproc_per_node="$NGPU" benchmarks/trace_staged_allreduce.py --sim-nodes 2 \
+            --sizes 16M,256M,1G --iters 7 --wire "$wire" --json "$OUT/staged_${mode}_${wire}.json" 2>&1 \
+            | grep "B  median" | tee -a "$LOG"
+        done
+      done
       ;;
     hooks)
       say "DDP comm hooks and CUDA graph capture, $NGPU GPUs"
