@@ -667,14 +667,15 @@ void CudaCollectives::Impl::abort(const std::string& why) {
   {
     c10::cuda::CUDAGuard guard(device_);
     std::lock_guard<std::mutex> lock(issueMu_);
-    // Aborting makes NCCL kernels stuck on the dead peer return. Order
-    // matters: ncclCommAbort waits for the device while it frees (NCCL issues
-    // #829, #1013), so a communicator may only be aborted once nothing queued
-    // before its work can still block. The multi-node path goes first: its
-    // node communicator's kernels and the rail's flag waits sit on the comm
-    // stream, which the flat communicator shares.
-    if (hier_) hier_->abortComms(why);
-    if (comm_ != nullptr) ncclCommAbort(comm_);
+    // Aborting makes NCCL kernels stuck on the dead peer return. Each abort
+    // waits for the device while it frees (NCCL issues #829, #1013), so the
+    // communicators that share the comm stream are aborted together, after
+    // the rail's flag waits between them are released (CudaHier).
+    if (hier_) {
+      hier_->abortComms(why, comm_);
+    } else {
+      ncclAbortAll({comm_});
+    }
     comm_ = nullptr;
   }
 }

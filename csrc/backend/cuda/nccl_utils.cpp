@@ -1,5 +1,7 @@
 #include "backend/cuda/nccl_utils.hpp"
 
+#include <thread>
+
 #include <cstring>
 
 #include "common/deadline.hpp"
@@ -111,6 +113,14 @@ ncclComm_t ncclCommFromStore(const c10::intrusive_ptr<c10d::Store>& store,
   ncclComm_t comm = nullptr;
   ncclCheck(ncclCommInitRank(&comm, nranks, id, rank), nullptr, "ncclCommInitRank");
   return comm;
+}
+
+void ncclAbortAll(const std::vector<ncclComm_t>& comms) {
+  std::vector<std::thread> aborters;
+  for (ncclComm_t c : comms) {
+    if (c != nullptr) aborters.emplace_back([c] { ncclCommAbort(c); });
+  }
+  for (auto& t : aborters) t.join();
 }
 
 }  // namespace fastcomm

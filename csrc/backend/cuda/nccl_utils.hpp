@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <string>
+#include <vector>
 
 #include "common/reduce.hpp"
 
@@ -37,6 +38,14 @@ ncclRedOp_t ncclRedOp(RedOp op, at::ScalarType t, NcclAvg avg = NcclAvg::Native)
 // first, and the blocking ncclCommInitRank starts only once all did, so a
 // rank that never comes is named (as `what` failing) instead of hanging the
 // others. `groupRank` is this process's group rank.
+// Aborts `comms` (null entries skipped) concurrently, one thread each.
+// ncclCommAbort sets the communicator's abort flag and then frees its
+// resources, which waits for the device (NCCL issues #829, #1013): one after
+// the other, the first abort would wait forever on the kernels of a later
+// communicator that are stuck on a dead peer. Concurrently, every flag gets
+// set, every stuck kernel returns, and all the waits end.
+void ncclAbortAll(const std::vector<ncclComm_t>& comms);
+
 ncclComm_t ncclCommFromStore(const c10::intrusive_ptr<c10d::Store>& store,
                              const std::string& prefix, int nranks, int rank,
                              const std::vector<int>& readyRanks, int groupRank,

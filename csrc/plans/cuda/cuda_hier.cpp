@@ -378,18 +378,16 @@ void CudaHier::allreduce(const at::Tensor& t, RedOp op, cudaStream_t s, const Op
 
 // ----------------------------------------------------------------------------- failures
 
-void CudaHier::abortComms(const std::string& why) {
+void CudaHier::abortComms(const std::string& why, ncclComm_t flat) {
   // The rail first: from now on its proxy keeps releasing every device wait.
-  // ncclCommAbort below waits for the device while it frees, and the comm
-  // stream holds rail waits between this communicator's reduce-scatter and
-  // all-gather; released, the stream runs through (the aborted kernels
-  // return at once).
+  // The aborts below wait for the device while they free, and the comm
+  // stream holds rail waits between the node communicator's reduce-scatter
+  // and all-gather; released, the stream runs through.
   if (rail_) rail_->abort(why);
-  // Kernels of the node's communicator stuck on a dead peer return.
-  if (intra_ != nullptr) {
-    ncclCommAbort(intra_);
-    intra_ = nullptr;
-  }
+  // Kernels of either communicator may be stuck on a dead peer, each
+  // blocking the other's abort: both at once (ncclAbortAll).
+  ncclAbortAll({intra_, flat});
+  intra_ = nullptr;
 }
 
 void CudaHier::shutdown(cudaStream_t stream, bool failed) {

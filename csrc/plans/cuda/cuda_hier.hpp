@@ -74,9 +74,10 @@ class CudaHier {
   void allreduce(const at::Tensor& t, RedOp op, cudaStream_t stream, const OpContext& ctx,
                  std::function<void(std::exception_ptr)> failWork);
 
-  // From the group's abort, under its issue lock: aborts the intra-node
-  // communicator and the rail's transports; the rail keeps releasing waits.
-  void abortComms(const std::string& why);
+  // From the group's abort, under its issue lock: aborts the rail's
+  // transports (the rail keeps releasing waits), then the intra-node
+  // communicator together with `flat` (the group's own, may be null).
+  void abortComms(const std::string& why, ncclComm_t flat);
   // Destroy: `stream` is the comm stream the ops ran on. Waits for it to
   // drain (bounded after a failure; once ops were captured, for the whole
   // device, as a graph may still replay them), stops the rail, frees the
