@@ -11,6 +11,10 @@ phases are written as a Chrome trace per rank.
 
     FASTCOMM_LOG=INFO torchrun --nproc_per_node=4 benchmarks/trace_staged_allreduce.py \\
         --sim-nodes 2 --sizes 1M,16M,256M --trace /tmp/staged
+
+``--kernels fused,copy`` and ``--staging auto,host`` compare the forms of the device steps
+(FASTCOMM_STAGED_KERNELS) and the staging memory (FASTCOMM_STAGED_MEMORY) in one run: each
+combination gets a process group of its own, created with those settings.
 """
 
 from __future__ import annotations
@@ -87,6 +91,12 @@ def main() -> int:
     p.add_argument("--wire", default="", help="FASTCOMM_WIRE_DTYPE for this run")
     p.add_argument("--trace", default="", help="prefix of per-rank Chrome traces")
     p.add_argument("--json", default="", help="summary JSON (rank 0)")
+    p.add_argument(
+        "--kernels", default="", help="FASTCOMM_STAGED_KERNELS values to compare, e.g. fused,copy"
+    )
+    p.add_argument(
+        "--staging", default="", help="FASTCOMM_STAGED_MEMORY values to compare, e.g. auto,host"
+    )
     args = p.parse_args()
 
     world = int(os.environ["WORLD_SIZE"])
@@ -108,48 +118,70 @@ def main() -> int:
     results: dict[str, Any] = {"world": world, "sim_nodes": args.sim_nodes, "sizes": []}
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     events: list[dict[str, Any]] = []
-    for size in sizes:
-        n = size // 4
-        x = torch.randn(n, device="cuda")
-        for _ in range(2):  # warm-up: set-up, staging, connections
-            dist.all_reduce(x)
-        torch.cuda.synchronize()
-        dist.barrier()
-        times, issue = [], []
-        for _ in range(args.iters):
+    modes = [
+        (k, m)
+        for k in (args.kernels.split(",") if args.kernels else [None])
+        for m in (args.staging.split(",") if args.staging else [None])
+    ]
+    for kernels, staging in modes:
+        group = None
+        mode = {}
+        if kernels or staging:
+            # the settings are read when a group is created: one group per combination
+            if kernels:
+                os.environ["FASTCOMM_STAGED_KERNELS"] = mode["kernels"] = kernels
+            if staging:
+                os.environ["FASTCOMM_STAGED_MEMORY"] = mode["staging"] = staging
+            group = dist.new_group(backend="fastcomm")
+            if rank == 0:
+                print(f"-- FASTCOMM_STAGED_KERNELS={kernels or '<env>'} "
+                      f"FASTCOMM_STAGED_MEMORY={staging or '<env>'}", flush=True)  # fmt: skip
+        for size in sizes:
+            n = size // 4
+            x = torch.randn(n, device="cuda")
+            for _ in range(2):  # warm-up: set-up, staging, connections
+                dist.all_reduce(x, group=group)
             torch.cuda.synchronize()
-            dist.barrier(device_ids=[local])
-            torch.cuda.synchronize()
-            torchext.timeline()  # keep only the phases of the last call
-            t = time.perf_counter()
-            dist.all_reduce(x)
-            issue.append((time.perf_counter() - t) * 1e3)
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t) * 1e3)
-        time.sleep(0.01)  # the proxy records its last phase after the stream passed it
-        events = torchext.timeline()
-        med = statistics.median(times)
-        busbw = size * 2 * (world - 1) / world / (med * 1e-3) / 1e9
-        row = {
-            "bytes": size,
-            "ms": times,
-            "issue_ms": issue,
-            "median_ms": med,
-            "busbw_GBps": busbw,
-        }
-        if events:
-            row["timeline_last_call"] = summarise(events)
-        results["sizes"].append(row)
-        if rank == 0:
-            print(
-                f"{size:>12} B  median {med:8.3f} ms  busbw {busbw:6.2f} GB/s  "
-                f"(min {min(times):.3f}, max {max(times):.3f}; host issue {statistics.median(issue):.3f} ms)",
-                flush=True,
-            )
-            if "timeline_last_call" in row:
-                print(json.dumps(row["timeline_last_call"], indent=1), flush=True)
-    if args.trace and events:
-        torchext.save_timeline(f"{args.trace}.rank{rank}.json", events)
+            dist.barrier(group=group)
+            times, issue = [], []
+            for _ in range(args.iters):
+                torch.cuda.synchronize()
+                dist.barrier(group=group, device_ids=[local])
+                torch.cuda.synchronize()
+                torchext.timeline()  # keep only the phases of the last call
+                t = time.perf_counter()
+                dist.all_reduce(x, group=group)
+                issue.append((time.perf_counter() - t) * 1e3)
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - t) * 1e3)
+            time.sleep(0.01)  # the proxy records its last phase after the stream passed it
+            events = torchext.timeline()
+            med = statistics.median(times)
+            busbw = size * 2 * (world - 1) / world / (med * 1e-3) / 1e9
+            row = {
+                **mode,
+                "bytes": size,
+                "ms": times,
+                "issue_ms": issue,
+                "median_ms": med,
+                "busbw_GBps": busbw,
+            }
+            if events:
+                row["timeline_last_call"] = summarise(events)
+            results["sizes"].append(row)
+            if rank == 0:
+                print(
+                    f"{size:>12} B  median {med:8.3f} ms  busbw {busbw:6.2f} GB/s  "
+                    f"(min {min(times):.3f}, max {max(times):.3f}; host issue {statistics.median(issue):.3f} ms)",
+                    flush=True,
+                )
+                if "timeline_last_call" in row:
+                    print(json.dumps(row["timeline_last_call"], indent=1), flush=True)
+        if args.trace and events:
+            tag = "".join(f".{v}" for v in mode.values())
+            torchext.save_timeline(f"{args.trace}{tag}.rank{rank}.json", events)
+        if group is not None:
+            dist.destroy_process_group(group)
     if rank == 0 and args.json:
         results["torch"] = torch.__version__
         with open(args.json, "w") as f:

@@ -558,3 +558,120 @@ def test_timeline_shows_copies_network_and_reduction_overlapping(tmp_path: Any) 
             and b["start_us"] < a["end_us"]
         )
         assert overlaps > 0, f"rank {rank}: no network phase overlapped a copy or reduction"
+
+
+# ----------------------------------------------------------------------------- staging modes
+
+
+IB_EMU = {"FASTCOMM_TRANSPORT": "ib", "FASTCOMM_IB_EMULATE": "1"}
+# (environment, the staging the INFO log must name)
+STAGING_MODES = [
+    pytest.param({"FASTCOMM_STAGED_KERNELS": "fused"}, "pinned host staging", id="fused-tcp"),
+    pytest.param({"FASTCOMM_STAGED_KERNELS": "copy"}, "pinned host staging", id="copy-tcp"),
+    pytest.param(
+        {"FASTCOMM_STAGED_KERNELS": "fused", **IB_EMU}, "device staging", id="fused-ib-device"
+    ),
+    pytest.param(
+        {"FASTCOMM_STAGED_KERNELS": "copy", **IB_EMU}, "device staging", id="copy-ib-device"
+    ),
+    pytest.param(
+        {"FASTCOMM_STAGED_KERNELS": "fused", "FASTCOMM_STAGED_MEMORY": "host", **IB_EMU},
+        "pinned host staging (FASTCOMM_STAGED_MEMORY=host)",
+        id="fused-ib-host",
+    ),
+]
+
+# dtype, op, elements: aligned shards (16-byte multiples: the kernels' vector path) and odd
+# ones (padding, shards off 16-byte boundaries: the scalar path), 1 MiB chunks
+STAGING_CASES = [
+    ("float32", "SUM", 3 << 20),
+    ("float32", "AVG", (1 << 20) + 3),
+    ("float32", "SUM", 3),
+    ("bfloat16", "AVG", (2 << 20) + 7),
+    ("float16", "SUM", 1 << 21),
+    ("float64", "MIN", (1 << 19) + 1),
+    ("int8", "PRODUCT", (1 << 20) + 9),
+    ("uint8", "MAX", 1 << 21),
+    ("int32", "SUM", (1 << 20) + 5),
+    ("int64", "AVG", (1 << 19) + 2),
+]
+
+
+def _stderr_during(fn: Any) -> str:
+    """Runs fn() with file descriptor 2 (fastcomm's log) captured, echoes and returns it."""
+    import tempfile
+
+    sys_stderr = os.dup(2)
+    with tempfile.TemporaryFile() as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            fn()
+        finally:
+            os.dup2(sys_stderr, 2)
+            os.close(sys_stderr)
+        f.seek(0)
+        text = f.read().decode("utf-8", "replace")
+    os.write(2, text.encode())
+    return text
+
+
+def staging_modes_fn(rank: int, ws: int, staging: str) -> dict[str, Any]:
+    import torchext
+
+    dev = _device(rank)
+    chk = Checker(f"rank {rank}")
+    torchext.timeline()
+    # the first staged all_reduce sets the path up and logs where its staging is
+    warm = torch.ones(1 << 20, device=dev)
+    log = _stderr_during(lambda: (dist.all_reduce(warm), torch.cuda.synchronize()))
+    chk.true(bool((warm == ws).all()), "warm-up")
+    chk.true(staging in log, f"the set-up did not log {staging!r}: {log[-2000:]}")
+    for dt_name, op, n in STAGING_CASES:
+        dt = getattr(torch, dt_name)
+        key = f"staging/{dt_name}/{op}/{n}"
+        inputs = [gen(key, r, (n,), dt, op) for r in range(ws)]
+        t = inputs[rank].to(dev)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+        got = t.cpu()
+        chk.true(len(_proxy_chunks(torchext.timeline())) > 0, f"{key}: path not taken")
+        chk.reduced(got, inputs, op, key)
+        _same_everywhere(chk, t, key)
+    # the wire dtype, in a group of its own (its plan is read when the group is created)
+    os.environ["FASTCOMM_WIRE_DTYPE"] = "bf16"
+    wire_group = dist.new_group(backend=BACKEND)
+    for op in ("SUM", "AVG"):
+        n = (2 << 20) + 1
+        key = f"staging/wire/{op}"
+        inputs = [gen(key, r, (n,), torch.float32, "SUM") for r in range(ws)]
+        t = inputs[rank].to(dev)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=wire_group)
+        got = t.cpu()
+        chk.true(len(_proxy_chunks(torchext.timeline())) > 0, f"{key}: path not taken")
+        exact = torch.stack([x.double() for x in inputs]).sum(0)
+        scale = torch.stack([x.double().abs() for x in inputs]).sum(0)
+        if op == "AVG":
+            exact, scale = exact / ws, scale / ws
+        err = (got.double() - exact).abs()
+        chk.true(bool((err <= 4 * 2.0**-8 * scale + 1e-30).all()), f"{key}: error {err.max():.3g}")
+        chk.true(bool((err > 0).any()), f"{key}: no rounding: the bf16 wire is not in use")
+        _same_everywhere(chk, t, key)
+    dist.destroy_process_group(wire_group)
+    chk.raise_if_failed()
+    return {}
+
+
+@pytest.mark.parametrize("extra,staging", STAGING_MODES)
+def test_staging_modes(extra: dict[str, str], staging: str) -> None:
+    """FASTCOMM_STAGED_KERNELS=fused|copy over tcp (pinned host staging) and over the ib
+    emulation (device staging, GPUDirect emulated with cudaMemcpy; or forced host staging):
+    dtypes and ops with AVG, aligned and odd sizes, the bf16 wire; equal to the float64/int64
+    references, identical on all ranks, and the staging the set-up logged is the expected one."""
+    env = nodes_env(
+        [0, 0, 1, 1],
+        FASTCOMM_TIMELINE="1",
+        FASTCOMM_LOG="INFO",
+        FASTCOMM_CUDA_HIER_MIN_BYTES="0",
+        FASTCOMM_CUDA_CHUNK_BYTES="1M",
+        **extra,
+    )
+    run_ranks(4, staging_modes_fn, staging, env=env, timeout_s=600)

@@ -8,6 +8,11 @@ data, many chunks with short and empty pieces, several ops in flight reusing the
 slots, the 16-bit wire dtypes, and that a dead or absent peer makes the others fail with a
 clear error instead of hanging.
 
+Both forms of the device steps run (StagedRail's `fused`, FASTCOMM_STAGED_KERNELS on a GPU):
+"fused" (one operation per step reading and writing the staging in place: packToStaging,
+reduceFromStaging, gatherFromStaging) and "copy" (copies through device scratch around the
+reduction and wire casts); both must give bit-identical results.
+
 Captured mode (what a CUDA graph does on the GPU): the endpoint records the device operations
 of its ops once (capture_begin / issue / capture_end) and replays them; each replay hands the
 op to the proxy from a host call in stream order. Checked: results on fresh data every replay,
@@ -57,10 +62,13 @@ def _done(store: Any, key: str, rank: int, ws: int) -> None:
         store.wait([f"{key}/left/{r}" for r in range(ws)], timedelta(seconds=60))
 
 
-def correctness_fn(rank: int, ws: int) -> dict[str, Any]:
+KERNELS = ["fused", "copy"]
+
+
+def correctness_fn(rank: int, ws: int, kernels: str) -> dict[str, Any]:
     store = _store(rank, ws)
     chk = Checker(f"rank {rank}")
-    ep = _endpoint(store, "plain", rank, ws, chunk_bytes=4096, timeout_s=30.0)
+    ep = _endpoint(store, "plain", rank, ws, chunk_bytes=4096, kernels=kernels, timeout_s=30.0)
     # one at a time: every dtype x op, sizes with 1 element, fewer elements than ranks, and
     # many chunks whose last one is short
     for dt_name in DTYPES:
@@ -92,17 +100,18 @@ def correctness_fn(rank: int, ws: int) -> dict[str, Any]:
     return {}
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("ws", [2, 3])
-def test_staged_rail_correctness(ws: int) -> None:
+def test_staged_rail_correctness(ws: int, kernels: str) -> None:
     """Every dtype x op, odd sizes down to 1 element, 4 KiB chunks (many, with short and empty
-    pieces), 8 ops in flight: equal to the references."""
-    run_ranks(ws, correctness_fn, init=False, timeout_s=400)
+    pieces), 8 ops in flight: equal to the references, with either form of the device steps."""
+    run_ranks(ws, correctness_fn, kernels, init=False, timeout_s=400)
 
 
-def wire_fn(rank: int, ws: int, wire: str) -> dict[str, Any]:
+def wire_fn(rank: int, ws: int, wire: str, kernels: str) -> dict[str, Any]:
     store = _store(rank, ws)
     chk = Checker(f"rank {rank}")
-    ep = _endpoint(store, f"wire-{wire}", rank, ws, chunk_bytes=8192, wire=wire)
+    ep = _endpoint(store, f"wire-{wire}", rank, ws, chunk_bytes=8192, wire=wire, kernels=kernels)
     eps = {"bf16": 2.0**-8, "fp16": 2.0**-11}[wire]
     results = {}
     for op in ("SUM", "AVG"):
@@ -135,11 +144,59 @@ def wire_fn(rank: int, ws: int, wire: str) -> dict[str, Any]:
     return {}
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("wire", ["bf16", "fp16"])
-def test_staged_rail_wire_dtype(wire: str) -> None:
+def test_staged_rail_wire_dtype(wire: str, kernels: str) -> None:
     """float32 SUM/AVG over a 16-bit wire: within its rounding of the float64 reference and
     bit-identical on every rank; integers exact."""
-    run_ranks(3, wire_fn, wire, init=False, timeout_s=300)
+    run_ranks(3, wire_fn, wire, kernels, init=False, timeout_s=300)
+
+
+def fused_vs_copy_fn(rank: int, ws: int) -> dict[str, Any]:
+    store = _store(rank, ws)
+    chk = Checker(f"rank {rank}")
+    cases = [
+        ("none", torch.float32, "SUM", 9001),
+        ("none", torch.float16, "AVG", 7777),
+        ("none", torch.int8, "PRODUCT", 5003),
+        ("none", torch.float64, "MIN", 1),
+        ("none", torch.uint8, "MAX", 4099),
+        ("none", torch.int32, "AVG", 3001),
+        ("bf16", torch.float32, "SUM", 12_345),
+        ("bf16", torch.float32, "AVG", 2),
+        ("fp16", torch.float32, "AVG", 6007),
+        ("fp16", torch.int64, "SUM", 2049),  # not float32: never on the wire dtype
+    ]
+    eps = {}
+    for wire in ("none", "bf16", "fp16"):
+        for kernels in KERNELS:
+            eps[wire, kernels] = _endpoint(
+                store, f"cmp-{wire}-{kernels}", rank, ws, chunk_bytes=4096, wire=wire,
+                kernels=kernels,
+            )  # fmt: skip
+    for i, (wire, dt, op, n) in enumerate(cases):
+        x = gen(f"cmp/{i}", rank, (n,), dt, op)
+        out = {}
+        for kernels in KERNELS:
+            t = x.clone()
+            ep = eps[wire, kernels]
+            ep.wait(ep.issue(t, op))
+            out[kernels] = t
+        same = torch.equal(out["fused"].view(torch.uint8), out["copy"].view(torch.uint8))
+        chk.true(same, f"{wire} wire, {dt} {op} of {n}: fused and copy steps differ")
+    for ep in eps.values():
+        ep.close()
+    _done(store, "cmp", rank, ws)
+    chk.raise_if_failed()
+    return {}
+
+
+def test_staged_rail_fused_equals_copy() -> None:
+    """The fused steps give the very bytes the copy steps do: dtypes, ops (AVG too), wire
+    dtypes, sizes of 1 element to many chunks with a short last one."""
+    # six endpoints per rank: few transport threads each on small CI machines
+    env = {"FASTCOMM_TCP_THREADS": "1", "FASTCOMM_TCP_SOCKETS": "2"}
+    run_ranks(3, fused_vs_copy_fn, init=False, env=env, timeout_s=300)
 
 
 TIMEOUT_S = 4.0
@@ -203,10 +260,10 @@ def test_staged_rail_dead_or_absent_peer(mode: str) -> None:
 REPLAYS = 4
 
 
-def capture_fn(rank: int, ws: int) -> dict[str, Any]:
+def capture_fn(rank: int, ws: int, kernels: str) -> dict[str, Any]:
     store = _store(rank, ws)
     chk = Checker(f"rank {rank}")
-    ep = _endpoint(store, "capture", rank, ws, chunk_bytes=4096, timeout_s=30.0)
+    ep = _endpoint(store, "capture", rank, ws, chunk_bytes=4096, kernels=kernels, timeout_s=30.0)
 
     def eager(key: str, n: int, dt: torch.dtype, op: str) -> tuple[Any, torch.Tensor, list[Any]]:
         inputs = [gen(key, r, (n,), dt, op) for r in range(ws)]
@@ -274,12 +331,13 @@ def capture_fn(rank: int, ws: int) -> dict[str, Any]:
     return {}
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("ws", [2, 3])
-def test_staged_rail_captured_replays(ws: int) -> None:
+def test_staged_rail_captured_replays(ws: int, kernels: str) -> None:
     """Ops recorded once and replayed with fresh data, eager ops of other sizes interleaved
     and in flight with the replays, two replays in flight: every result equals its reference
     and every flag is back at its initial value after each round."""
-    run_ranks(ws, capture_fn, init=False, timeout_s=300)
+    run_ranks(ws, capture_fn, kernels, init=False, timeout_s=300)
 
 
 def capture_failure_fn(rank: int, ws: int, mode: str) -> dict[str, Any]:

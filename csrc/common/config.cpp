@@ -72,6 +72,10 @@ Config Config::fromEnv() {
   if (const char* v = env("FASTCOMM_CUDA_HIER_MIN_BYTES"))
     c.cudaHierMinBytes = parseBytes("FASTCOMM_CUDA_HIER_MIN_BYTES", v);
   c.cudaHier = flag("FASTCOMM_CUDA_HIER", true);
+  if (const char* v = env("FASTCOMM_STAGED_KERNELS"))
+    c.stagedFused = oneOf("FASTCOMM_STAGED_KERNELS", v, {"fused", "copy"}) == "fused";
+  if (const char* v = env("FASTCOMM_STAGED_MEMORY"))
+    c.stagedHostOnly = oneOf("FASTCOMM_STAGED_MEMORY", v, {"auto", "host"}) == "host";
   if (const char* v = env("FASTCOMM_SHM_ONESHOT_BYTES"))
     c.oneShotBytes = parseBytes("FASTCOMM_SHM_ONESHOT_BYTES", v);
   if (const char* v = env("FASTCOMM_P2P_BYTES")) c.p2pBytes = parseBytes("FASTCOMM_P2P_BYTES", v);
@@ -127,7 +131,9 @@ std::string Config::describe() const {
      << (ibEmuFail.empty() ? "" : " ib_emu_fail=" + ibEmuFail) << " check=" << check
      << " blocking_wait=" << blockingWait << " cuda_timing=" << cudaTiming
      << " cuda_hier=" << cudaHier << " cuda_chunk_bytes=" << cudaChunkBytes
-     << " cuda_hier_min_bytes=" << cudaHierMinBytes;
+     << " cuda_hier_min_bytes=" << cudaHierMinBytes
+     << " staged_kernels=" << (stagedFused ? "fused" : "copy")
+     << " staged_memory=" << (stagedHostOnly ? "host" : "auto");
   return os.str();
 }
 

@@ -28,6 +28,17 @@ struct Config {
   // FASTCOMM_CUDA_HIER_MIN_BYTES: smaller CUDA all_reduces across nodes stay
   // on the flat NCCL communicator (latency, not bandwidth).
   int64_t cudaHierMinBytes = 1 << 20;
+  // FASTCOMM_STAGED_KERNELS: fused | copy. How that path's device steps move
+  // data between the shard and the staging: one kernel per step reading and
+  // writing the staging in place (fused), or copy-engine copies through
+  // device scratch around the reduction and wire-cast kernels (copy). Local
+  // to each rank (the bytes on the wire are the same), for comparisons.
+  bool stagedFused = true;
+  // FASTCOMM_STAGED_MEMORY: auto | host. Where that path's staging lives:
+  // device memory when the rail's transports can move it (ib with GPUDirect
+  // RDMA, see FASTCOMM_IB_GDR), else mapped pinned host memory (auto); or
+  // always pinned host memory (host). Local to each rank.
+  bool stagedHostOnly = false;
   // FASTCOMM_SHM_ONESHOT_BYTES: all-reduces up to this size reduce the whole
   // buffer on every rank after one exchange (one barrier instead of two).
   int64_t oneShotBytes = 32 << 10;

@@ -88,7 +88,8 @@ StagedRail::Staging StagedRail::stagingFor(int rails, int64_t chunkBytes) {
   return s;
 }
 
-int64_t StagedRail::scratchBytes(const HierLayout& l, int64_t esize, bool wire) {
+int64_t StagedRail::scratchBytes(const HierLayout& l, int64_t esize, bool wire) const {
+  if (fused_) return 0;  // the fused steps read and write the staging in place
   const int64_t peers = l.rails - 1;
   const int64_t wsize = wire ? 2 : esize;
   // received pieces; for a 16-bit wire also the packed casts and the result
@@ -96,17 +97,17 @@ int64_t StagedRail::scratchBytes(const HierLayout& l, int64_t esize, bool wire) 
          (wire ? roundUp(peers * l.qMax * 2, 256) + roundUp(l.qMax * 2, 256) : 0);
 }
 
-StagedRail::StagedRail(StagedDevice& device, Staging staging, std::vector<int> railRanks, int me,
-                       int groupRank, int groupSize, int64_t chunkBytes, WireDtype wire,
+StagedRail::StagedRail(StagedDevice& device, std::vector<int> railRanks, int me, int groupRank,
+                       int groupSize, int64_t chunkBytes, WireDtype wire, bool fused,
                        const c10::intrusive_ptr<c10d::Store>& store, Hooks hooks)
     : dev_(device),
-      staging_(staging),
       railRanks_(std::move(railRanks)),
       me_(me),
       groupRank_(groupRank),
       groupSize_(groupSize),
       chunkBytes_(chunkBytes),
       wire_(wire),
+      fused_(fused),
       store_(store),
       hooks_(std::move(hooks)),
       gate_(std::make_shared<Gate>()) {
@@ -115,22 +116,35 @@ StagedRail::StagedRail(StagedDevice& device, Staging staging, std::vector<int> r
   TORCH_CHECK(rails >= 2 && me_ >= 0 && me_ < rails && railRanks_[me_] == groupRank_,
               "fastcomm: internal: bad rail");
   for (int j = 0; j < rails - 1; ++j) peers_.push_back(railRanks_[peerNode(j, me_)]);
+  staging_ = stagingFor(rails, chunkBytes_);
   for (int64_t w = 0; w < kStagedWindow; ++w) storeFlag(dev_.hostFlag(kFlagFree, w), 1);
 }
 
 void StagedRail::connect(const std::string& transport, const Config& cfg,
-                         const c10::intrusive_ptr<c10d::Store>& store, const OpContext& ctx) {
+                         const c10::intrusive_ptr<c10d::Store>& store, const OpContext& ctx,
+                         const StagingAllocator& allocate) {
   // The reduce-scatter and all-gather messages of a chunk travel on
   // separate connections, each in chunk order, so the two phases never have
   // to agree on one interleaving.
   rsNet_ = transport::createTransport(transport, cfg);
   agNet_ = transport::createTransport(transport, cfg);
+  // Where the staging lives depends on what the transports can move, so it
+  // is allocated only now (each rank on its own: a peer's staging may be
+  // host memory while this rank's is device memory, the bytes are the same).
+  allocate(staging_, rsNet_->supportsDeviceMemory() && agNet_->supportsDeviceMemory());
+  TORCH_CHECK(staging_.base != nullptr && reinterpret_cast<uintptr_t>(staging_.base) % 256 == 0,
+              "fastcomm: internal: no staging for the rail");
   rsConns_ = rsNet_->connect(c10::make_intrusive<c10d::PrefixStore>("rs", store), groupRank_,
                              groupSize_, peers_, ctx);
   agConns_ = agNet_->connect(c10::make_intrusive<c10d::PrefixStore>("ag", store), groupRank_,
                              groupSize_, peers_, ctx);
-  rsMr_ = rsNet_->registerMemory(staging_.base, staging_.bytes);
-  agMr_ = agNet_->registerMemory(staging_.base, staging_.bytes);
+  if (staging_.device) {
+    rsMr_ = rsNet_->registerDeviceMemory(staging_.base, staging_.bytes);
+    agMr_ = agNet_->registerDeviceMemory(staging_.base, staging_.bytes);
+  } else {
+    rsMr_ = rsNet_->registerMemory(staging_.base, staging_.bytes);
+    agMr_ = agNet_->registerMemory(staging_.base, staging_.bytes);
+  }
   proxy_ = std::thread([this] { proxyLoop(); });
 }
 
@@ -194,10 +208,24 @@ char* StagedRail::agRecvSlot(int64_t slot, int j) const {
          (2 * static_cast<int64_t>(peers_.size()) + 1 + j) * staging_.pieceBytes;
 }
 
+bool StagedRail::anyPeerPiece(const HierLayout& l, int64_t k) const {
+  for (int j = 0; j < static_cast<int>(peers_.size()); ++j)
+    if (l.pieceLen(k, peerNode(j, me_)) > 0) return true;
+  return false;
+}
+
 void StagedRail::issueP(const HierLayout& l, int64_t k, int64_t slot, char* shard, int64_t esize,
                         bool wire, char* dPack) {
   dev_.waitFlag(kFlagFree, slot);
   char* chunk = shard + l.chunkOff(k) * esize;
+  if (fused_) {
+    if (anyPeerPiece(l, k)) {
+      dev_.packToStaging(wire ? wire_ : WireDtype::None, esize, chunk, sendSlot(slot, 0),
+                         staging_.pieceBytes, l, k, me_);
+    }
+    dev_.setFlag(kFlagPacked, slot);
+    return;
+  }
   if (wire) dev_.pack(wire_, reinterpret_cast<const float*>(chunk), dPack, l, k, me_);
   const int64_t wsize = wire ? 2 : esize;
   for (int j = 0; j < static_cast<int>(peers_.size()); ++j) {
@@ -216,14 +244,23 @@ void StagedRail::issueA(const HierLayout& l, int64_t k, int64_t slot, char* shar
   const int64_t esize = static_cast<int64_t>(c10::elementSize(dt));
   const int64_t wsize = wire ? 2 : esize;
   const int64_t len = l.pieceLen(k, me_);
+  const int peers = static_cast<int>(peers_.size());
+  const int64_t divisor = op == RedOp::Avg ? groupSize_ : 0;
+  char* own = shard + (l.chunkOff(k) + l.pieceOff(k, me_)) * esize;
+  if (fused_) {
+    if (len > 0) {
+      dev_.reduceFromStaging(dt, op, wire ? wire_ : WireDtype::None, own, recvSlot(slot, 0),
+                             staging_.pieceBytes, peers, len, divisor, agSendSlot(slot));
+    }
+    dev_.setFlag(kFlagReduced, slot);
+    return;
+  }
   if (len > 0) {
-    const int peers = static_cast<int>(peers_.size());
     // Every peer sent its copy of this rank's piece: R-1 rows of equal length.
     dev_.copyToDevice2D(dRecv, l.qMax * wsize, recvSlot(slot, 0), staging_.pieceBytes, len * wsize,
                         peers);
-    char* own = shard + (l.chunkOff(k) + l.pieceOff(k, me_)) * esize;
-    dev_.reduce(dt, op, wire ? wire_ : WireDtype::None, own, dRecv, l.qMax, peers, len,
-                op == RedOp::Avg ? groupSize_ : 0, dOut);
+    dev_.reduce(dt, op, wire ? wire_ : WireDtype::None, own, dRecv, l.qMax, peers, len, divisor,
+                dOut);
     dev_.copyToHost(agSendSlot(slot), wire ? dOut : own, len * wsize);
   }
   dev_.setFlag(kFlagReduced, slot);
@@ -234,12 +271,19 @@ void StagedRail::issueB(const HierLayout& l, int64_t k, int64_t slot, char* shar
   dev_.waitFlag(kFlagAgIn, slot);
   char* chunk = shard + l.chunkOff(k) * esize;
   const int64_t wsize = wire ? 2 : esize;
-  bool any = false;
+  const bool any = anyPeerPiece(l, k);
+  if (fused_) {
+    if (any) {
+      dev_.gatherFromStaging(wire ? wire_ : WireDtype::None, esize, agRecvSlot(slot, 0),
+                             staging_.pieceBytes, chunk, l, k, me_);
+    }
+    dev_.setFlag(kFlagGathered, slot);
+    return;
+  }
   for (int j = 0; j < static_cast<int>(peers_.size()); ++j) {
     const int p = peerNode(j, me_);
     const int64_t len = l.pieceLen(k, p);
     if (len == 0) continue;
-    any = true;
     char* dst = wire ? dPack + j * l.qMax * wsize : chunk + l.pieceOff(k, p) * esize;
     dev_.copyToDevice(dst, agRecvSlot(slot, j), len * wsize);
   }
@@ -263,9 +307,10 @@ void StagedRail::allreduce(char* shard, int64_t shardElems, at::ScalarType dt, R
   const HierLayout l =
       HierLayout::make(shardElems, static_cast<int>(railRanks_.size()), chunkBytes_, esize);
   const int64_t peers = l.rails - 1;
-  char* dRecv = scratch;
-  char* dPack = dRecv + roundUp(peers * l.qMax * wsize, 256);
-  char* dOut = dPack + (wire ? roundUp(peers * l.qMax * 2, 256) : 0);
+  // Device scratch of the copy steps (the fused ones have none).
+  char* dRecv = fused_ ? nullptr : scratch;
+  char* dPack = fused_ ? nullptr : dRecv + roundUp(peers * l.qMax * wsize, 256);
+  char* dOut = fused_ ? nullptr : dPack + (wire ? roundUp(peers * l.qMax * 2, 256) : 0);
 
   const bool capture = dev_.capturing();
   Op desc;

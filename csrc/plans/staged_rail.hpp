@@ -1,21 +1,33 @@
 // The rail phase of the multi-node all_reduce of device memory: after the
 // intra-node reduce-scatter, every rank exchanges its shard with its rail
 // (the ranks with its local index on the other nodes) over fastcomm's
-// transport, staged through host memory and pipelined in chunks, the device
-// reducing what arrives. plans/cuda/cuda_hier.* runs it on a GPU (between
-// NCCL's reduce-scatter and all-gather); tests run the same code on the CPU
-// with an emulated device (csrc/python/staged_bindings.cpp).
+// transport, staged through memory the transport can move (pinned host
+// memory, or device memory where the transport moves that: GPUDirect RDMA)
+// and pipelined in chunks, the device reducing what arrives.
+// plans/cuda/cuda_hier.* runs it on a GPU (between NCCL's reduce-scatter and
+// all-gather); tests run the same code on the CPU with an emulated device
+// (csrc/python/staged_bindings.cpp).
 //
 // Per chunk k (plans/hier_layout.hpp: each chunk of the shard is cut into one
 // piece per rail member, piece p owned by the member on node p):
-//   P(k): the device copies the pieces the peers own to host send slots
-//         (cast to the 16-bit wire dtype first if asked);
+//   P(k): the device stages the pieces the peers own in send slots (cast to
+//         the 16-bit wire dtype if asked);
 //   net:  the proxy sends them and receives the peers' copies of this rank's
 //         own piece;
-//   A(k): the device copies those in, reduces them into the own piece (one
-//         kernel) and copies the result out;
+//   A(k): the device reduces those into the own piece and stages the result;
 //   net:  the proxy sends it to every peer and receives theirs;
-//   B(k): the device copies those into place.
+//   B(k): the device puts those in place.
+// Each step runs one of two ways (StagedRail's `fused`, FASTCOMM_STAGED_KERNELS):
+//   fused: one device operation per step that reads and writes the staging
+//          in place (StagedDevice::packToStaging, reduceFromStaging,
+//          gatherFromStaging: on a GPU, kernels on mapped pinned or device
+//          staging), so a chunk costs the stream 3 data operations, the
+//          same for every rail size and wire dtype;
+//   copy:  copies between the staging and device scratch around the
+//          reduction and wire-cast kernels: per chunk 2 (R-1) + 3 data
+//          operations, 2 more with a wire dtype.
+// On one in-order stream every operation waits for all those before it, so
+// fewer operations per chunk block each other less.
 // The caller's thread issues all device work of an op at once, in one
 // stream, in a fixed order in which P of later chunks comes before A/B of
 // earlier ones, so the copies of one chunk, the network of another and the
@@ -26,8 +38,9 @@
 // device's waits, from host-observed progress alone: no wait depends on
 // device work issued later on another stream, which could deadlock where
 // several streams share one hardware queue (the warning of
-// cuStreamWaitValue32). kStagedWindow chunk slots of host staging, allocated
-// once by the owner, are reused across chunks and calls.
+// cuStreamWaitValue32). kStagedWindow chunk slots of staging, allocated once
+// by the owner (at connect(), once the transports say what memory they can
+// move), are reused across chunks and calls.
 //
 // Failures (transport errors, timeouts) fail the op's work with an error
 // naming the collective, the peer and the timeout, and abort the group (a
@@ -141,6 +154,25 @@ class StagedDevice {
                     int me) = 0;
   virtual void unpack(WireDtype wire, const void* in, float* chunk, const HierLayout& l, int64_t k,
                       int me) = 0;
+
+  // The fused steps: each one device operation that reads and writes the
+  // staging in place. Staging piece slots lie `pitch` bytes apart, slot j
+  // holding node peerNode(j, me)'s piece; `chunk` is chunk k's first element
+  // of `esize` bytes. With a wire dtype the data is float32 and the slots
+  // hold wire values.
+  // P(k): the pieces of chunk k the peers own -> `slots` (cast to the wire).
+  virtual void packToStaging(WireDtype wire, int64_t esize, const void* chunk, void* slots,
+                             int64_t pitch, const HierLayout& l, int64_t k, int me) = 0;
+  // A(k): reduce() with the peers' pieces read from `recv` (peer j's at
+  // recv + j * pitch bytes) and the result stored both in own[] and, as dt
+  // or rounded to the wire dtype, in out[] (the all-gather send slot).
+  virtual void reduceFromStaging(at::ScalarType dt, RedOp op, WireDtype wire, void* own,
+                                 const void* recv, int64_t pitch, int nPeers, int64_t n,
+                                 int64_t divisor, void* out) = 0;
+  // B(k): the peers' reduced pieces of chunk k from `slots` into place in
+  // the chunk (from the wire dtype).
+  virtual void gatherFromStaging(WireDtype wire, int64_t esize, const void* slots, int64_t pitch,
+                                 void* chunk, const HierLayout& l, int64_t k, int me) = 0;
   // Whether the operations issued now are recorded for replays (a CUDA graph
   // capture) rather than run once.
   virtual bool capturing() = 0;
@@ -174,30 +206,41 @@ class StagedRail {
     std::function<void(std::exception_ptr)> failWork;
   };
 
-  // Host staging the owner allocates (pinned for a GPU) and keeps alive until
-  // stop() returned and the device stopped using it.
+  // Staging the owner allocates and keeps alive until stop() returned and
+  // the device stopped using it: host memory the device reaches (for a GPU
+  // mapped pinned memory), or device memory (`device`) registered with the
+  // transports as such.
   struct Staging {
     char* base = nullptr;
     int64_t bytes = 0;
     int64_t pieceBytes = 0;  // one piece slot
     int64_t slotBytes = 0;   // one chunk slot: 3 (R-1) + 1 pieces
+    bool device = false;
   };
   static Staging stagingFor(int rails, int64_t chunkBytes);  // sizes (base null)
-  // Device scratch one op needs (received pieces; packed wire casts).
-  static int64_t scratchBytes(const HierLayout& l, int64_t esize, bool wire);
+  // At connect(): sets `s.base` (s.bytes of it, 256-byte aligned) and
+  // `s.device`; `deviceMemoryMoves` says whether both of the rail's
+  // transports can move device memory (Transport::supportsDeviceMemory).
+  using StagingAllocator = std::function<void(Staging& s, bool deviceMemoryMoves)>;
+  // Device scratch one op needs (copy steps: received pieces, packed wire
+  // casts; fused steps: none).
+  int64_t scratchBytes(const HierLayout& l, int64_t esize, bool wire) const;
 
   // `railRanks[n]` is the group rank of this rank's rail member on node n
-  // (itself at `me`). `groupSize` divides AVG results.
-  StagedRail(StagedDevice& device, Staging staging, std::vector<int> railRanks, int me,
-             int groupRank, int groupSize, int64_t chunkBytes, WireDtype wire,
+  // (itself at `me`). `groupSize` divides AVG results. `fused`: the device
+  // steps of the fused form (see the header), else the copy form.
+  StagedRail(StagedDevice& device, std::vector<int> railRanks, int me, int groupRank, int groupSize,
+             int64_t chunkBytes, WireDtype wire, bool fused,
              const c10::intrusive_ptr<c10d::Store>& store, Hooks hooks);
   ~StagedRail();
 
   // Connects to the rail peers with two transports (reduce-scatter and
   // all-gather messages, each in chunk order on its own connections) through
-  // `store` (prefixed for this rail) and starts the proxy thread.
+  // `store` (prefixed for this rail), has `allocate` provide the staging,
+  // registers it with both and starts the proxy thread.
   void connect(const std::string& transport, const Config& cfg,
-               const c10::intrusive_ptr<c10d::Store>& store, const OpContext& ctx);
+               const c10::intrusive_ptr<c10d::Store>& store, const OpContext& ctx,
+               const StagingAllocator& allocate);
 
   // Issues the rail phase of an all_reduce of `shard` (device memory, in
   // place) onto the device and hands its op to the proxy (while the device
@@ -215,6 +258,8 @@ class StagedRail {
   // Whether an op was captured (a graph may replay it until stop()).
   bool hasCaptured() const { return !captured_.empty(); }
   int64_t stagingBytes() const { return staging_.bytes; }
+  bool stagingOnDevice() const { return staging_.device; }
+  bool fused() const { return fused_; }
   std::string transportName() const;
 
   // From the group's abort: closes the transports (requests in flight fail,
@@ -255,10 +300,11 @@ class StagedRail {
               RedOp op, bool wire, char* dRecv, char* dOut);
   void issueB(const HierLayout& l, int64_t k, int64_t slot, char* shard, int64_t esize, bool wire,
               char* dPack);
-  char* sendSlot(int64_t slot, int j) const;    // pieces for peer j
-  char* recvSlot(int64_t slot, int j) const;    // this rank's piece from peer j
-  char* agSendSlot(int64_t slot) const;         // this rank's reduced piece
-  char* agRecvSlot(int64_t slot, int j) const;  // the reduced piece of peer j
+  bool anyPeerPiece(const HierLayout& l, int64_t k) const;  // chunk k has a peer's piece
+  char* sendSlot(int64_t slot, int j) const;                // pieces for peer j
+  char* recvSlot(int64_t slot, int j) const;                // this rank's piece from peer j
+  char* agSendSlot(int64_t slot) const;                     // this rank's reduced piece
+  char* agRecvSlot(int64_t slot, int j) const;              // the reduced piece of peer j
 
   StagedDevice& dev_;
   Staging staging_;
@@ -267,6 +313,7 @@ class StagedRail {
   int me_, groupRank_, groupSize_;
   int64_t chunkBytes_;
   WireDtype wire_;
+  bool fused_;
   c10::intrusive_ptr<c10d::Store> store_;  // the group's (failure reasons)
   Hooks hooks_;
   std::unique_ptr<transport::Transport> rsNet_, agNet_;

@@ -166,6 +166,63 @@ class EmulatedDevice final : public StagedDevice {
       }
     });
   }
+  // The fused steps, each one operation (what one kernel does on a GPU).
+  void packToStaging(WireDtype wire, int64_t esize, const void* chunk, void* slots, int64_t pitch,
+                     const HierLayout& l, int64_t k, int me) override {
+    enqueue([=] {
+      for (int j = 0; j < l.rails - 1; ++j) {
+        const int p = peerNode(j, me);
+        const char* src = static_cast<const char*>(chunk) + l.pieceOff(k, p) * esize;
+        char* dst = static_cast<char*>(slots) + j * pitch;
+        const int64_t len = l.pieceLen(k, p);
+        if (wire == WireDtype::None) {
+          std::memcpy(dst, src, len * esize);
+        } else {
+          for (int64_t i = 0; i < len; ++i)
+            floatToWire(wire, dst, i, reinterpret_cast<const float*>(src)[i]);
+        }
+      }
+    });
+  }
+  void reduceFromStaging(at::ScalarType dt, RedOp op, WireDtype wire, void* own, const void* recv,
+                         int64_t pitch, int nPeers, int64_t n, int64_t divisor,
+                         void* out) override {
+    enqueue([=] {
+      auto peer = [&](int j) { return static_cast<const char*>(recv) + j * pitch; };
+      if (wire != WireDtype::None) {
+        float* o = static_cast<float*>(own);
+        for (int64_t i = 0; i < n; ++i) {
+          float acc = o[i];
+          for (int j = 0; j < nPeers; ++j) acc += wireToFloat(wire, peer(j), i);
+          if (divisor > 0) acc /= static_cast<float>(divisor);
+          o[i] = floatToWire(wire, out, i, acc);
+        }
+        return;
+      }
+      std::vector<const void*> ins{own};
+      for (int j = 0; j < nPeers; ++j) ins.push_back(peer(j));
+      reduceInto(own, ins.data(), static_cast<int>(ins.size()), n, dt, op,
+                 divisor > 0 ? static_cast<int>(divisor) : 1);
+      std::memcpy(out, own, n * static_cast<int64_t>(c10::elementSize(dt)));
+    });
+  }
+  void gatherFromStaging(WireDtype wire, int64_t esize, const void* slots, int64_t pitch,
+                         void* chunk, const HierLayout& l, int64_t k, int me) override {
+    enqueue([=] {
+      for (int j = 0; j < l.rails - 1; ++j) {
+        const int p = peerNode(j, me);
+        const char* src = static_cast<const char*>(slots) + j * pitch;
+        char* dst = static_cast<char*>(chunk) + l.pieceOff(k, p) * esize;
+        const int64_t len = l.pieceLen(k, p);
+        if (wire == WireDtype::None) {
+          std::memcpy(dst, src, len * esize);
+        } else {
+          for (int64_t i = 0; i < len; ++i)
+            reinterpret_cast<float*>(dst)[i] = wireToFloat(wire, src, i);
+        }
+      }
+    });
+  }
   bool capturing() override { return recording_ != nullptr; }
   void hostCall(void (*fn)(void*), void* arg) override {
     // In stream order on the device thread, as CUDA runs a host function
@@ -259,12 +316,11 @@ class StagedRailEndpoint {
  public:
   StagedRailEndpoint(const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix,
                      int rank, int size, int64_t chunkBytes, const std::string& wire,
-                     std::chrono::milliseconds timeout)
+                     const std::string& kernels, std::chrono::milliseconds timeout)
       : timeout_(timeout), rails_(size), chunkBytes_(chunkBytes) {
+    TORCH_CHECK(kernels == "fused" || kernels == "copy",
+                "fastcomm: staged rail test: kernels must be fused or copy, not ", kernels);
     auto group = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
-    StagedRail::Staging staging = StagedRail::stagingFor(size, chunkBytes);
-    buffer_.reset(new char[staging.bytes + 64]);
-    staging.base = buffer_.get() + (64 - reinterpret_cast<uintptr_t>(buffer_.get()) % 64) % 64;
     std::vector<int> ranks(size);
     for (int r = 0; r < size; ++r) ranks[r] = r;
     StagedRail::Hooks hooks;
@@ -272,12 +328,18 @@ class StagedRailEndpoint {
       // What the CUDA side's abort does to the rail.
       if (rail_) rail_->abort(why);
     };
-    rail_ = std::make_unique<StagedRail>(dev_, staging, ranks, rank, rank, size, chunkBytes,
-                                         parseWireDtype(wire), group, hooks);
+    rail_ = std::make_unique<StagedRail>(dev_, ranks, rank, rank, size, chunkBytes,
+                                         parseWireDtype(wire), kernels == "fused", group, hooks);
     const Config cfg = Config::fromEnv();
     if (cfg.timeline) Timeline::setEnabled(true);  // as a process group would
     rail_->connect("tcp", cfg, c10::make_intrusive<c10d::PrefixStore>("rail", group),
-                   OpContext::start("staged rail setup", 0, timeout));
+                   OpContext::start("staged rail setup", 0, timeout),
+                   [this](StagedRail::Staging& s, bool /*deviceMemoryMoves: never over tcp*/) {
+                     buffer_.reset(new char[s.bytes + 256]);
+                     const auto at = reinterpret_cast<uintptr_t>(buffer_.get());
+                     s.base = buffer_.get() + (256 - at % 256) % 256;
+                     s.device = false;
+                   });
   }
   ~StagedRailEndpoint() { close(); }
 
@@ -291,7 +353,7 @@ class StagedRailEndpoint {
     const auto ctx = OpContext::start("all_reduce", ++seq_, timeout_);
     const HierLayout l = HierLayout::make(t.numel(), rails_, chunkBytes_, esize);
     at::Tensor scratch =
-        at::empty({StagedRail::scratchBytes(l, esize, rail_->wireFor(t.scalar_type(), op))},
+        at::empty({rail_->scratchBytes(l, esize, rail_->wireFor(t.scalar_type(), op))},
                   t.options().dtype(at::kByte));
     if (capture_) {
       // The graph keeps its buffers (as a CUDA graph's memory pool does); a
@@ -437,14 +499,14 @@ void bindStagedRail(py::module_& m) {
   py::class_<StagedRailEndpoint>(m, "_StagedRailEndpoint")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix,
                        int rank, int size, int64_t chunkBytes, const std::string& wire,
-                       double timeoutS) {
+                       const std::string& kernels, double timeoutS) {
              return std::make_unique<StagedRailEndpoint>(
-                 store, prefix, rank, size, chunkBytes, wire,
+                 store, prefix, rank, size, chunkBytes, wire, kernels,
                  std::chrono::milliseconds(static_cast<int64_t>(timeoutS * 1000)));
            }),
            py::arg("store"), py::arg("prefix"), py::arg("rank"), py::arg("size"),
-           py::arg("chunk_bytes"), py::arg("wire") = "none", py::arg("timeout_s") = 30.0,
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("chunk_bytes"), py::arg("wire") = "none", py::arg("kernels") = "fused",
+           py::arg("timeout_s") = 30.0, py::call_guard<py::gil_scoped_release>())
       .def("issue", &StagedRailEndpoint::issue, py::arg("tensor"), py::arg("op") = "SUM",
            py::call_guard<py::gil_scoped_release>())
       .def("wait", &StagedRailEndpoint::wait, py::arg("ticket"),

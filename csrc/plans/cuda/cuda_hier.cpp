@@ -18,8 +18,8 @@ namespace fastcomm {
 namespace {
 
 // After a failure, how long shutdown waits for the comm stream to drain
-// before leaking the pinned memory rather than freeing it under the copy
-// engines.
+// before leaking the staging rather than freeing it under the copy engines
+// or kernels.
 constexpr auto kDrainLimit = std::chrono::seconds(10);
 
 constexpr int64_t kFlagStride = 16;  // uint32 words per flag: one 64-byte line each
@@ -100,16 +100,50 @@ uint32_t loadFlag(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIR
 // ----------------------------------------------------------------------------- resources
 
 // What a rank needs locally before it can vote for the path: the driver's
-// stream memory operations, mapped pinned flags, pinned staging. It is also
+// stream memory operations, mapped pinned flags, mapped pinned staging (the
+// rail may trade it for device memory at connect: placeStaging). It is also
 // the rail's device: every operation goes to `stream` (the group's comm
 // stream, set for each all_reduce).
+//
+// Memory ordering of the fused steps, whose kernels read and write the
+// staging directly (mapped pinned host memory, or device memory that the
+// transport moves: GPUDirect RDMA or the ib emulation's cudaMemcpy):
+// - Device -> proxy: a kernel's stores to the staging are followed on the
+//   stream by setFlag's cuStreamWriteValue32 without
+//   CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER. The driver API documents that
+//   this write runs after the preceding work of the stream completed and
+//   "will provide a memory fence before the write, which has similar
+//   semantics to __threadfence_system() but is scoped to the stream rather
+//   than a CUDA thread" (CUstreamWriteValue_flags), i.e. every store of the
+//   finished kernel is visible system-wide (to the proxy, to the NIC) before
+//   the flag is. This is what already made the copy engines' copies visible.
+//   The kernels store to the staging with st.global.wt (write through L2 to
+//   system memory; PTX ISA, "Cache Operators"), so nothing waits in L2.
+// - Proxy -> device: the proxy writes the flag (release) only after the
+//   transport reported the data in place, and the kernel that reads it is
+//   issued after the cuStreamWaitValue32 on that flag, so it starts after
+//   the data landed. It loads the staging with ld.global.cv ("consider
+//   cached system memory lines stale, fetch again", PTX ISA), so no L2 line
+//   an earlier chunk on the same slot left behind is read. Device staging
+//   written by a NIC needs its PCIe writes flushed to the GPU's view before
+//   dependent work on pre-Hopper GPUs (NCCL's ncclTopoNeedFlush,
+//   graph/paths.cc: no flush from compute capability 9.0 on, except
+//   C2C-attached CPUs); placeStaging takes device memory only where the GPU
+//   is sm_90+ or can flush remote writes, and then the arrival waits carry
+//   CU_STREAM_WAIT_VALUE_FLUSH ("if a remote write operation is guaranteed
+//   to have reached the device before the wait can be satisfied, that write
+//   is guaranteed to be visible to downstream device work").
 struct CudaHier::Resources : StagedDevice {
   PFN_cuStreamWaitValue32_v11070 waitValue = nullptr;
   PFN_cuStreamWriteValue32_v11070 writeValue = nullptr;
   uint32_t* flags = nullptr;  // mapped pinned
   CUdeviceptr flagsDev = 0;
-  StagedRail::Staging staging;  // pinned
-  bool leak = false;            // the GPU may still copy: never free
+  char* pinnedStaging = nullptr;  // mapped pinned, the same address on host and device
+  char* deviceStaging = nullptr;  // cudaMalloc'd (placeStaging)
+  int64_t stagingBytes = 0;
+  bool flushArrivals = false;  // CU_STREAM_WAIT_VALUE_FLUSH on the network-arrival waits
+  std::string stagingWhy;      // where the staging is, and why (describe())
+  bool leak = false;           // the GPU may still use the memory: never free
   cudaStream_t stream = nullptr;
 
   CUdeviceptr flagDev(int kind, int64_t slot) const {
@@ -124,8 +158,10 @@ struct CudaHier::Resources : StagedDevice {
   void waitFlag(int kind, int64_t slot) override {
     // Wait for 1, then put the flag back to 0 for its next use: the same
     // values on every use, so a replayed sequence works as the first one did.
-    cuCheck(waitValue(stream, flagDev(kind, slot), 1, CU_STREAM_WAIT_VALUE_EQ),
-            "cuStreamWaitValue32");
+    const bool arrival = kind == kFlagRsIn || kind == kFlagAgIn;
+    const unsigned int how =
+        CU_STREAM_WAIT_VALUE_EQ | (flushArrivals && arrival ? CU_STREAM_WAIT_VALUE_FLUSH : 0);
+    cuCheck(waitValue(stream, flagDev(kind, slot), 1, how), "cuStreamWaitValue32");
     cuCheck(writeValue(stream, flagDev(kind, slot), 0, CU_STREAM_WRITE_VALUE_DEFAULT),
             "cuStreamWriteValue32");
   }
@@ -135,19 +171,18 @@ struct CudaHier::Resources : StagedDevice {
     cuCheck(writeValue(stream, flagDev(kind, slot), 1, CU_STREAM_WRITE_VALUE_DEFAULT),
             "cuStreamWriteValue32");
   }
+  // The staging may be host or device memory: the copies let the runtime
+  // tell (cudaMemcpyDefault, unified addressing).
   void copyToHost(void* dst, const void* src, int64_t bytes) override {
-    cudaCheck(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream),
-              "copy to pinned staging");
+    cudaCheck(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream), "copy to staging");
   }
   void copyToDevice(void* dst, const void* src, int64_t bytes) override {
-    cudaCheck(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream),
-              "copy from pinned staging");
+    cudaCheck(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream), "copy from staging");
   }
   void copyToDevice2D(void* dst, int64_t dpitch, const void* src, int64_t spitch, int64_t width,
                       int64_t rows) override {
-    cudaCheck(
-        cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, rows, cudaMemcpyHostToDevice, stream),
-        "copy from pinned staging");
+    cudaCheck(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, rows, cudaMemcpyDefault, stream),
+              "copy from staging");
   }
   void reduce(at::ScalarType dt, RedOp op, WireDtype wire, void* own, const void* recv,
               int64_t stride, int nPeers, int64_t n, int64_t divisor, void* wireOut) override {
@@ -161,6 +196,20 @@ struct CudaHier::Resources : StagedDevice {
   void unpack(WireDtype wire, const void* in, float* chunk, const HierLayout& l, int64_t k,
               int me) override {
     hierk::unpack(kernelWire(wire), in, chunk, l, k, me, stream);
+  }
+  void packToStaging(WireDtype wire, int64_t esize, const void* chunk, void* slots, int64_t pitch,
+                     const HierLayout& l, int64_t k, int me) override {
+    hierk::packToStaging(kernelWire(wire), esize, chunk, slots, pitch, l, k, me, stream);
+  }
+  void reduceFromStaging(at::ScalarType dt, RedOp op, WireDtype wire, void* own, const void* recv,
+                         int64_t pitch, int nPeers, int64_t n, int64_t divisor,
+                         void* out) override {
+    hierk::reduceFromStaging(elemOf(dt), kernelOp(op), kernelWire(wire), own, recv, pitch, nPeers,
+                             n, divisor, out, stream);
+  }
+  void gatherFromStaging(WireDtype wire, int64_t esize, const void* slots, int64_t pitch,
+                         void* chunk, const HierLayout& l, int64_t k, int me) override {
+    hierk::gatherFromStaging(kernelWire(wire), esize, slots, pitch, chunk, l, k, me, stream);
   }
   bool capturing() override {
     cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
@@ -200,10 +249,20 @@ struct CudaHier::Resources : StagedDevice {
     cudaCheck(cudaHostGetDevicePointer(&dev, r->flags, 0), "cudaHostGetDevicePointer");
     r->flagsDev = reinterpret_cast<CUdeviceptr>(dev);
 
-    r->staging = StagedRail::stagingFor(rails, chunkBytes);
-    cudaCheck(cudaHostAlloc(reinterpret_cast<void**>(&r->staging.base), r->staging.bytes,
-                            cudaHostAllocPortable),
+    // Mapped, so kernels reach it (the fused steps); allocated before the
+    // vote, so a rank that cannot get it keeps every rank on the flat path.
+    r->stagingBytes = StagedRail::stagingFor(rails, chunkBytes).bytes;
+    cudaCheck(cudaHostAlloc(reinterpret_cast<void**>(&r->pinnedStaging), r->stagingBytes,
+                            cudaHostAllocMapped | cudaHostAllocPortable),
               "cudaHostAlloc (staging)");
+    void* stagingDev = nullptr;
+    cudaCheck(cudaHostGetDevicePointer(&stagingDev, r->pinnedStaging, 0),
+              "cudaHostGetDevicePointer (staging)");
+    // The rail hands one address to the device and to the proxy alike.
+    if (stagingDev != r->pinnedStaging)
+      throw std::runtime_error(
+          "mapped pinned memory has a device address other than its host "
+          "address (no unified addressing)");
 
     // Probe the stream memory operations on host memory once, on a stream
     // of our own: some drivers or platforms refuse them.
@@ -228,9 +287,60 @@ struct CudaHier::Resources : StagedDevice {
     return r;
   }
 
+  // The rail's StagingAllocator: device memory where the rail's transports
+  // move it (`deviceMemoryMoves`), unless FASTCOMM_STAGED_MEMORY=host, the
+  // GPU could not see a NIC's writes in order (see the memory ordering
+  // above) or cudaMalloc fails; else the mapped pinned staging.
+  void placeStaging(StagedRail::Staging& s, bool deviceMemoryMoves, bool hostOnly,
+                    const std::string& transport, at::Device device) {
+    TORCH_INTERNAL_ASSERT(s.bytes == stagingBytes);
+    std::string why;
+    if (hostOnly) {
+      why = "FASTCOMM_STAGED_MEMORY=host";
+    } else if (!deviceMemoryMoves) {
+      why = "the " + transport + " transport cannot move device memory" +
+            (transport == "ib" ? " (GPUDirect RDMA unavailable or FASTCOMM_IB_GDR=0)" : "");
+    } else {
+      int major = 0, canFlush = 0;
+      cudaCheck(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device.index()),
+                "cudaDeviceGetAttribute");
+      cudaCheck(cudaDeviceGetAttribute(&canFlush, cudaDevAttrCanFlushRemoteWrites, device.index()),
+                "cudaDeviceGetAttribute");
+      if (major < 9 && canFlush == 0) {
+        why =
+            "this GPU (before sm_90) cannot flush a NIC's writes to its memory ahead of the "
+            "kernels that read them";
+      } else {
+        const cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&deviceStaging), s.bytes);
+        if (e == cudaSuccess) {
+          flushArrivals = canFlush != 0;
+        } else {
+          (void)cudaGetLastError();
+          deviceStaging = nullptr;
+          why = std::string("cudaMalloc failed: ") + cudaGetErrorString(e);
+        }
+      }
+    }
+    if (deviceStaging != nullptr) {
+      cudaCheck(cudaFreeHost(pinnedStaging), "cudaFreeHost (staging)");
+      pinnedStaging = nullptr;
+      s.base = deviceStaging;
+      s.device = true;
+      stagingWhy = "device staging (the " + transport + " transport moves device memory" +
+                   (flushArrivals ? "; arrival waits flush remote writes" : "") + ")";
+    } else {
+      s.base = pinnedStaging;
+      s.device = false;
+      stagingWhy = "pinned host staging (" + why + ")";
+    }
+    FASTCOMM_LOG(Info,
+                 "CUDA all_reduce across nodes: " << (s.bytes >> 20) << " MiB of " << stagingWhy);
+  }
+
   ~Resources() override {
     if (leak) return;
-    if (staging.base != nullptr) cudaFreeHost(staging.base);
+    if (pinnedStaging != nullptr) cudaFreeHost(pinnedStaging);
+    if (deviceStaging != nullptr) cudaFree(deviceStaging);
     if (flags != nullptr) cudaFreeHost(flags);
   }
 };
@@ -301,11 +411,15 @@ std::unique_ptr<CudaHier> CudaHier::create(const c10::intrusive_ptr<c10d::Store>
   }
   std::vector<int> rail;
   for (const auto& node : topo.nodeRanks) rail.push_back(node[topo.localRank]);
-  h->rail_ = std::make_unique<StagedRail>(*h->res_, h->res_->staging, std::move(rail), topo.myNode,
-                                          topo.rank, topo.size, plan.cudaChunkBytes,
-                                          parseWireDtype(plan.wireDtype), store, std::move(hooks));
-  h->rail_->connect(plan.transport, cfg,
-                    c10::make_intrusive<c10d::PrefixStore>("fastcomm/cuda_hier", store), ctx);
+  h->rail_ = std::make_unique<StagedRail>(
+      *h->res_, std::move(rail), topo.myNode, topo.rank, topo.size, plan.cudaChunkBytes,
+      parseWireDtype(plan.wireDtype), cfg.stagedFused, store, std::move(hooks));
+  Resources* r = h->res_.get();
+  h->rail_->connect(
+      plan.transport, cfg, c10::make_intrusive<c10d::PrefixStore>("fastcomm/cuda_hier", store), ctx,
+      [r, &cfg, &plan, device](StagedRail::Staging& s, bool deviceMemoryMoves) {
+        r->placeStaging(s, deviceMemoryMoves, cfg.stagedHostOnly, plan.transport, device);
+      });
   if (topo.rank == 0) FASTCOMM_LOG(Info, h->describe());
   return h;
 }
@@ -325,12 +439,14 @@ std::string CudaHier::describe() const {
   os << "CUDA all_reduce across nodes (from " << plan_.cudaHierMinBytes << " B, "
      << "SUM/AVG/PRODUCT/MIN/MAX on float and integer types): "
      << (topo_.localSize > 1 ? "NCCL reduce-scatter in the node, " : "") << topo_.numNodes() - 1
-     << " rail peer(s) per rank over " << rail_->transportName()
-     << " through pinned staging, pipelined in chunks of " << plan_.cudaChunkBytes << " B (window "
-     << kStagedWindow << "), reduction on the GPU"
+     << " rail peer(s) per rank over " << rail_->transportName() << " through "
+     << (rail_->stagingOnDevice() ? "device" : "pinned host") << " staging, pipelined in chunks of "
+     << plan_.cudaChunkBytes << " B (window " << kStagedWindow << "), reduction on the GPU, "
+     << (rail_->fused() ? "fused staging kernels" : "copy-engine staging copies")
      << (plan_.wireDtype != "none" ? ", float32 sums as " + plan_.wireDtype + " on the wire" : "")
      << (topo_.localSize > 1 ? ", NCCL all-gather in the node" : "") << "; "
-     << (rail_->stagingBytes() >> 20) << " MiB pinned staging per rank";
+     << (rail_->stagingBytes() >> 20) << " MiB of staging per rank (here " << res_->stagingWhy
+     << ")";
   return os.str();
 }
 
@@ -365,7 +481,7 @@ void CudaHier::allreduce(const at::Tensor& t, RedOp op, cudaStream_t s, const Op
   }
   // Device scratch from the caching allocator, on this stream.
   const HierLayout l = HierLayout::make(S, topo_.numNodes(), plan_.cudaChunkBytes, esize);
-  at::Tensor scratch = at::empty({StagedRail::scratchBytes(l, esize, rail_->wireFor(dt, op))},
+  at::Tensor scratch = at::empty({rail_->scratchBytes(l, esize, rail_->wireFor(dt, op))},
                                  t.options().dtype(at::kByte));
   res_->stream = s;
   rail_->allreduce(shard, S, dt, op, static_cast<char*>(scratch.data_ptr()), ctx,
@@ -425,7 +541,7 @@ void CudaHier::shutdown(cudaStream_t stream, bool failed) {
                                  "multi-node all_reduce cannot be waited for"
                                : "the comm stream did not drain within " +
                                      std::to_string(kDrainLimit.count()) + " s after a failure")
-                           << "; the pinned staging memory is not freed");
+                           << "; the staging memory is not freed");
   }
   rail_.reset();
   res_.reset();

@@ -1,28 +1,31 @@
 // CUDA all_reduce across nodes: intra-node NCCL reduce-scatter -> the rail
 // phase (plans/staged_rail.hpp: every rank's shard exchanged with its rail
-// over fastcomm's transport, staged through pinned host memory and pipelined
-// in chunks, the GPU reducing what arrives) -> intra-node NCCL all-gather.
+// over fastcomm's transport, staged through mapped pinned host memory, or
+// device memory where the transport moves it, and pipelined in chunks, the
+// GPU reducing what arrives) -> intra-node NCCL all-gather.
 // The host CPU never adds big data; a proxy thread only moves bytes, and the
 // caller's thread never waits.
 //
 // On the GPU, the rail phase's device steps run on the group's comm stream
-// after the reduce-scatter: copies with cudaMemcpyAsync between the shard and
-// pinned staging (allocated once), the reduction and wire casts as kernels
-// (kernels/hier_kernels.cu), and the flags as stream memory operations on
+// after the reduce-scatter: by default one kernel per step that reads and
+// writes the staging in place (FASTCOMM_STAGED_KERNELS=fused; with `copy`,
+// cudaMemcpyAsync between the shard and the staging around the reduction and
+// wire-cast kernels; all in kernels/hier_kernels.cu), the staging allocated
+// once (FASTCOMM_STAGED_MEMORY), and the flags as stream memory operations on
 // mapped pinned memory (cuStreamWaitValue32 / cuStreamWriteValue32, through
 // cudaGetDriverEntryPoint, so fastcomm does not link libcuda). Only the proxy
 // releases the stream's waits, from host-observed progress, so no wait ever
 // depends on GPU work issued later on another stream (which could deadlock
 // where CUDA maps several streams onto one hardware queue: the warning of
 // cuStreamWaitValue32). This is why there are no separate copy streams: the
-// copies of one chunk still overlap the network of the others.
+// device steps of one chunk still overlap the network of the others.
 //
 // Failures abort the group (the CUDA collectives' abort: works fail, NCCL
 // communicators abort); the rail then keeps releasing the stream's waits, and
-// shutdown frees the pinned memory only once the comm stream drained.
+// shutdown frees the staging only once the comm stream drained.
 //
 // CUDA graphs: everything above can be captured (NCCL calls, copies to and
-// from pinned memory, kernels, stream memory operations on mapped memory,
+// from the staging, kernels, stream memory operations on mapped memory,
 // scratch and padding from the caching allocator, i.e. the graph's pool),
 // and the rail adds a host node that hands each replay's op to the proxy
 // (plans/staged_rail.hpp). The set-up cannot be captured: the first
@@ -81,7 +84,7 @@ class CudaHier {
   // Destroy: `stream` is the comm stream the ops ran on. Waits for it to
   // drain (bounded after a failure; once ops were captured, for the whole
   // device, as a graph may still replay them), stops the rail, frees the
-  // pinned memory (leaked, with a warning, if the stream never drained, or
+  // staging (leaked, with a warning, if the stream never drained, or
   // after a failure once ops were captured) and releases the intra-node
   // communicator. Graphs holding these all_reduces must not be replayed
   // afterwards (as with NCCL's communicators).
@@ -90,7 +93,7 @@ class CudaHier {
   CudaHier(const CudaHier&) = delete;
   CudaHier& operator=(const CudaHier&) = delete;
 
-  struct Resources;  // pinned memory, flags, driver entry points; the device
+  struct Resources;  // staging, flags, driver entry points; the device
 
  private:
   CudaHier(const Topology& topo, const InterPlan& plan, at::Device device,

@@ -1,6 +1,7 @@
 // Kernels of the CUDA multi-node all-reduce (plans/cuda/cuda_hier.*): the
 // reduction of the pieces received from the rail peers into this rank's own
-// piece, and the casts to and from a 16-bit wire dtype. Host-callable
+// piece, the casts to and from a 16-bit wire dtype, and the fused steps that
+// do either straight from and into the staging. Host-callable
 // launchers with plain types, so this header needs no ATen.
 #pragma once
 
@@ -34,6 +35,26 @@ void pack(Wire wire, const float* chunk, void* out, const HierLayout& l, int64_t
           cudaStream_t stream);
 void unpack(Wire wire, const void* in, float* chunk, const HierLayout& l, int64_t k, int me,
             cudaStream_t stream);
+
+// The fused steps of the rail (plans/staged_rail.hpp, StagedDevice): one
+// kernel each that reads or writes the staging in place, mapped pinned host
+// memory or device memory alike. Staging slots lie `pitch` bytes apart, slot
+// j for node peerNode(j, me); `chunk` is chunk k's first element of `esize`
+// bytes (float32 with a wire dtype). 16-byte loads and stores where the
+// addresses allow, else element by element.
+//
+// P(k): the pieces of chunk k the peers own -> `slots` (cast to the wire).
+void packToStaging(Wire wire, int64_t esize, const void* chunk, void* slots, int64_t pitch,
+                   const HierLayout& l, int64_t k, int me, cudaStream_t stream);
+// A(k): reduce() with peer j's piece read from recv + j * pitch bytes, the
+// result stored in own[] and, as the element type or rounded to the wire
+// dtype, in out[] (the staging slot the all-gather sends).
+void reduceFromStaging(Elem elem, Op op, Wire wire, void* own, const void* recv, int64_t pitch,
+                       int nPeers, int64_t n, int64_t divisor, void* out, cudaStream_t stream);
+// B(k): the peers' reduced pieces of chunk k from `slots` into place in the
+// chunk (from the wire dtype).
+void gatherFromStaging(Wire wire, int64_t esize, const void* slots, int64_t pitch, void* chunk,
+                       const HierLayout& l, int64_t k, int me, cudaStream_t stream);
 
 }  // namespace hierk
 }  // namespace fastcomm
