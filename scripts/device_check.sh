@@ -3,7 +3,7 @@
 # root: builds the extension, runs the GPU tests and the benchmarks, and
 # leaves logs and JSON in $OUT (at most 8 files come back).
 #   scripts/device_check.sh build tests bench cpubench cpubench2x2 multinode sweep stagedsweep
-#     stagedmodes killed capture hooks ddpbench ops
+#     stagedmodes stagedtests killed capture hooks ddpbench ops
 #   (any subset, in order)
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"
@@ -150,17 +150,24 @@ for stage in "${stages[@]}"; do
       ;;
     stagedmodes)
       # The staged all_reduce's device steps as fused kernels on mapped staging
-      # vs copy-engine copies (FASTCOMM_STAGED_KERNELS), float32 and bf16 wire.
+      # vs copy-engine copies (FASTCOMM_STAGED_KERNELS), float32 and bf16 wire;
+      # then the ib emulation with device staging vs host staging.
       say "staged all_reduce: fused kernels vs copies, $NGPU GPUs as 2 nodes"
-      for mode in copy fused; do
-        for wire in none bf16; do
-          echo "--- kernels $mode wire $wire" | tee -a "$LOG"
-          FASTCOMM_STAGED_KERNELS=$mode timeout 120 "$PY" -m torch.distributed.run --standalone \
-            --nproc_per_node="$NGPU" benchmarks/trace_staged_allreduce.py --sim-nodes 2 \
-            --sizes 16M,256M,1G --iters 7 --wire "$wire" --json "$OUT/staged_${mode}_${wire}.json" 2>&1 \
-            | grep "B  median" | tee -a "$LOG"
-        done
+      for wire in none bf16; do
+        echo "--- wire $wire" | tee -a "$LOG"
+        timeout 150 "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
+          benchmarks/trace_staged_allreduce.py --sim-nodes 2 --sizes 16M,256M,1G --iters 7 \
+          --kernels fused,copy --wire "$wire" --json "$OUT/staged_modes_${wire}.json" 2>&1 \
+          | grep -E "B  median|kernels|staging" | grep -v '^ *"' | tee -a "$LOG"
       done
+      ;;
+    stagedtests)
+      say "staged kernels (1 GPU) and staging modes (4 GPUs as 2x2)"
+      timeout 120 "$PY" -m pytest -q -ra tests/test_staged_kernels.py > "$OUT/staged_tests.log" 2>&1
+      tail -n 4 "$OUT/staged_tests.log" | tee -a "$LOG"
+      timeout 200 "$PY" -m pytest -q -ra tests/test_cuda_hier.py -k "staging_modes or capture" \
+        >> "$OUT/staged_tests.log" 2>&1
+      tail -n 4 "$OUT/staged_tests.log" | tee -a "$LOG"
       ;;
     hooks)
       say "DDP comm hooks and CUDA graph capture, $NGPU GPUs"
