@@ -158,7 +158,7 @@ for stage in "${stages[@]}"; do
         timeout 150 "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
           benchmarks/trace_staged_allreduce.py --sim-nodes 2 --sizes 16M,256M,1G --iters 7 \
           --kernels fused,copy --wire "$wire" --json "$OUT/staged_modes_${wire}.json" 2>&1 \
-          | grep -E "B  median|kernels|staging" | grep -v '^ *"' | tee -a "$LOG"
+          | grep -E "B  median|^-- " | tee -a "$LOG"
       done
       ;;
     stagedtests)
