@@ -20,9 +20,11 @@ forced through the FASTCOMM_MATMUL_* variables (see ``Variant.ENV``): ``auto``
 kernel with its own heuristic), and the Hopper variants ``coop`` (cooperative
 128x256, epilogue from registers), ``coop_tma`` (same, epilogue through shared
 memory + TMA stores), ``coop128`` (cooperative 128x128, TMA stores),
-``pingpong`` (two 128x128 tiles in ping-pong), each with ``_c2`` for 2-CTA
-clusters with TMA multicast. ``--variants hopper`` names the set the sweep
-of docs/matmul.md times. The kernel a variant actually ran is recorded
+``pingpong`` (two 128x128 tiles in ping-pong), ``coop_tma2`` (``coop_tma`` with
+the lean epilogue), ``pingpong_w`` (ping-pong on 64x256 tiles), each with
+``_c2`` for 2-CTA clusters with TMA multicast. ``--variants hopper`` names the
+set the sweep of docs/matmul.md times, ``--variants fused`` the comparison of
+the epilogue variants. The kernel a variant actually ran is recorded
 (``torch.ops.fastcomm._kernel_name``), and a summary matrix (ratio to the
 baseline, per shape and variant) is printed last.
 
@@ -189,6 +191,20 @@ class Variant:
         "coop128": {**_HOPPER, "SCHED": "coop", "TILE": "small", "EPI": "tma", "CLUSTER": "1"},
         "pingpong": {**_HOPPER, "SCHED": "pingpong", "CLUSTER": "1"},
         "pingpong_c2": {**_HOPPER, "SCHED": "pingpong", "CLUSTER": "2"},
+        # The lean TMA epilogue (bias prefetched under the last MMAs, one
+        # barrier per chunk, lean activations) on the coop_tma kernel.
+        "coop_tma2": {**_HOPPER, "SCHED": "coop", "TILE": "large", "EPI": "tma2", "CLUSTER": "1"},
+        "coop_tma2_c2": {
+            **_HOPPER,
+            "SCHED": "coop",
+            "TILE": "large",
+            "EPI": "tma2",
+            "CLUSTER": "2",
+        },
+        # Wide ping-pong: a 64 x 256 tile per warpgroup (m64n256k16, the
+        # cooperative MMA shape), one warpgroup's epilogue under the other's MMAs.
+        "pingpong_w": {**_HOPPER, "SCHED": "pingpong", "TILE": "large", "CLUSTER": "1"},
+        "pingpong_w_c2": {**_HOPPER, "SCHED": "pingpong", "TILE": "large", "CLUSTER": "2"},
     }
     # Names of earlier runs (benchmarks/results/2026-11-21-*): the same kernels.
     ALIASES: ClassVar[dict[str, str]] = {"wgmma_c2": "coop_c2"}
@@ -203,7 +219,19 @@ class Variant:
             "coop_tma_c2",
             "pingpong",
             "pingpong_c2",
-        ]
+        ],
+        # The fused-epilogue comparison (issue 5): the old TMA epilogue against
+        # the lean one, ping-pong 128 x 128 against the wide 64 x 256 form.
+        "fused": [
+            "auto",
+            "coop",
+            "coop_tma",
+            "coop_tma2",
+            "coop_tma2_c2",
+            "pingpong",
+            "pingpong_w",
+            "pingpong_w_c2",
+        ],
     }
 
     def __init__(self, name: str):

@@ -69,7 +69,9 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
   }
   if (pingpong) {
     plan.sched = Sched::kPingpong;
-    plan.bn = 128;
+    // Forced ping-pong with the large tile: the wide form, a 64 x 256 tile per
+    // warpgroup (not chosen by auto until a sweep has measured it).
+    plan.bn = o.sched == WgmmaSched::kPingpong && o.tile == Tile::kLarge ? 256 : 128;
   } else {
     plan.sched = Sched::kCoop;
     if (o.tile == Tile::kAuto) {
@@ -83,6 +85,7 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
   // multiple of 8 elements; otherwise (and for ping-pong, whose epilogue is
   // hidden anyway) the epilogue stores from registers.
   plan.tma_store = plan.sched == Sched::kCoop && o.epi != WgmmaEpi::kDirect && tma_store_ok(p);
+  plan.epi_lean = plan.tma_store && o.epi == WgmmaEpi::kTmaLean;
   if (o.raster == Raster::kAuto) {
     // Bytes read from DRAM, if each group's panel stays in L2: rows-first
     // groups (2048 rows of A) stream all of B once per group, columns-first
@@ -195,10 +198,12 @@ cudaError_t launch_gemm_wgmma_sm90(const GemmArgs& p, int num_sms, const WgmmaOp
 std::string describe_gemm_wgmma_sm90(const GemmArgs& p, int num_sms, const WgmmaOptions& opts) {
   const sm90::Plan plan = sm90::choose_plan(p, num_sms, opts);
   std::string s = plan.sched == sm90::Sched::kPingpong
-                      ? "wgmma pingpong 128x128"
+                      ? (plan.bn == 256 ? "wgmma pingpong 64x256" : "wgmma pingpong 128x128")
                       : "wgmma coop 128x" + std::to_string(plan.bn);
   s += " cluster " + std::to_string(plan.cluster);
-  if (plan.sched == sm90::Sched::kCoop) s += plan.tma_store ? " epi tma" : " epi direct";
+  if (plan.sched == sm90::Sched::kCoop) {
+    s += plan.tma_store ? (plan.epi_lean ? " epi tma2" : " epi tma") : " epi direct";
+  }
   s += plan.raster_n ? " raster n" : " raster m";
   return s;
 }

@@ -22,12 +22,15 @@
 //      buffers per warpgroup and TMA stores, so that the global writes drain
 //      while the next tile's MMAs run;
 //    - ping-pong (Sched::kPingpong): each warpgroup owns a whole 128 x 128
-//      tile (two m64n128k16 per k16 step, 128 accumulators per thread) and the
-//      two take the CTA's tiles in turn. An "order" mbarrier pair hands the
+//      tile (two m64n128k16 per k16 step, 128 accumulators per thread), or
+//      in the wide form (BN = 256) a 64 x 256 tile (one m64n256k16 per k16
+//      step: the cooperative kernel's MMA shape and shared-memory reads per
+//      FLOP), and the two take the CTA's tiles in turn. An "order" mbarrier pair hands the
 //      tensor cores from one to the other once a warpgroup has issued its
 //      last MMA, so one warpgroup's epilogue (bias, activation, stores) runs
 //      under the other one's main loop instead of stalling the tensor cores.
-//  * Tiles: 128 x 256 (4 stages of 48 KB) or 128 x 128 (6 stages of 32 KB),
+//  * Tiles: 128 x 256 (4 stages of 48 KB), 64 x 256 (wide ping-pong, 5
+//    stages of 40 KB) or 128 x 128 (6 stages of 32 KB),
 //    BK = 64 (one 128-byte swizzle row). Tile order: groups of 2048 rows
 //    (raster by rows) or 2048 columns (raster by columns), the dispatcher
 //    picking the one that re-reads fewer bytes from DRAM.
@@ -78,11 +81,15 @@ constexpr int kEpiChunkBytes = 64 * 64 * 2;  // TMA-store epilogue: 64 x 64 outp
 template <Sched S, int BN>
 struct Cfg {
   static_assert(BN == 256 || BN == 128, "BN must be 128 or 256");
-  static_assert(S == Sched::kCoop || BN == 128,
-                "ping-pong keeps a whole 128 x 128 tile per warpgroup (128 accumulators)");
   static constexpr bool PINGPONG = S == Sched::kPingpong;
-  static constexpr int STAGES = BN == 256 ? 4 : 6;
-  static constexpr int A_BYTES = kBM * kBK * 2;  // 16 KB
+  // Tile rows: 128, except for the wide ping-pong (BN = 256), whose
+  // warpgroups each own a 64 x 256 tile (one m64n256k16 per k16 step and 128
+  // accumulators per thread, the MMA shape of the cooperative kernel).
+  static constexpr int BM = PINGPONG && BN == 256 ? 64 : kBM;
+  // 4 x 48 KB (cooperative 128 x 256), 5 x 40 KB (ping-pong 64 x 256),
+  // 6 x 32 KB (128 x 128).
+  static constexpr int STAGES = BN == 256 ? (PINGPONG ? 5 : 4) : 6;
+  static constexpr int A_BYTES = BM * kBK * 2;  // 16 KB (8 KB for BM = 64)
   static constexpr int B_BYTES = BN * kBK * 2;
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
   // Staging of the TMA-store epilogue (cooperative only): two chunk buffers
@@ -100,16 +107,18 @@ struct Cfg {
   // warpgroups (cooperative) or the one that owns the tile (ping-pong).
   static constexpr int STAGE_READERS = PINGPONG ? 4 : 8;
   // m64 sub-tiles in a consumer warpgroup's accumulator: 64 rows (cooperative)
-  // or the whole 128-row tile (ping-pong).
-  static constexpr int MSUB = PINGPONG ? 2 : 1;
+  // or the whole tile (ping-pong: 2 for 128 x 128, 1 for 64 x 256).
+  static constexpr int MSUB = PINGPONG ? BM / 64 : 1;
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = 232;  // 128 x (40 + 2 x 232) <= 64K registers
 };
 
 // Run-time options of one launch (by value, in the kernel parameters).
 struct KernelOpts {
-  int raster_n = 0;   // tile order: groups of columns (1) or of rows (0)
-  int tma_store = 0;  // cooperative epilogue through TMA stores (tma_c is valid)
+  int raster_n = 0;  // tile order: groups of columns (1) or of rows (0)
+  // Cooperative epilogue through TMA stores (tma_c is valid): 1 epilogue_tma,
+  // 2 epilogue_tma_lean.
+  int tma_store = 0;
 };
 
 // ---- PTX wrappers (sm_90a) ---------------------------------------------------------
@@ -493,6 +502,97 @@ __device__ __forceinline__ void epilogue_tma(const GemmArgs& p, const CUtensorMa
   }
 }
 
+// The thread's bias pairs for the lean TMA epilogue: the two columns
+// n0 + 8 j + 2 (l % 4) + {0, 1} of each 8-column block j, as the packed
+// 16-bit pair (zero where there is no bias or the column is outside C).
+// Called after the tile's last MMAs are issued and before waiting for them,
+// so that the loads' latency hides under the last MMA batch, once per tile
+// instead of once per 64-column chunk behind the chunk's barrier.
+template <typename T, int BN>
+__device__ __forceinline__ void prefetch_bias(const GemmArgs& p, int n0, int wtid, bool bias_paired,
+                                              uint32_t (&bw)[BN / 8]) {
+  const T* bias = static_cast<const T*>(p.bias);
+  const int et = static_cast<int>(opaque_u32(static_cast<uint32_t>(wtid)));
+  const int col0 = n0 + 2 * (et & 3);
+  if (bias == nullptr) {
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) bw[j] = 0u;
+  } else if (n0 + BN <= p.N && bias_paired) {
+    const unsigned int* b = reinterpret_cast<const unsigned int*>(bias + col0);
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) bw[j] = __ldg(b + 4 * j);  // 8 columns = 4 words apart
+  } else {
+    const unsigned short* b = reinterpret_cast<const unsigned short*>(bias);
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      const int col = col0 + 8 * j;
+      const uint32_t lo = col < p.N ? __ldg(b + col) : 0u;
+      const uint32_t hi = col + 1 < p.N ? __ldg(b + col + 1) : 0u;
+      bw[j] = lo | (hi << 16);
+    }
+  }
+}
+
+// A packed 16-bit pair as two floats.
+template <typename T>
+__device__ __forceinline__ void unpack_pair(uint32_t w, float& lo, float& hi) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    lo = __uint_as_float(w << 16);
+    hi = __uint_as_float(w & 0xFFFF0000u);
+  } else {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w));
+    lo = f.x;
+    hi = f.y;
+  }
+}
+
+// The TMA-store epilogue in fewer instructions and barriers ("tma2"): the
+// bias comes from registers (prefetch_bias), the activations are the lean
+// ones (activate_lean), and each 64 x 64 chunk takes one named barrier
+// instead of two: before the barrier that hands chunk c to the storing
+// thread, that thread waits until every earlier store has read its staging
+// buffer (the one chunk c + 1 writes next was read by the store of chunk c - 1,
+// issued a whole chunk earlier, so this wait is normally already satisfied).
+// The parity of the buffers carries over from tile to tile (BN / 64 chunks, an
+// even count), and the store of the previous tile's last chunk is covered by
+// the wait before chunk 0's barrier.
+template <typename T, Act ACT, int BN>
+__device__ __forceinline__ void epilogue_tma_lean(const GemmArgs& p, const CUtensorMap* map_c,
+                                                  const float (&acc)[1][BN / 2],
+                                                  const uint32_t (&bw)[BN / 8], uint32_t stage,
+                                                  int row_base, int n0, int wtid, int bar_id) {
+  static_assert((BN / 64) % 2 == 0, "the staging buffers alternate across tiles");
+  const int et = static_cast<int>(opaque_u32(static_cast<uint32_t>(wtid)));
+  const int warp = et / 32, lane = et % 32;
+  const int r0 = 16 * warp + (lane >> 2);
+  const uint32_t row_off = static_cast<uint32_t>(r0 * 128 + ((lane & 3) << 2));
+  const uint32_t swz = static_cast<uint32_t>(r0 & 7);
+#pragma unroll
+  for (int c = 0; c < BN / 64; ++c) {
+    const uint32_t buf = stage + static_cast<uint32_t>(c & 1) * kEpiChunkBytes;
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      const int j = 8 * c + jj;
+      float b0, b1;
+      unpack_pair<T>(bw[j], b0, b1);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float v0 = activate_lean<ACT, false>(acc[0][4 * j + 2 * h] + b0);
+        const float v1 = activate_lean<ACT, true>(acc[0][4 * j + 2 * h + 1] + b1);
+        const uint32_t addr = buf + row_off + 1024u * h + ((jj ^ swz) << 4);
+        st_shared_b32(addr, pack_pair<T>(v0, v1));
+      }
+    }
+    fence_proxy_async_smem();
+    if (wtid == 0) bulk_wait_read<0>();
+    named_barrier_sync(bar_id, 128);
+    if (wtid == 0) {
+      if (row_base < p.M && n0 + 64 * c < p.N) tma_store_2d(map_c, buf, n0 + 64 * c, row_base);
+      bulk_commit_group();
+    }
+  }
+}
+
 // ---- the kernel ------------------------------------------------------------------------
 
 // A_K: A is K-major ([M][K], lda = sam), else M-major ([K][M], lda = sak).
@@ -533,7 +633,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tid = threadIdx.x;
   const int wg = tid / 128;
   const int M = static_cast<int>(p.M), N = static_cast<int>(p.N), K = static_cast<int>(p.K);
-  const int tiles_m = (M + kBM - 1) / kBM;
+  constexpr int BM = C::BM;
+  const int tiles_m = (M + BM - 1) / BM;
   const int tiles_n = (N + BN - 1) / BN;
   const int num_kb = (K + kBK - 1) / kBK;
   // Work units: single tiles, or vertical pairs of tiles for a cluster of 2.
@@ -542,16 +643,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int first_unit = blockIdx.x / CLUSTER;
   const int unit_stride = gridDim.x / CLUSTER;
   const uint32_t rank = CLUSTER == 2 ? cluster_ctarank() : 0u;
-  // Tile order for L2 reuse: groups of 2048 rows (16 tile rows) walked
-  // column by column, or groups of 2048 columns walked row by row.
+  // Tile order for L2 reuse: groups of 2048 rows (2048 / BM tile rows)
+  // walked column by column, or groups of 2048 columns walked row by row.
   auto unit_tile = [&](int unit, int& m0, int& n0) {
     int um, tn;
     if (opts.raster_n) {
       grouped_tile<2048 / BN>(unit, tiles_n, units_m, tn, um);
     } else {
-      grouped_tile<16 / CLUSTER>(unit, units_m, tiles_n, um, tn);
+      grouped_tile<2048 / BM / CLUSTER>(unit, units_m, tiles_n, um, tn);
     }
-    m0 = (um * CLUSTER + static_cast<int>(rank)) * kBM;
+    m0 = (um * CLUSTER + static_cast<int>(rank)) * BM;
     n0 = tn * BN;
   };
 
@@ -590,10 +691,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           const uint32_t a_dst = sA + s * C::A_BYTES;
           const uint32_t b_dst = sB + s * C::B_BYTES;
           if constexpr (A_K) {
-            tma_load_2d(a_dst, &tma_a, k0, m0, full_bar(s));  // box {64 k, 128 m}
+            tma_load_2d(a_dst, &tma_a, k0, m0, full_bar(s));  // box {64 k, BM m}
           } else {
 #pragma unroll
-            for (int j = 0; j < kBM / 64; ++j) {
+            for (int j = 0; j < BM / 64; ++j) {
               tma_load_2d(a_dst + j * C::BOX_BYTES, &tma_a, m0 + 64 * j, k0,
                           full_bar(s));  // box {64 m, 64 k}
             }
@@ -708,6 +809,20 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (PINGPONG) {
         // All our MMAs are issued: the other warpgroup may start its tile.
         if (lane == 0) mbar_arrive(order_bar(cw ^ 1));
+      } else {
+        if (opts.tma_store == 2) {
+          // Lean TMA epilogue: the bias loads go out under the last MMAs.
+          uint32_t bw[BN / 8];
+          prefetch_bias<T, BN>(p, n0, wtid, bias_paired, bw);
+          wgmma_wait<0>();
+          fence_accumulators(acc);
+          if (num_kb > 0) release(prev_s);
+          const uint32_t stage = sEpi + static_cast<uint32_t>(cw) * 2u * kEpiChunkBytes;
+          FASTCOMM_DISPATCH_ACT(
+              p.act, (epilogue_tma_lean<T, kAct, BN>(p, &tma_c, acc, bw, stage, m0 + 64 * cw, n0,
+                                                     wtid, 1 + cw)));
+          continue;
+        }
       }
       wgmma_wait<0>();
       fence_accumulators(acc);
@@ -755,7 +870,7 @@ template <typename T, Sched S, int BN, bool A_K, bool B_K, int CLUSTER>
 cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stream) {
   using C = Cfg<S, BN>;
   CUtensorMap ma, mb, mc;
-  const bool ok_a = A_K ? make_map(&ma, p.dtype, p.a, p.K, p.M, p.sam, kBK, kBM)
+  const bool ok_a = A_K ? make_map(&ma, p.dtype, p.a, p.K, p.M, p.sam, kBK, C::BM)
                         : make_map(&ma, p.dtype, p.a, p.M, p.K, p.sak, 64, kBK);
   // With a cluster of 2, each CTA loads half of a K-major B tile.
   const bool ok_b = B_K ? make_map(&mb, p.dtype, p.b, p.K, p.N, p.sbn, kBK, BN / CLUSTER)
@@ -763,14 +878,14 @@ cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stre
   if (!ok_a || !ok_b) return cudaErrorInvalidValue;
   KernelOpts opts;
   opts.raster_n = plan.raster_n ? 1 : 0;
-  opts.tma_store = (S == Sched::kCoop && plan.tma_store) ? 1 : 0;
+  opts.tma_store = (S == Sched::kCoop && plan.tma_store) ? (plan.epi_lean ? 2 : 1) : 0;
   if (opts.tma_store) {
     // C [M][N] row-major, 64 x 64 boxes (one swizzle row wide).
     if (!make_map(&mc, p.dtype, p.c, p.N, p.M, p.ldc, 64, 64)) return cudaErrorInvalidValue;
   } else {
     mc = mb;  // unused by the kernel; any valid map
   }
-  const int64_t tiles_m = (p.M + kBM - 1) / kBM;
+  const int64_t tiles_m = (p.M + C::BM - 1) / C::BM;
   const int64_t units = ((tiles_m + CLUSTER - 1) / CLUSTER) * ((p.N + BN - 1) / BN);
   if (units * CLUSTER > INT_MAX) return cudaErrorInvalidValue;
   auto kernel = gemm_wgmma_kernel<T, S, BN, A_K, B_K, CLUSTER>;
@@ -804,8 +919,8 @@ cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stre
     // Once per kernel and device (FASTCOMM_LOG=INFO): the persistent grid
     // decides how well the tiles spread over the SMs.
     FASTCOMM_LOG(Info, "matmul wgmma kernel "
-                           << (S == Sched::kPingpong ? "ping-pong" : "cooperative") << " 128x" << BN
-                           << " cluster " << CLUSTER << " layout " << (A_K ? "K" : "M")
+                           << (S == Sched::kPingpong ? "ping-pong" : "cooperative") << " " << C::BM
+                           << "x" << BN << " cluster " << CLUSTER << " layout " << (A_K ? "K" : "M")
                            << (B_K ? "K" : "N") << " on device " << dev << ": " << C::SMEM_BYTES
                            << " B shared memory, "
                            << (CLUSTER > 1 ? su.resident_clusters : plan.num_sms)
@@ -851,7 +966,10 @@ cudaError_t launch_layout(const GemmArgs& p, const Plan& plan, cudaStream_t stre
 template <typename T, Sched S>
 cudaError_t launch_sched(const GemmArgs& p, const Plan& plan, cudaStream_t stream) {
   if constexpr (S == Sched::kPingpong) {
-    if (plan.bn != 128) return cudaErrorInvalidValue;
+    if (plan.bn == 256) {  // 64 x 256 per warpgroup
+      return plan.cluster == 2 ? launch_layout<T, S, 256, 2>(p, plan, stream)
+                               : launch_layout<T, S, 256, 1>(p, plan, stream);
+    }
     return plan.cluster == 2 ? launch_layout<T, S, 128, 2>(p, plan, stream)
                              : launch_layout<T, S, 128, 1>(p, plan, stream);
   } else {

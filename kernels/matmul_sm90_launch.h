@@ -30,6 +30,7 @@ struct Plan {
   int bn = 256;            // tile width: 256 or 128 (ping-pong: 128)
   int cluster = 1;         // 1, or 2: CTA pairs on vertically adjacent tiles, B multicast
   bool tma_store = false;  // epilogue through shared memory + TMA stores (cooperative)
+  bool epi_lean = false;   // ... in its lean form (bias prefetch, lean activations)
   bool raster_n = false;   // walk tiles in groups of columns (true) or of rows (false)
   int num_sms = 0;
 };

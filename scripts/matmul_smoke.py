@@ -40,6 +40,9 @@ EXTRAS = {
     "coop_tma+raster_n": ("coop_tma", {"FASTCOMM_MATMUL_RASTER": "n"}),
     "pingpong+raster_n": ("pingpong", {"FASTCOMM_MATMUL_RASTER": "n"}),
     "pingpong_c2+raster_n": ("pingpong_c2", {"FASTCOMM_MATMUL_RASTER": "n"}),
+    "pingpong_w+raster_n": ("pingpong_w", {"FASTCOMM_MATMUL_RASTER": "n"}),
+    "coop_tma2+raster_n": ("coop_tma2", {"FASTCOMM_MATMUL_RASTER": "n"}),
+    "pingpong_w+mn_copy": ("pingpong_w", {"FASTCOMM_MATMUL_WGMMA_MN": "0"}),
     "coop+mn_copy": ("coop", {"FASTCOMM_MATMUL_WGMMA_MN": "0"}),
 }
 

@@ -479,6 +479,9 @@ WGMMA_VARIANTS = {
     "coop128_tma": {"SCHED": "coop", "TILE": "small", "EPI": "tma", "RASTER": "m"},
     "pingpong": {"SCHED": "pingpong", "RASTER": "m"},
     "pingpong_rn": {"SCHED": "pingpong", "RASTER": "n"},
+    "coop256_tma2": {"SCHED": "coop", "TILE": "large", "EPI": "tma2", "RASTER": "m"},
+    "pingpong_w": {"SCHED": "pingpong", "TILE": "large", "RASTER": "m"},
+    "pingpong_w_rn": {"SCHED": "pingpong", "TILE": "large", "RASTER": "n"},
 }
 # One tile; tiny; odd edges; K of one slice; TMA-store edges (N % 8 == 0, M
 # and N not tile multiples, a warpgroup block wholly below M); many tiles per
@@ -516,7 +519,10 @@ def test_cuda_wgmma_kernel(monkeypatch, variant, cluster, mn_major, dtype):
     sched = WGMMA_VARIANTS[variant]["SCHED"]
     assert name.startswith(f"wgmma {sched}") and f"cluster {cluster}" in name, name
     if "EPI" in WGMMA_VARIANTS[variant]:
-        assert f"epi {WGMMA_VARIANTS[variant]['EPI']}" in name, name
+        assert f"epi {WGMMA_VARIANTS[variant]['EPI']} " in name, name
+    if sched == "pingpong":
+        wide = WGMMA_VARIANTS[variant].get("TILE") == "large"
+        assert (" 64x256 " in name) == wide, name
     _check_all_layouts("cuda", dtype, WGMMA_SHAPES, acts=ACTS)
 
 

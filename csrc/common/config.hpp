@@ -102,13 +102,15 @@ struct MatmulConfig {
   // raises where that kernel cannot run instead of falling back.
   std::string impl = "auto";
   // FASTCOMM_MATMUL_TILE: auto | large | small (mma.sync: 128x128 / 64x64;
-  // Hopper: the cooperative 128x256 / 128x128 tile, which implies sched=coop).
+  // Hopper: the cooperative 128x256 / 128x128 tile, which implies sched=coop
+  // unless sched=pingpong is set too: then large = the 64x256 ping-pong tile).
   std::string tile = "auto";
   // FASTCOMM_MATMUL_SCHED: auto | coop | pingpong (Hopper consumer schedule).
   std::string sched = "auto";
   // FASTCOMM_MATMUL_CLUSTER: auto | 1 | 2 (Hopper CTA pairs sharing B via multicast).
   std::string cluster = "auto";
-  // FASTCOMM_MATMUL_EPI: auto | direct | tma (Hopper cooperative epilogue stores).
+  // FASTCOMM_MATMUL_EPI: auto | direct | tma | tma2 (Hopper cooperative epilogue
+  // stores; tma2: the TMA epilogue with bias prefetch and lean activations).
   std::string epi = "auto";
   // FASTCOMM_MATMUL_RASTER: auto | m | n (Hopper tile order: row or column groups).
   std::string raster = "auto";

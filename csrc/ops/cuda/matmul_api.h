@@ -70,8 +70,10 @@ bool gemm_wgmma_preferred(const GemmArgs& args, int num_sms);
 // Schedules of the Hopper kernel: two consumer warpgroups on one 128 x 256
 // (or 128 x 128) tile, or ping-pong on two 128 x 128 tiles.
 enum class WgmmaSched : int { kAuto = 0, kCoop = 1, kPingpong = 2 };
-// Cooperative epilogue: stores from registers, or through shared memory and TMA.
-enum class WgmmaEpi : int { kAuto = 0, kDirect = 1, kTma = 2 };
+// Cooperative epilogue: stores from registers, or through shared memory and TMA;
+// kTmaLean: the TMA one with the tile's bias prefetched into registers under
+// the last MMAs, one barrier per chunk and the lean activations.
+enum class WgmmaEpi : int { kAuto = 0, kDirect = 1, kTma = 2, kTmaLean = 3 };
 // Tile order: groups of tile rows (kM) or of tile columns (kN).
 enum class Raster : int { kAuto = 0, kM = 1, kN = 2 };
 

@@ -71,6 +71,7 @@ kc::WgmmaOptions wgmma_options(const MatmulConfig& c) {
   o.cluster = c.cluster == "1" ? 1 : c.cluster == "2" ? 2 : 0;
   o.epi = c.epi == "direct" ? kc::WgmmaEpi::kDirect
           : c.epi == "tma"  ? kc::WgmmaEpi::kTma
+          : c.epi == "tma2" ? kc::WgmmaEpi::kTmaLean
                             : kc::WgmmaEpi::kAuto;
   o.raster = c.raster == "m"   ? kc::Raster::kM
              : c.raster == "n" ? kc::Raster::kN
