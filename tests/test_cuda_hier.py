@@ -569,10 +569,12 @@ STAGING_MODES = [
     pytest.param({"FASTCOMM_STAGED_KERNELS": "fused"}, "pinned host staging", id="fused-tcp"),
     pytest.param({"FASTCOMM_STAGED_KERNELS": "copy"}, "pinned host staging", id="copy-tcp"),
     pytest.param(
-        {"FASTCOMM_STAGED_KERNELS": "fused", **IB_EMU}, "device staging", id="fused-ib-device"
+        {"FASTCOMM_STAGED_KERNELS": "fused", "FASTCOMM_STAGED_MEMORY": "auto", **IB_EMU},
+        "device staging", id="fused-ib-device"
     ),
     pytest.param(
-        {"FASTCOMM_STAGED_KERNELS": "copy", **IB_EMU}, "device staging", id="copy-ib-device"
+        {"FASTCOMM_STAGED_KERNELS": "copy", "FASTCOMM_STAGED_MEMORY": "auto", **IB_EMU},
+        "device staging", id="copy-ib-device"
     ),
     pytest.param(
         {"FASTCOMM_STAGED_KERNELS": "fused", "FASTCOMM_STAGED_MEMORY": "host", **IB_EMU},

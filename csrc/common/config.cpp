@@ -75,7 +75,7 @@ Config Config::fromEnv() {
   if (const char* v = env("FASTCOMM_STAGED_KERNELS"))
     c.stagedFused = oneOf("FASTCOMM_STAGED_KERNELS", v, {"fused", "copy"}) == "fused";
   if (const char* v = env("FASTCOMM_STAGED_MEMORY"))
-    c.stagedHostOnly = oneOf("FASTCOMM_STAGED_MEMORY", v, {"auto", "host"}) == "host";
+    c.stagedHostOnly = oneOf("FASTCOMM_STAGED_MEMORY", v, {"host", "auto"}) == "host";
   if (const char* v = env("FASTCOMM_SHM_ONESHOT_BYTES"))
     c.oneShotBytes = parseBytes("FASTCOMM_SHM_ONESHOT_BYTES", v);
   if (const char* v = env("FASTCOMM_P2P_BYTES")) c.p2pBytes = parseBytes("FASTCOMM_P2P_BYTES", v);

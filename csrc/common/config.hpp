@@ -34,11 +34,13 @@ struct Config {
   // device scratch around the reduction and wire-cast kernels (copy). Local
   // to each rank (the bytes on the wire are the same), for comparisons.
   bool stagedFused = true;
-  // FASTCOMM_STAGED_MEMORY: auto | host. Where that path's staging lives:
-  // device memory when the rail's transports can move it (ib with GPUDirect
-  // RDMA, see FASTCOMM_IB_GDR), else mapped pinned host memory (auto); or
-  // always pinned host memory (host). Local to each rank.
-  bool stagedHostOnly = false;
+  // FASTCOMM_STAGED_MEMORY: host | auto. Where that path's staging lives:
+  // always mapped pinned host memory (host); or device memory when the
+  // rail's transports can move it (ib with GPUDirect RDMA, see
+  // FASTCOMM_IB_GDR), else pinned host memory (auto). Local to each rank.
+  // host by default until device staging passes on GPUs: its first run (ib
+  // emulation, 4x H200) hung in the first all_reduce.
+  bool stagedHostOnly = true;
   // FASTCOMM_SHM_ONESHOT_BYTES: all-reduces up to this size reduce the whole
   // buffer on every rank after one exchange (one barrier instead of two).
   int64_t oneShotBytes = 32 << 10;
