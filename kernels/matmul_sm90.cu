@@ -85,7 +85,11 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
   // multiple of 8 elements; otherwise (and for ping-pong, whose epilogue is
   // hidden anyway) the epilogue stores from registers.
   plan.tma_store = plan.sched == Sched::kCoop && o.epi != WgmmaEpi::kDirect && tma_store_ok(p);
-  plan.epi_lean = plan.tma_store && o.epi == WgmmaEpi::kTmaLean;
+  // The lean form is the default: on one H200 (bf16, 2026-11-21,
+  // benchmarks/results/2026-11-21-H200-matmul-fused-epilogue.md) it ran the
+  // bare product 0.99-1.06x as fast as the first TMA epilogue and linear +
+  // bias + gelu_tanh 1.00-1.11x; FASTCOMM_MATMUL_EPI=tma keeps the first.
+  plan.epi_lean = plan.tma_store && o.epi != WgmmaEpi::kTma;
   if (o.raster == Raster::kAuto) {
     // Bytes read from DRAM, if each group's panel stays in L2: rows-first
     // groups (2048 rows of A) stream all of B once per group, columns-first
