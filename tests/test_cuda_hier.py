@@ -181,36 +181,45 @@ def test_uneven_nodes_stay_flat() -> None:
 # ----------------------------------------------------------------------------- wire dtype
 
 
+def _check_wire_allreduce(
+    chk: Checker, key: str, n: int, op: str, wire: str, rank: int, ws: int, dev, group=None
+) -> None:
+    """A float32 SUM/AVG all_reduce of n elements that must take the staged path with the
+    16-bit wire: within the wire's rounding of the float64 result, and rounded at all."""
+    import torchext
+
+    eps = {"bf16": 2.0**-8, "fp16": 2.0**-11}[wire]
+    inputs = [gen(key, r, (n,), torch.float32, "SUM") for r in range(ws)]
+    t = inputs[rank].to(dev)
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=group)
+    got = t.cpu()
+    chk.true(len(_proxy_chunks(torchext.timeline())) > 0, f"{key}: path not taken")
+    exact = torch.stack([x.double() for x in inputs]).sum(0)
+    scale = torch.stack([x.double().abs() for x in inputs]).sum(0)
+    if op == "AVG":
+        exact, scale = exact / ws, scale / ws
+    err = (got.double() - exact).abs()
+    # Each node's partial is rounded once for the wire and the result once more:
+    # a few units of the wire type's rounding relative to the magnitudes summed.
+    bound = 4 * eps * scale + 1e-30
+    chk.true(
+        bool((err <= bound).all()),
+        f"{key}: error {err.max().item():.3g} above the bound (worst ratio "
+        f"{(err / bound).max().item():.3g})",
+    )
+    chk.true(bool((err > 0).any()), f"{key}: no rounding at all: {wire} wire not in use?")
+    _same_everywhere(chk, t, key)
+
+
 def wire_fn(rank: int, ws: int, wire: str) -> dict[str, Any]:
     import torchext
 
     dev = _device(rank)
     chk = Checker(f"rank {rank}")
-    eps = {"bf16": 2.0**-8, "fp16": 2.0**-11}[wire]
     torchext.timeline()
     for n in ((1 << 20) + 11, (6 << 20) + 1):
         for op in ("SUM", "AVG"):
-            key = f"wire/{wire}/{op}/{n}"
-            inputs = [gen(key, r, (n,), torch.float32, "SUM") for r in range(ws)]
-            t = inputs[rank].to(dev)
-            dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
-            got = t.cpu()
-            chk.true(len(_proxy_chunks(torchext.timeline())) > 0, f"{key}: path not taken")
-            exact = torch.stack([x.double() for x in inputs]).sum(0)
-            scale = torch.stack([x.double().abs() for x in inputs]).sum(0)
-            if op == "AVG":
-                exact, scale = exact / ws, scale / ws
-            err = (got.double() - exact).abs()
-            # Each node's partial is rounded once for the wire and the result once more:
-            # a few units of the wire type's rounding relative to the magnitudes summed.
-            bound = 4 * eps * scale + 1e-30
-            chk.true(
-                bool((err <= bound).all()),
-                f"{key}: error {err.max().item():.3g} above the bound (worst ratio "
-                f"{(err / bound).max().item():.3g})",
-            )
-            chk.true(bool((err > 0).any()), f"{key}: no rounding at all: {wire} wire not in use?")
-            _same_everywhere(chk, t, key)
+            _check_wire_allreduce(chk, f"wire/{wire}/{op}/{n}", n, op, wire, rank, ws, dev)
         # not float32 SUM/AVG: never compressed, so exact
         ints = [gen(f"wire/i/{n}", r, (n,), torch.int64, "SUM") for r in range(ws)]
         ti = ints[rank].to(dev)
@@ -570,11 +579,13 @@ STAGING_MODES = [
     pytest.param({"FASTCOMM_STAGED_KERNELS": "copy"}, "pinned host staging", id="copy-tcp"),
     pytest.param(
         {"FASTCOMM_STAGED_KERNELS": "fused", "FASTCOMM_STAGED_MEMORY": "auto", **IB_EMU},
-        "device staging", id="fused-ib-device"
+        "device staging",
+        id="fused-ib-device",
     ),
     pytest.param(
         {"FASTCOMM_STAGED_KERNELS": "copy", "FASTCOMM_STAGED_MEMORY": "auto", **IB_EMU},
-        "device staging", id="copy-ib-device"
+        "device staging",
+        id="copy-ib-device",
     ),
     pytest.param(
         {"FASTCOMM_STAGED_KERNELS": "fused", "FASTCOMM_STAGED_MEMORY": "host", **IB_EMU},
@@ -642,21 +653,9 @@ def staging_modes_fn(rank: int, ws: int, staging: str) -> dict[str, Any]:
     os.environ["FASTCOMM_WIRE_DTYPE"] = "bf16"
     wire_group = dist.new_group(backend=BACKEND)
     for op in ("SUM", "AVG"):
-        n = (2 << 20) + 1
-        key = f"staging/wire/{op}"
-        inputs = [gen(key, r, (n,), torch.float32, "SUM") for r in range(ws)]
-        t = inputs[rank].to(dev)
-        dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=wire_group)
-        got = t.cpu()
-        chk.true(len(_proxy_chunks(torchext.timeline())) > 0, f"{key}: path not taken")
-        exact = torch.stack([x.double() for x in inputs]).sum(0)
-        scale = torch.stack([x.double().abs() for x in inputs]).sum(0)
-        if op == "AVG":
-            exact, scale = exact / ws, scale / ws
-        err = (got.double() - exact).abs()
-        chk.true(bool((err <= 4 * 2.0**-8 * scale + 1e-30).all()), f"{key}: error {err.max():.3g}")
-        chk.true(bool((err > 0).any()), f"{key}: no rounding: the bf16 wire is not in use")
-        _same_everywhere(chk, t, key)
+        _check_wire_allreduce(
+            chk, f"staging/wire/{op}", (2 << 20) + 1, op, "bf16", rank, ws, dev, wire_group
+        )
     dist.destroy_process_group(wire_group)
     chk.raise_if_failed()
     return {}

@@ -66,32 +66,10 @@ def _peer_node(j: int, me: int) -> int:
     return j if j < me else j + 1
 
 
-def _reference(own: torch.Tensor, peers: list[torch.Tensor], op: str, wire: str, divisor: int):
-    """(own after the reduction, what the kernel stores in the staging) on the CPU."""
-    dt = own.dtype
-    if dt.is_floating_point:
-        acc_dt = torch.float64 if dt == torch.float64 else torch.float32
-        acc = own.to(acc_dt)
-        for p in peers:
-            v = p.to(acc_dt)
-            if op in ("SUM", "AVG"):
-                acc = acc + v
-            elif op == "PRODUCT":
-                acc = acc * v
-            elif op == "MIN":
-                acc = torch.minimum(acc, v)
-            else:
-                acc = torch.maximum(acc, v)
-        if divisor > 0:
-            acc = acc / divisor
-        if wire != "none":
-            out = acc.to(WIRE[wire])
-            return out.to(torch.float32), out
-        res = acc.to(dt)
-        return res, res
-    acc = own.to(torch.int64)
+def _combine(acc: torch.Tensor, peers: list[torch.Tensor], op: str) -> torch.Tensor:
+    """acc op peer, for every peer, in acc's dtype."""
     for p in peers:
-        v = p.to(torch.int64)
+        v = p.to(acc.dtype)
         if op in ("SUM", "AVG"):
             acc = acc + v
         elif op == "PRODUCT":
@@ -100,6 +78,22 @@ def _reference(own: torch.Tensor, peers: list[torch.Tensor], op: str, wire: str,
             acc = torch.minimum(acc, v)
         else:
             acc = torch.maximum(acc, v)
+    return acc
+
+
+def _reference(own: torch.Tensor, peers: list[torch.Tensor], op: str, wire: str, divisor: int):
+    """(own after the reduction, what the kernel stores in the staging) on the CPU."""
+    dt = own.dtype
+    if dt.is_floating_point:
+        acc = _combine(own.to(torch.float64 if dt == torch.float64 else torch.float32), peers, op)
+        if divisor > 0:
+            acc = acc / divisor
+        if wire != "none":
+            out = acc.to(WIRE[wire])
+            return out.to(torch.float32), out
+        res = acc.to(dt)
+        return res, res
+    acc = _combine(own.to(torch.int64), peers, op)
     if divisor > 0:
         acc = torch.div(acc, divisor, rounding_mode="trunc")
     res = acc.to(dt)

@@ -467,30 +467,33 @@ void unpack(Wire wire, const void* in, float* chunk, const HierLayout& l, int64_
   check(cudaGetLastError(), "wire cast kernel launch");
 }
 
-void packToStaging(Wire wire, int64_t esize, const void* chunk, void* slots, int64_t pitch,
-                   const HierLayout& l, int64_t k, int me, cudaStream_t s) {
+namespace {
+// Chunk k's pieces between the shard and the staging slots, either way (the
+// staging holds the wire dtype when there is one). The kernels take the
+// chunk as const and the slots as writable whatever the direction; which
+// side they write follows kToStaging.
+template <bool kToStaging>
+void moveStaging(Wire wire, int64_t esize, const void* chunk, void* slots, int64_t pitch,
+                 const HierLayout& l, int64_t k, int me, cudaStream_t s) {
   if (wire == Wire::BF16) {
-    launchMove<float, __nv_bfloat16, true>(chunk, slots, pitch, l, k, me, s);
+    launchMove<float, __nv_bfloat16, kToStaging>(chunk, slots, pitch, l, k, me, s);
   } else if (wire == Wire::FP16) {
-    launchMove<float, __half, true>(chunk, slots, pitch, l, k, me, s);
+    launchMove<float, __half, kToStaging>(chunk, slots, pitch, l, k, me, s);
   } else {
-    moveBits<true>(esize, chunk, slots, pitch, l, k, me, s);
+    moveBits<kToStaging>(esize, chunk, slots, pitch, l, k, me, s);
   }
   check(cudaGetLastError(), "staging kernel launch");
+}
+}  // namespace
+
+void packToStaging(Wire wire, int64_t esize, const void* chunk, void* slots, int64_t pitch,
+                   const HierLayout& l, int64_t k, int me, cudaStream_t s) {
+  moveStaging<true>(wire, esize, chunk, slots, pitch, l, k, me, s);
 }
 
 void gatherFromStaging(Wire wire, int64_t esize, const void* slots, int64_t pitch, void* chunk,
                        const HierLayout& l, int64_t k, int me, cudaStream_t s) {
-  // The kernel only reads the staging here.
-  void* in = const_cast<void*>(slots);
-  if (wire == Wire::BF16) {
-    launchMove<float, __nv_bfloat16, false>(chunk, in, pitch, l, k, me, s);
-  } else if (wire == Wire::FP16) {
-    launchMove<float, __half, false>(chunk, in, pitch, l, k, me, s);
-  } else {
-    moveBits<false>(esize, chunk, in, pitch, l, k, me, s);
-  }
-  check(cudaGetLastError(), "staging kernel launch");
+  moveStaging<false>(wire, esize, chunk, const_cast<void*>(slots), pitch, l, k, me, s);
 }
 
 void reduceFromStaging(Elem elem, Op op, Wire wire, void* own, const void* recv, int64_t pitch,
