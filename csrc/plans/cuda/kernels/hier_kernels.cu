@@ -394,6 +394,32 @@ void reduceAs(Op op, void* own, const void* recv, int64_t stride, int nPeers, in
 
 }  // namespace
 
+namespace {
+// fn(T{}) with T the element type of `elem`: one dtype switch for every
+// host-side launcher.
+template <typename F>
+void forElem(Elem elem, F&& fn) {
+  switch (elem) {
+    case Elem::F32:
+      return fn(float{});
+    case Elem::F64:
+      return fn(double{});
+    case Elem::F16:
+      return fn(__half{});
+    case Elem::BF16:
+      return fn(__nv_bfloat16{});
+    case Elem::I8:
+      return fn(int8_t{});
+    case Elem::U8:
+      return fn(uint8_t{});
+    case Elem::I32:
+      return fn(int32_t{});
+    case Elem::I64:
+      return fn(int64_t{});
+  }
+}
+}  // namespace
+
 void reduce(Elem elem, Op op, Wire wire, void* own, const void* recv, int64_t stride, int nPeers,
             int64_t n, int64_t divisor, void* wireOut, cudaStream_t s) {
   if (n <= 0) return;
@@ -412,32 +438,10 @@ void reduce(Elem elem, Op op, Wire wire, void* own, const void* recv, int64_t st
     check(cudaGetLastError(), "reduction kernel launch");
     return;
   }
-  switch (elem) {
-    case Elem::F32:
-      reduceAs<float>(op, own, recv, stride, nPeers, n, divisor, s);
-      break;
-    case Elem::F64:
-      reduceAs<double>(op, own, recv, stride, nPeers, n, divisor, s);
-      break;
-    case Elem::F16:
-      reduceAs<__half>(op, own, recv, stride, nPeers, n, divisor, s);
-      break;
-    case Elem::BF16:
-      reduceAs<__nv_bfloat16>(op, own, recv, stride, nPeers, n, divisor, s);
-      break;
-    case Elem::I8:
-      reduceAs<int8_t>(op, own, recv, stride, nPeers, n, divisor, s);
-      break;
-    case Elem::U8:
-      reduceAs<uint8_t>(op, own, recv, stride, nPeers, n, divisor, s);
-      break;
-    case Elem::I32:
-      reduceAs<int32_t>(op, own, recv, stride, nPeers, n, divisor, s);
-      break;
-    case Elem::I64:
-      reduceAs<int64_t>(op, own, recv, stride, nPeers, n, divisor, s);
-      break;
-  }
+  forElem(elem, [&](auto tag) {
+    using T = decltype(tag);
+    reduceAs<T>(op, own, recv, stride, nPeers, n, divisor, s);
+  });
   check(cudaGetLastError(), "reduction kernel launch");
 }
 
@@ -510,33 +514,10 @@ void reduceFromStaging(Elem elem, Op op, Wire wire, void* own, const void* recv,
     check(cudaGetLastError(), "reduction kernel launch");
     return;
   }
-  switch (elem) {
-    case Elem::F32:
-      launchReduceStaged<float, float>(op, own, recv, pitch, nPeers, n, divisor, out, s);
-      break;
-    case Elem::F64:
-      launchReduceStaged<double, double>(op, own, recv, pitch, nPeers, n, divisor, out, s);
-      break;
-    case Elem::F16:
-      launchReduceStaged<__half, __half>(op, own, recv, pitch, nPeers, n, divisor, out, s);
-      break;
-    case Elem::BF16:
-      launchReduceStaged<__nv_bfloat16, __nv_bfloat16>(op, own, recv, pitch, nPeers, n, divisor,
-                                                       out, s);
-      break;
-    case Elem::I8:
-      launchReduceStaged<int8_t, int8_t>(op, own, recv, pitch, nPeers, n, divisor, out, s);
-      break;
-    case Elem::U8:
-      launchReduceStaged<uint8_t, uint8_t>(op, own, recv, pitch, nPeers, n, divisor, out, s);
-      break;
-    case Elem::I32:
-      launchReduceStaged<int32_t, int32_t>(op, own, recv, pitch, nPeers, n, divisor, out, s);
-      break;
-    case Elem::I64:
-      launchReduceStaged<int64_t, int64_t>(op, own, recv, pitch, nPeers, n, divisor, out, s);
-      break;
-  }
+  forElem(elem, [&](auto tag) {
+    using T = decltype(tag);
+    launchReduceStaged<T, T>(op, own, recv, pitch, nPeers, n, divisor, out, s);
+  });
   check(cudaGetLastError(), "reduction kernel launch");
 }
 
