@@ -251,6 +251,61 @@ def test_device_memory_send_recv() -> None:
     run_ranks(2, _device_memory, init=False, timeout_s=180, env=EMU)
 
 
+# About 5 s of torch.cuda._sleep on a ~2 GHz GPU (H100/H200), far longer than the transfer.
+BUSY_CYCLES = 10_000_000_000
+
+
+def _device_memory_busy_gpu(rank: int, world: int) -> None:
+    import torch
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    chk = Checker(f"rank {rank}")
+    store = _store(rank, world)
+    peer = 1 - rank
+    ep = _endpoint(store, rank, world, "ib", None)
+    n = (8 << 20) + 5
+    # Everything that allocates or registers (page-locked bounce buffers, streams) first.
+    src = _payload(n, "busy", rank, peer).to(dev)
+    dst = torch.zeros(n, dtype=torch.uint8, device=dev)
+    mr_src, mr_dst = ep.register_memory(src), ep.register_memory(dst, device=True)
+    side = torch.cuda.Stream(device=dev)
+    torch.cuda.synchronize()
+    _barrier(store, world, "busy")
+    # Another stream of this GPU is busy (as the staged all_reduce's comm stream sits in a
+    # wait that only this transfer's arrival releases): the emulated HCA's device copies
+    # must run beside it, not after it.
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(BUSY_CYCLES)
+    t0 = time.monotonic()
+    hr = ep.irecv(peer, dst, mr_dst)
+    hs = ep.isend(peer, src, mr_src)
+    hr.wait()
+    hs.wait()
+    took = time.monotonic() - t0
+    still_busy = not side.query()
+    side.synchronize()
+    chk.true(
+        still_busy,
+        f"the transfer took {took:.2f} s and ended only after the other stream's kernel: the "
+        "emulated HCA's copies waited for unrelated work of the GPU",
+    )
+    chk.equal(dst.cpu(), _payload(n, "busy", peer, rank), "GPU->GPU beside a busy stream")
+    del mr_src, mr_dst, hr, hs
+    ep.close()
+    _finish(store, rank, world)
+    chk.raise_if_failed()
+
+
+@pytest.mark.cuda(2)
+def test_device_memory_beside_busy_stream() -> None:
+    """The emulated HCA moves device memory while another stream of the same GPU is busy:
+    its copies are ordinary asynchronous ones (page-locked bounce buffer, a non-blocking
+    stream of its own), never ordered behind other work of the GPU, which may be waiting
+    for this very transfer (the staged CUDA all_reduce's comm stream)."""
+    run_ranks(2, _device_memory_busy_gpu, init=False, timeout_s=180, env=EMU)
+
+
 # ------------------------------------------------------------------------------ faults
 
 

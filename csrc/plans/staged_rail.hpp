@@ -38,7 +38,19 @@
 // device's waits, from host-observed progress alone: no wait depends on
 // device work issued later on another stream, which could deadlock where
 // several streams share one hardware queue (the warning of
-// cuStreamWaitValue32). kStagedWindow chunk slots of staging, allocated once
+// cuStreamWaitValue32). One transport breaks that rule: the ib emulation
+// (FASTCOMM_IB_EMULATE=1) moves device staging with CUDA copies of its own,
+// so with device staging the network's progress is CUDA work. Hence, while
+// an op's waits are queued, its own issue must never synchronize the
+// context: its kernels are loaded at set-up (hierk::preload; lazy loading
+// may synchronize the context at a kernel's first launch), and the
+// emulation copies only between device memory and page-locked memory, on a
+// non-blocking stream made at registration (inter/ib/gpu_memory.hpp; a copy
+// of pageable memory may wait for other streams). What other threads do
+// meanwhile (a cudaMalloc, a lazily loaded kernel of the application) may
+// still hold those copies back; the emulation then fails the transfer after
+// a time limit instead of hanging. A real NIC's DMA is no CUDA work, so
+// there such calls only wait for the network. kStagedWindow chunk slots of staging, allocated once
 // by the owner (at connect(), once the transports say what memory they can
 // move), are reused across chunks and calls.
 //

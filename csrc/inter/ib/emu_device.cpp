@@ -19,10 +19,14 @@
 //   requester turns into the send completion. User memory is never touched
 //   by another process: only the wires are shared.
 // - Device (GPU) memory regions, in a CUDA build with a visible GPU: the
-//   HCA thread moves their payload between the wire and GPU memory with
-//   cudaMemcpy on a stream of its own, as a NIC's DMA to and from GPU memory
-//   (GPUDirect RDMA) would. Each side only touches its own GPU memory, so no
-//   CUDA IPC mapping is needed and a killed peer leaves nothing mapped.
+//   HCA thread moves their payload between the wire and GPU memory as a
+//   NIC's DMA to and from GPU memory (GPUDirect RDMA) would, with
+//   cudaMemcpyAsync through a page-locked bounce buffer on a non-blocking
+//   stream of the region's GPU (gpu::DeviceCopier, made at registration:
+//   the wires are pageable shared memory, and a copy of pageable memory may
+//   wait for the very stream that waits for this transfer; gpu_memory.hpp
+//   has the why). Each side only touches its own GPU memory, so no CUDA IPC
+//   mapping is needed and a killed peer leaves nothing mapped.
 // - Failures as on hardware: a bad rkey or range is NAKed (the requester's
 //   work request completes IBV_WC_REM_ACCESS_ERR; both QPs go to the error
 //   state, the responder with IBV_EVENT_QP_ACCESS_ERR); a local key that does
@@ -395,7 +399,9 @@ class EmuDevice;
 struct MrEntry {
   uintptr_t addr;
   size_t length;
-  int device;  // CUDA device of device memory, -1: host memory
+  // Device memory: the copier of its CUDA device (owned by the device,
+  // which outlives its regions); null: host memory.
+  gpu::DeviceCopier* copier;
 };
 
 enum class QpState { Reset, Init, Rtr, Rts, Error, Destroyed };
@@ -406,7 +412,7 @@ struct PendingWr {
   uint64_t sent = 0;           // payload bytes already in the wire
   Clock::time_point sentAt{};  // when its last packet went out
   bool injectFatal = false;
-  int localDevice = -1;  // the source's CUDA device (device memory), -1: host
+  gpu::DeviceCopier* localCopier = nullptr;  // the source is device memory: its copier
 };
 
 // A QP's state, shared between its owner (the transport) and the HCA thread.
@@ -498,12 +504,17 @@ class EmuDevice : public Device {
   bool transmit(QpCore& qp);
   bool checkAcks(QpCore& qp);
   void complete(QpCore& qp, uint64_t wrId, WcStatus st, WcOpcode op, uint32_t len, uint32_t imm);
-  // Local key check: [addr, addr + len) inside the region of `lkey`; *device
-  // gets the region's CUDA device (-1: host memory).
-  bool localOk(uint32_t lkey, const void* addr, uint32_t len, int* device);
-  // The payload copy of either side: memcpy for host memory, cudaMemcpy
-  // where the region is device memory (what a NIC's DMA to GPU memory is).
-  bool copyPayload(void* dst, const void* src, size_t n, int device, uint32_t qpn);
+  // Local key check: [addr, addr + len) inside the region of `lkey`;
+  // *copier gets the region's copier (null: host memory).
+  bool localOk(uint32_t lkey, const void* addr, uint32_t len, gpu::DeviceCopier** copier);
+  // The payload copy of either side: memcpy for host memory, the copier of
+  // the region's GPU where it is device memory (what a NIC's DMA to GPU
+  // memory is). `toRegion`: into the region (responder), else out of it.
+  bool copyPayload(void* dst, const void* src, size_t n, gpu::DeviceCopier* copier, bool toRegion,
+                   uint32_t qpn);
+  // The copier of CUDA device `device`, made on first use (at registration,
+  // on the registering thread: never on the HCA thread, see gpu_memory.hpp).
+  gpu::DeviceCopier* copierFor(int device);
 
   PortInfo port_;
   Fault fault_;
@@ -513,6 +524,8 @@ class EmuDevice : public Device {
   std::shared_mutex mrMu_;
   std::unordered_map<uint32_t, MrEntry> mrs_;
   uint32_t nextKey_ = 0x100;
+  std::mutex copierMu_;
+  std::map<int, std::unique_ptr<gpu::DeviceCopier>> copiers_;  // by CUDA device
 
   std::mutex qpMu_;
   std::vector<std::shared_ptr<QpCore>> lanes_;
@@ -698,6 +711,7 @@ EmuDevice::~EmuDevice() {
   stop_.store(true);
   seg_->ring();
   if (thread_.joinable()) thread_.join();
+  copiers_.clear();  // the HCA thread is gone: nobody copies any more
   // Peers talking to us stop getting acknowledgements from now on.
   seg_->hdr()->closed.store(1, std::memory_order_release);
   seg_->ring();
@@ -709,9 +723,11 @@ std::unique_ptr<Mr> EmuDevice::regMr(void* addr, size_t length, MemKind kind) {
   if (addr == nullptr || length == 0) {
     throw std::invalid_argument("fastcomm: ib emulation: registering an empty memory region");
   }
-  // Device memory: checked (and its device found) now, so the HCA thread
-  // knows which copy each region needs; throws saying why without CUDA.
-  const int device = kind == MemKind::Device ? gpu::deviceOf(addr, length) : -1;
+  // Device memory: checked (and its device found) now, and its device's
+  // copier made now, so the HCA thread knows how to move each region's data
+  // and makes no CUDA call but copies; throws saying why without CUDA.
+  gpu::DeviceCopier* copier =
+      kind == MemKind::Device ? copierFor(gpu::deviceOf(addr, length)) : nullptr;
   auto mr = std::make_unique<EmuMr>(this);
   std::unique_lock<std::shared_mutex> lock(mrMu_);
   // Keys as hardware makes them: an index with a rotating low byte.
@@ -720,7 +736,7 @@ std::unique_ptr<Mr> EmuDevice::regMr(void* addr, size_t length, MemKind kind) {
     const uint32_t index = nextKey_++;
     key = (index << 8) | ((index * 37u) & 0xff);
   } while (mrs_.count(key) || key == 0);
-  mrs_[key] = MrEntry{reinterpret_cast<uintptr_t>(addr), length, device};
+  mrs_[key] = MrEntry{reinterpret_cast<uintptr_t>(addr), length, copier};
   mr->addr = addr;
   mr->length = length;
   mr->lkey = mr->rkey = key;
@@ -792,8 +808,15 @@ void EmuDevice::errorLocked(QpCore& qp) {
   qp.recvs.clear();
 }
 
-bool EmuDevice::localOk(uint32_t lkey, const void* addr, uint32_t len, int* device) {
-  *device = -1;
+gpu::DeviceCopier* EmuDevice::copierFor(int device) {
+  std::lock_guard<std::mutex> lock(copierMu_);
+  auto& c = copiers_[device];
+  if (!c) c = std::make_unique<gpu::DeviceCopier>(device);
+  return c.get();
+}
+
+bool EmuDevice::localOk(uint32_t lkey, const void* addr, uint32_t len, gpu::DeviceCopier** copier) {
+  *copier = nullptr;
   if (len == 0) return true;
   std::shared_lock<std::shared_mutex> lock(mrMu_);
   auto it = mrs_.find(lkey);
@@ -801,17 +824,20 @@ bool EmuDevice::localOk(uint32_t lkey, const void* addr, uint32_t len, int* devi
   if (it == mrs_.end() || a < it->second.addr || a + len > it->second.addr + it->second.length) {
     return false;
   }
-  *device = it->second.device;
+  *copier = it->second.copier;
   return true;
 }
 
-bool EmuDevice::copyPayload(void* dst, const void* src, size_t n, int device, uint32_t qpn) {
-  if (device < 0) {
+bool EmuDevice::copyPayload(void* dst, const void* src, size_t n, gpu::DeviceCopier* copier,
+                            bool toRegion, uint32_t qpn) {
+  if (copier == nullptr) {
     std::memcpy(dst, src, n);
     return true;
   }
   std::string err;
-  if (gpu::copy(dst, src, n, device, &err)) return true;
+  if (toRegion ? copier->toDevice(dst, src, n, &err) : copier->fromDevice(dst, src, n, &err)) {
+    return true;
+  }
   FASTCOMM_LOG(Warn, "ib emulation: QP " << qpn << ": " << err);
   return false;
 }
@@ -881,7 +907,7 @@ bool EmuDevice::receive(QpCore& qp) {
       if (it == mrs_.end() || pkt.raddr < it->second.addr ||
           pkt.raddr + pkt.len > it->second.addr + it->second.length ||
           !copyPayload(reinterpret_cast<void*>(pkt.raddr), data + off + kPktHeader, pkt.len,
-                       it->second.device, qp.qpn)) {
+                       it->second.copier, /*toRegion=*/true, qp.qpn)) {
         lock.unlock();
         l->nakMsn.store(pkt.msn);
         l->nakStatus.store(static_cast<uint32_t>(WcStatus::RemAccessErr) + 1,
@@ -983,7 +1009,7 @@ bool EmuDevice::transmit(QpCore& qp) {
         errorLocked(qp);
         return true;
       }
-      if (!localOk(p.wr.lkey, p.wr.local, p.wr.length, &p.localDevice)) {
+      if (!localOk(p.wr.lkey, p.wr.local, p.wr.length, &p.localCopier)) {
         complete(qp, p.wr.wrId, WcStatus::LocProtErr, WcOpcode::RdmaWrite, 0, 0);
         qp.pending.pop_front();
         errorLocked(qp);
@@ -1021,7 +1047,7 @@ bool EmuDevice::transmit(QpCore& qp) {
     char* dst = data + tail % kLaneBytes;
     std::memcpy(dst, &pkt, sizeof pkt);
     if (len > 0 && !copyPayload(dst + kPktHeader, static_cast<const char*>(p.wr.local) + p.sent,
-                                len, p.localDevice, qp.qpn)) {
+                                len, p.localCopier, /*toRegion=*/false, qp.qpn)) {
       // The HCA could not read the local buffer: a local protection error,
       // as a DMA read fault is on hardware. Nothing of this packet was sent.
       complete(qp, p.wr.wrId, WcStatus::LocProtErr, WcOpcode::RdmaWrite, 0, 0);

@@ -1,11 +1,17 @@
 #include "inter/ib/gpu_memory.hpp"
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
+#include <vector>
 
 #ifdef FASTCOMM_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
@@ -39,7 +45,16 @@ bool dmaBufExportSupported(std::string* why) {
   return false;
 }
 int dmaBufFd(void*, size_t, int) { noCuda("dma-buf export"); }
-bool copy(void*, const void*, size_t, int, std::string* err) {
+struct DeviceCopier::Impl {};
+DeviceCopier::DeviceCopier(int device) : device_(device), impl_(nullptr) {
+  noCuda("device memory copies");
+}
+DeviceCopier::~DeviceCopier() = default;
+bool DeviceCopier::toDevice(void*, const void*, size_t, std::string* err) {
+  *err = kNoCuda;
+  return false;
+}
+bool DeviceCopier::fromDevice(void*, const void*, size_t, std::string* err) {
   *err = kNoCuda;
   return false;
 }
@@ -130,33 +145,45 @@ Fn driverEntry(const char* name, std::string* why) {
   return reinterpret_cast<Fn>(fn);
 }
 
-// A non-blocking stream per device for the calling thread, destroyed when
-// the thread ends (the emulated HCA's thread ends at device close).
-class ThreadStreams {
+// The bounce buffer of a copier: one wire packet (the emulation's payload
+// per packet is 64 KiB); larger copies go through it in turns.
+constexpr size_t kBounceBytes = 64 << 10;
+// How long the HCA thread waits for one copy before it gives up on the GPU.
+constexpr auto kCopyLimit = std::chrono::seconds(30);
+using Clock = std::chrono::steady_clock;
+
+// The calling thread's current device is `device` while this lives (the
+// previous one restored; no context is created for either: `device` has
+// device memory, so its primary context exists).
+class DeviceScope {
  public:
-  ~ThreadStreams() {
-    for (auto& [dev, s] : streams_) {
-      (void)dev;
-      (void)cudaStreamDestroy(s);
-    }
-  }
-  cudaError_t get(int device, cudaStream_t* out) {
-    auto it = streams_.find(device);
-    if (it != streams_.end()) {
-      *out = it->second;
-      return cudaSuccess;
-    }
-    cudaStream_t s = nullptr;
-    cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-    if (e != cudaSuccess) return e;
-    streams_[device] = s;
-    *out = s;
-    return cudaSuccess;
-  }
+  explicit DeviceScope(int device)
+      : prev_(c10::cuda::ExchangeDevice(static_cast<c10::DeviceIndex>(device))) {}
+  ~DeviceScope() { c10::cuda::MaybeSetDevice(prev_); }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
 
  private:
-  std::map<int, cudaStream_t> streams_;
+  c10::DeviceIndex prev_;
 };
+
+// Waits for everything on `s`, polling: cudaStreamQuery looks at this stream
+// only. cudaErrorNotReady when it did not finish within kCopyLimit.
+cudaError_t waitCopy(cudaStream_t s) {
+  const auto until = Clock::now() + kCopyLimit;
+  for (int polls = 0;; ++polls) {
+    const cudaError_t e = cudaStreamQuery(s);
+    if (e != cudaErrorNotReady) return e;
+    (void)cudaGetLastError();  // "not ready" is no error: leave none behind
+    if (Clock::now() >= until) return cudaErrorNotReady;
+    // A 64 KiB copy takes microseconds: spin briefly, then nap.
+    if (polls < 256) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+}
 
 }  // namespace
 
@@ -225,17 +252,112 @@ int dmaBufFd(void* p, size_t n, int device) {
   return fd;
 }
 
-bool copy(void* dst, const void* src, size_t n, int device, std::string* err) {
-  thread_local ThreadStreams streams;
-  cudaError_t e = cudaSetDevice(device);
-  cudaStream_t s = nullptr;
-  if (e == cudaSuccess) e = streams.get(device, &s);
-  if (e == cudaSuccess) e = cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, s);
-  if (e == cudaSuccess) e = cudaStreamSynchronize(s);
+// A stream and a page-locked bounce buffer of one device (gpu_memory.hpp
+// says why). Made once, pooled per device when its copier goes, never freed.
+struct DeviceCopier::Impl {
+  cudaStream_t stream = nullptr;
+  char* bounce = nullptr;
+  bool broken = false;  // a copy never completed: the GPU may still write `bounce`
+  std::string brokenWhy;
+
+  static std::mutex& poolMu() {
+    static std::mutex mu;
+    return mu;
+  }
+  using Free = std::vector<Impl*>;  // of one device
+  static std::map<int, Free>& pool() {
+    static auto* p = new std::map<int, Free>();  // outlives static destructors
+    return *p;
+  }
+};
+
+DeviceCopier::DeviceCopier(int device) : device_(device), impl_(nullptr) {
+  {
+    std::lock_guard<std::mutex> lock(Impl::poolMu());
+    auto& free = Impl::pool()[device];
+    if (!free.empty()) {
+      impl_ = free.back();
+      free.pop_back();
+      return;
+    }
+  }
+  auto fail = [&](const char* what, cudaError_t e) {
+    (void)cudaGetLastError();
+    throw std::runtime_error(std::string("fastcomm: ib emulation: ") + what +
+                             " for copies of device memory on CUDA device " +
+                             std::to_string(device) + ": " + cudaText(e));
+  };
+  auto impl = std::make_unique<Impl>();
+  DeviceScope scope(device);
+  cudaError_t e = cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking);
+  if (e != cudaSuccess) fail("cudaStreamCreateWithFlags", e);
+  // Portable: page-locked for every context of the process, whichever
+  // device is current on the thread that copies.
+  e = cudaHostAlloc(reinterpret_cast<void**>(&impl->bounce), kBounceBytes, cudaHostAllocPortable);
+  if (e != cudaSuccess) {
+    (void)cudaStreamDestroy(impl->stream);  // nothing ran on it
+    fail("cudaHostAlloc of the bounce buffer", e);
+  }
+  impl_ = impl.release();
+}
+
+DeviceCopier::~DeviceCopier() {
+  if (impl_ == nullptr || impl_->broken) return;  // leaked: the GPU may still use it
+  std::lock_guard<std::mutex> lock(Impl::poolMu());
+  Impl::pool()[device_].push_back(impl_);
+}
+
+bool DeviceCopier::toDevice(void* dst, const void* src, size_t n, std::string* err) {
+  return copy(dst, src, n, true, err);
+}
+
+bool DeviceCopier::fromDevice(void* dst, const void* src, size_t n, std::string* err) {
+  return copy(dst, src, n, false, err);
+}
+
+bool DeviceCopier::copy(void* dst, const void* src, size_t n, bool toDevice, std::string* err) {
+  Impl& m = *impl_;
+  auto describe = [&](const std::string& what) {
+    return "copy of " + std::to_string(n) + " bytes " + (toDevice ? "to" : "from") +
+           " CUDA device " + std::to_string(device_) + ": " + what;
+  };
+  if (m.broken) {
+    *err = describe(m.brokenWhy);
+    return false;
+  }
+  // The stream's device current, as for any work on it; cheap, and no
+  // context is made (the device has memory here, so its context exists).
+  cudaError_t e = cudaSetDevice(device_);
+  for (size_t done = 0; e == cudaSuccess && done < n;) {
+    const size_t len = std::min(kBounceBytes, n - done);
+    if (toDevice) {
+      std::memcpy(m.bounce, static_cast<const char*>(src) + done, len);
+      e = cudaMemcpyAsync(static_cast<char*>(dst) + done, m.bounce, len, cudaMemcpyHostToDevice,
+                          m.stream);
+    } else {
+      e = cudaMemcpyAsync(m.bounce, static_cast<const char*>(src) + done, len,
+                          cudaMemcpyDeviceToHost, m.stream);
+    }
+    if (e == cudaSuccess) e = waitCopy(m.stream);
+    if (e == cudaErrorNotReady) {
+      m.broken = true;
+      m.brokenWhy =
+          "an earlier copy did not complete within " + std::to_string(kCopyLimit.count()) +
+          " s: the GPU did not run it (is its stream queued behind work that waits for this "
+          "transfer? see CUDA_DEVICE_MAX_CONNECTIONS); the emulated HCA gives up on this GPU";
+      *err = describe("did not complete within " + std::to_string(kCopyLimit.count()) +
+                      " s: the GPU did not run it (is its stream queued behind work that waits "
+                      "for this transfer? see CUDA_DEVICE_MAX_CONNECTIONS)");
+      return false;
+    }
+    if (e == cudaSuccess && !toDevice) {
+      std::memcpy(static_cast<char*>(dst) + done, m.bounce, len);
+    }
+    done += len;
+  }
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
-    *err = "cudaMemcpy of " + std::to_string(n) + " bytes on CUDA device " +
-           std::to_string(device) + ": " + cudaText(e);
+    *err = describe(cudaText(e));
     return false;
   }
   return true;

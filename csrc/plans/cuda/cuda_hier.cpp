@@ -284,6 +284,11 @@ struct CudaHier::Resources : StagedDevice {
     }
     cudaStreamDestroy(s);
     if (!problem.empty()) throw std::runtime_error(problem);
+
+    // Every kernel of the path loaded now, not at its first launch: the
+    // issue order puts launches behind the stream's waits on the network,
+    // and loading a kernel may synchronize the context (hier_kernels.hpp).
+    hierk::preload();
     return r;
   }
 
@@ -322,8 +327,14 @@ struct CudaHier::Resources : StagedDevice {
       }
     }
     if (deviceStaging != nullptr) {
-      cudaCheck(cudaFreeHost(pinnedStaging), "cudaFreeHost (staging)");
-      pinnedStaging = nullptr;
+      // The unused pinned staging stays allocated until ~Resources: freeing
+      // it now would be a cudaFreeHost while other work (the flat
+      // communicator's, other groups' staged all_reduces, whose streams may
+      // sit in rail waits) can be in flight on this GPU, and freeing memory
+      // may synchronize the whole device ("Managing memory allocations using
+      // cudaMalloc and cudaFree causes the GPU to synchronize across all
+      // executing CUDA streams", CUDA C++ Programming Guide, Stream-Ordered
+      // Memory Allocator).
       s.base = deviceStaging;
       s.device = true;
       stagingWhy = "device staging (the " + transport + " transport moves device memory" +

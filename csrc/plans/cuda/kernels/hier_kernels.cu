@@ -521,5 +521,63 @@ void reduceFromStaging(Elem elem, Op op, Wire wire, void* own, const void* recv,
   check(cudaGetLastError(), "reduction kernel launch");
 }
 
+// ----------------------------------------------------------------------------- preloading
+
+namespace {
+
+// Loads `kernel` into the current device's context now (CUDA C++
+// Programming Guide, Lazy Loading: "CUDA Runtime API manages module
+// management automatically, so we recommend simply using
+// cudaFuncGetAttributes() to reference the kernel. This will ensure that the
+// kernel is loaded without changing the state.").
+template <typename K>
+void load(K* kernel) {
+  cudaFuncAttributes attr{};
+  check(cudaFuncGetAttributes(&attr, kernel), "loading a kernel (cudaFuncGetAttributes)");
+}
+
+template <typename T>
+void loadReductions() {
+  load(reduceKernel<T, T>);
+  load(reduceStagedKernel<T, T>);
+}
+
+template <typename W>
+void loadWire() {
+  load(reduceWireKernel<W>);
+  load(packKernel<W>);
+  load(unpackKernel<W>);
+  load(reduceStagedKernel<float, W>);
+  load(moveKernel<float, W, true>);
+  load(moveKernel<float, W, false>);
+}
+
+template <int Bytes>
+void loadMoves() {
+  using B = typename Bits<Bytes>::T;
+  load(moveKernel<B, B, true>);
+  load(moveKernel<B, B, false>);
+}
+
+}  // namespace
+
+void preload() {
+  // Every kernel the launchers above can launch (keep in step with them).
+  loadReductions<float>();
+  loadReductions<double>();
+  loadReductions<__half>();
+  loadReductions<__nv_bfloat16>();
+  loadReductions<int8_t>();
+  loadReductions<uint8_t>();
+  loadReductions<int32_t>();
+  loadReductions<int64_t>();
+  loadWire<__nv_bfloat16>();
+  loadWire<__half>();
+  loadMoves<1>();
+  loadMoves<2>();
+  loadMoves<4>();
+  loadMoves<8>();
+}
+
 }  // namespace hierk
 }  // namespace fastcomm

@@ -56,5 +56,16 @@ void reduceFromStaging(Elem elem, Op op, Wire wire, void* own, const void* recv,
 void gatherFromStaging(Wire wire, int64_t esize, const void* slots, int64_t pitch, void* chunk,
                        const HierLayout& l, int64_t k, int me, cudaStream_t stream);
 
+// Loads every kernel above into the current device's context, so that none
+// is loaded lazily (CUDA_MODULE_LOADING=LAZY, the default since CUDA 12.2 on
+// Linux) at its first launch, which the rail issues behind stream waits on
+// the network: "Loading kernels might require context synchronization"
+// (CUDA C++ Programming Guide, Lazy Loading, Possible Issues: Concurrent
+// Execution), and a context synchronization then waits for those waits,
+// i.e. for the network, while it may hold up the CUDA work that moves the
+// data (the ib emulation's copies of device staging: plans/staged_rail.hpp).
+// Call at set-up, before any op is in flight. Throws std::runtime_error.
+void preload();
+
 }  // namespace hierk
 }  // namespace fastcomm
