@@ -539,6 +539,19 @@ def case_large_all_reduce(c: Ctx) -> None:
     c.chk.reduced(t, inputs, "MAX", f"all_reduce MAX of {n} elements")
 
 
+def case_large_reduce(c: Ctx) -> None:
+    # Above the all-reduce shortcut: across nodes, the reduce-scatter phases
+    # then a gather on the root's node (HierComm::reduce), every root.
+    n = 1_000_003  # odd, ~4 MB of float32
+    for op in ("SUM", "MAX"):
+        inputs = [c.gen(r, (n,), salt=op, mode=op) for r in range(c.ws)]
+        for dst in range(c.ws):
+            t = c.dev(inputs[c.rank].clone())
+            dist.reduce(t, dst=dst, op=reduce_op(op))
+            if c.rank == dst:
+                c.chk.reduced(t, inputs, op, f"reduce {op} dst={dst} of {n} elements")
+
+
 def case_large_broadcast(c: Ctx) -> None:
     n = 3 * 2**20 // 2 + 1  # 3 MiB of bfloat16, odd
     src = c.root()
@@ -734,6 +747,7 @@ def _build_cases() -> list[Case]:
         Case("async_many", "async_many"),
         Case("back_to_back", "back_to_back"),
         Case("large_all_reduce-float32", "large_all_reduce", "float32"),
+        Case("large_reduce-float32", "large_reduce", "float32"),
         Case("large_broadcast-bfloat16", "large_broadcast", "bfloat16"),
         Case("large_all_gather_into_tensor-int32", "large_all_gather_into_tensor", "int32"),
         Case("large_reduce_scatter_tensor-float32", "large_reduce_scatter_tensor", "float32"),

@@ -379,6 +379,36 @@ void RingComm::broadcast(void* data, int64_t bytes, int root, const OpContext& c
   });
 }
 
+void RingComm::gatherTo(void* data, int64_t blockBytes, int root, const OpContext& ctx) {
+  if (size() == 1 || blockBytes == 0) return;
+  char* d = static_cast<char*>(data);
+  named(ctx, [&] {
+    // Piece by piece; within a piece every sender's transfer runs at once
+    // (each on its own connection), so the root's link stays busy.
+    for (int64_t at = 0; at < blockBytes; at += chunkBytes_) {
+      const int64_t n = std::min(chunkBytes_, blockBytes - at);
+      if (me_ != root) {
+        exchange(root, d + me_ * blockBytes + at, nullptr, n, ctx);
+        continue;
+      }
+      std::vector<std::unique_ptr<transport::Request>> recvs(size());
+      for (int i = 0; i < size(); ++i) {
+        if (i == me_) continue;
+        recvs[i] = conns_[i]->irecv(d + i * blockBytes + at, n, nullptr);
+        TORCH_INTERNAL_ASSERT(recvs[i], "fastcomm: the transport refused a first request");
+      }
+      for (;;) {
+        std::vector<int> pending;
+        for (int i = 0; i < size(); ++i)
+          if (!done(recvs[i])) pending.push_back(conns_[i]->peer());
+        if (pending.empty()) break;
+        if (ctx.expired()) failTimeout(ctx, pending);
+        transport_.waitForProgress(kProgressSleep);
+      }
+    }
+  });
+}
+
 void RingComm::barrier(const OpContext& ctx) {
   // An all-gather of one byte each: nobody leaves before everyone arrived.
   std::vector<char> bytes(size(), 1);

@@ -54,6 +54,11 @@ class RingComm {
   // `data` holds size() blocks of `blockBytes`, block index() being this
   // rank's; afterwards every block is filled.
   void allgather(void* data, int64_t blockBytes, const OpContext& ctx);
+  // `data` holds size() blocks of `blockBytes`, block index() being this
+  // rank's; afterwards member `root` (an index) holds every block (the
+  // others' buffers are unchanged). The root receives from all at once, in
+  // pieces of the chunk size.
+  void gatherTo(void* data, int64_t blockBytes, int root, const OpContext& ctx);
   // Pipelined chain from `root` (an index) around the ring.
   void broadcast(void* data, int64_t bytes, int root, const OpContext& ctx);
   void barrier(const OpContext& ctx);

@@ -258,15 +258,56 @@ void HierComm::allreduce(void* data, int64_t count, at::ScalarType dt, RedOp op,
 
 void HierComm::reduce(void* data, int64_t count, at::ScalarType dt, RedOp op, int root,
                       const OpContext& ctx) {
-  // An all-reduce whose result only the root keeps: the same phases, and
-  // non-roots' buffers stay as they were.
-  if (root == topo_.rank) {
-    allreduce(data, count, dt, op, ctx);
+  const int64_t esize = static_cast<int64_t>(c10::elementSize(dt));
+  const int64_t bytes = count * esize;
+  const int N = numNodes_, L = flat_ ? 1 : localSize_;
+  const int parts = flat_ ? topo_.size : N * L;
+  if (bytes <= kSmallBytes || count < parts) {
+    // Latency-bound: an all-reduce (recursive doubling across nodes) whose
+    // result only the root keeps; non-roots' buffers stay as they were.
+    if (root == topo_.rank) {
+      allreduce(data, count, dt, op, ctx);
+      return;
+    }
+    std::vector<char> copy(static_cast<const char*>(data), static_cast<const char*>(data) + bytes);
+    allreduce(copy.data(), count, dt, op, ctx);
     return;
   }
-  const int64_t bytes = count * static_cast<int64_t>(c10::elementSize(dt));
-  std::vector<char> copy(static_cast<const char*>(data), static_cast<const char*>(data) + bytes);
-  allreduce(copy.data(), count, dt, op, ctx);
+  // Bandwidth-bound: the all-reduce's reduce-scatter phases, then only the
+  // root's node collects: reduce-scatter in the node, reduce-scatter along
+  // each rail, the rail's blocks gathered on the root's node, the node's
+  // shards gathered on the root. Each rank sends about what an all-reduce's
+  // reduce-scatter half sends, plus 1/(N L) of the data to the root's node.
+  const RedOp phaseOp = op == RedOp::Avg ? RedOp::Sum : op;
+  const int64_t per = (count + parts - 1) / parts;  // elements of one rank's final block
+  guarded(ctx, [&] {
+    if (static_cast<int64_t>(scratch_.size()) < parts * per * esize)
+      scratch_.resize(parts * per * esize);
+    char* whole = scratch_.data();  // [local rank][node][per] (padded; tail discarded)
+    std::memcpy(whole, data, bytes);
+    std::memset(whole + bytes, 0, parts * per * esize - bytes);
+    if (flat_) {
+      ring_->reduceScatter(whole, per, dt, phaseOp, ctx);
+      ring_->gatherTo(whole, per * esize, root, ctx);
+    } else {
+      const int n0 = topo_.nodeOf[root], l0 = localIndex(root);
+      const int64_t shardCount = per * N;  // this local rank's part, one block per node
+      char* shard = whole;
+      if (L > 1) {
+        if (static_cast<int64_t>(scratch2_.size()) < shardCount * esize)
+          scratch2_.resize(shardCount * esize);
+        shard = scratch2_.data();
+        intra_->reduceScatter(whole, shard, shardCount, dt, phaseOp, ctx);
+      }
+      ring_->reduceScatter(shard, per, dt, phaseOp, ctx);
+      ring_->gatherTo(shard, per * esize, n0, ctx);
+      if (topo_.myNode == n0 && L > 1) intra_->gather(shard, whole, shardCount * esize, l0, ctx);
+    }
+    if (topo_.rank == root) {
+      std::memcpy(data, whole, bytes);
+      if (op == RedOp::Avg) divide(data, count, dt);
+    }
+  });
 }
 
 void HierComm::broadcast(void* data, int64_t bytes, int root, const OpContext& ctx) {
