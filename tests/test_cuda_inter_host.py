@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-
 from _harness import Checker, gen, is_gloo, run_ranks
 
 pytestmark = [
@@ -22,10 +21,10 @@ pytestmark = [
 ]
 
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64"]
-ENV = lambda rank: {  # noqa: E731
-    "FASTCOMM_HOST_ID": f"simnode{rank // 2}",
-    "FASTCOMM_CUDA_INTER": "host",
-}
+
+
+def ENV(rank: int) -> dict[str, str]:
+    return {"FASTCOMM_HOST_ID": f"simnode{rank // 2}", "FASTCOMM_CUDA_INTER": "host"}
 
 
 def _device(rank: int) -> torch.device:
@@ -40,7 +39,7 @@ def _via_host() -> int:
 
 
 def _ops(dt: torch.dtype) -> list[str]:
-    return ["SUM", "MAX"] if dt in (torch.uint8,) else ["SUM", "MIN", "MAX"]
+    return ["SUM", "AVG", "MIN", "MAX"] if dt.is_floating_point else ["SUM", "MIN", "MAX"]
 
 
 def matrix_fn(rank: int, ws: int) -> dict[str, Any]:
@@ -78,11 +77,16 @@ def matrix_fn(rank: int, ws: int) -> dict[str, Any]:
         dist.scatter(s, [x.to(dev) for x in ins] if rank == 1 else None, src=1)
         chk.equal(s, ins[rank], f"{k} scatter")
 
-        # all_to_all_single (uneven splits) and all_to_all
+        # all_to_all_single with uneven splits: every rank sends i + 1 rows to rank i
+        sizes = [i + 1 for i in range(ws)]
+        offs = [sum(sizes[:i]) for i in range(ws)]
+        urows = [gen(f"{k}/a2av", r, (sum(sizes), 2), dt) for r in range(ws)]
+        o = torch.empty((rank + 1) * ws, 2, dtype=dt, device=dev)
+        dist.all_to_all_single(o, urows[rank].to(dev), [rank + 1] * ws, sizes)
+        want = torch.cat([urows[r][offs[rank] : offs[rank] + rank + 1] for r in range(ws)])
+        chk.equal(o, want, f"{k} all_to_all_single")
+        # all_to_all of lists, equal chunks
         rows = [gen(f"{k}/a2a", r, (ws * 3, 2), dt) for r in range(ws)]
-        o = torch.empty(ws * 3, 2, dtype=dt, device=dev)
-        dist.all_to_all_single(o, rows[rank].to(dev))
-        chk.equal(o, torch.cat([rows[r][rank * 3 : rank * 3 + 3] for r in range(ws)]), f"{k} a2a")
         chunks = [rows[rank][i * 3 : i * 3 + 3].to(dev) for i in range(ws)]
         outl = [torch.empty(3, 2, dtype=dt, device=dev) for _ in range(ws)]
         dist.all_to_all(outl, chunks)

@@ -397,10 +397,12 @@ def cuda_inter_mismatch_fn(rank: int, ws: int) -> str:
 
 
 def test_cuda_inter_must_agree_across_ranks() -> None:
-    env = lambda r: {  # noqa: E731
-        "FASTCOMM_HOST_ID": f"simnode{r // 2}",
-        "FASTCOMM_CUDA_INTER": "host" if r == 0 else "nccl",
-    }
+    def env(r: int) -> dict[str, str]:
+        return {
+            "FASTCOMM_HOST_ID": f"simnode{r // 2}",
+            "FASTCOMM_CUDA_INTER": "host" if r == 0 else "nccl",
+        }
+
     res = run_ranks(4, cuda_inter_mismatch_fn, env=env, init=False, timeout_s=120)
     for r, msg in enumerate(res):
         assert "FASTCOMM_CUDA_INTER must be the same" in msg, f"rank {r}: {msg}"

@@ -1,5 +1,6 @@
 #include "backend/cuda/host_staging.hpp"
 
+#include <ATen/core/grad_mode.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 
@@ -48,6 +49,7 @@ std::shared_ptr<HostStaging> HostStaging::begin(const char* op,
   queued.block(s->stream_);
   {
     c10::cuda::CUDAStreamGuard onSide(s->stream_);
+    at::NoGradGuard noGrad;  // the mirrors are plain buffers, not part of a graph
     for (auto& m : s->mirrors_)
       if (m.in) m.host.copy_(m.device, /*non_blocking=*/true);
   }
@@ -87,6 +89,9 @@ void HostStaging::copyOutputsBack(const OpContext& ctx) {
   c10::cuda::CUDAGuard guard(device_);
   {
     c10::cuda::CUDAStreamGuard onSide(stream_);
+    // Collectives write leaf tensors that require grad too (NCCL does so
+    // behind autograd's back); an in-place copy_ there would be refused.
+    at::NoGradGuard noGrad;
     for (auto& m : mirrors_)
       if (m.out) m.device.copy_(m.host, /*non_blocking=*/true);
   }
