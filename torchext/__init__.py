@@ -61,6 +61,8 @@ def stats(group: Optional[dist.ProcessGroup] = None) -> dict[str, dict[str, floa
     collective spent running: host time on CPU; on CUDA, GPU time between a
     pair of timing events, recorded only with ``FASTCOMM_CUDA_TIMING=1`` (they
     cost GPU time, so by default CUDA collectives count calls and bytes only).
+    With ``FASTCOMM_CUDA_INTER=host``, the key ``cuda_via_host`` also counts the CUDA
+    collectives staged through host memory across nodes.
     """
     return _backend(group).stats()
 

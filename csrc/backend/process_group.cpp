@@ -11,10 +11,12 @@
 
 #include "common/logging.hpp"
 #include "common/reduce.hpp"
+#include "common/store_util.hpp"
 #include "common/timeline.hpp"
 
 #ifdef FASTCOMM_WITH_CUDA
 #include "backend/cuda/cuda_collectives.hpp"
+#include "backend/cuda/host_staging.hpp"
 #endif
 
 namespace fastcomm {
@@ -46,6 +48,9 @@ FASTCOMM_OP(kRecvAny, "recv_anysource")
 FASTCOMM_OP(kBarrier, "barrier")
 FASTCOMM_OP(kCoalesced, "coalesced")
 #undef FASTCOMM_OP
+// stats() key counting the CUDA collectives staged through host memory
+// (FASTCOMM_CUDA_INTER=host); each is also counted under its own name.
+constexpr const char* kCudaViaHost = "cuda_via_host";
 
 int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 
@@ -109,6 +114,41 @@ OpSignature signature(const char* name, const at::Tensor& t, int root = -1, int 
   return s;
 }
 
+// A rank that runs CUDA collectives on NCCL and one that stages them through
+// the host plan would wait for each other until the timeout: every rank of a
+// group across nodes must have the same FASTCOMM_CUDA_INTER, checked at init.
+void checkSameCudaInter(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                        const Config& cfg, std::chrono::milliseconds timeout) {
+  const std::string prefix = "fastcomm/cuda_inter/";
+  const std::string mine = cfg.cudaInterHost ? "host" : "nccl";
+  store->set(prefix + std::to_string(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
+  std::vector<std::string> keys;
+  for (int r = 0; r < size; ++r) keys.push_back(prefix + std::to_string(r));
+  try {
+    store->wait(keys, timeout);
+  } catch (const std::exception&) {
+    std::vector<int> missing;
+    for (int r = 0; r < size; ++r)
+      if (!store->check({keys[r]})) missing.push_back(r);
+    throwCommError("fastcomm: init of group rank " + std::to_string(rank) + ": timeout after " +
+                   std::to_string(timeout.count()) +
+                   " ms waiting for the FASTCOMM_CUDA_INTER setting of group rank(s) " +
+                   formatRanks(missing));
+  }
+  std::string differ;
+  for (int r = 0; r < size; ++r) {
+    const std::string theirs = storeGet(store, keys[r]);
+    if (theirs != mine) differ += " group rank " + std::to_string(r) + " has " + theirs + ";";
+  }
+  if (!differ.empty()) {
+    throwCommError(
+        "fastcomm: FASTCOMM_CUDA_INTER must be the same on every rank of a group "
+        "across nodes, but group rank " +
+        std::to_string(rank) + " has " + mine + " and" + differ +
+        " set it alike everywhere (nccl or host)");
+  }
+}
+
 // torch reuses group names (and, with env://, the store) after a destroy and
 // re-init, so every key of one initialisation lives under its own epoch:
 // each rank takes a ticket, and the size tickets of one init share an epoch.
@@ -144,23 +184,34 @@ ProcessGroupFastComm::ProcessGroupFastComm(const c10::intrusive_ptr<c10d::Store>
                                " (FASTCOMM_TRANSPORT=auto falls back to tcp)");
     }
   }
-  if (rank == 0) {
-    FASTCOMM_LOG(Info, "group '" << groupName_ << "' of " << size << " ranks, timeout "
-                                 << timeout_.count() << " ms; " << topo_.describe()
-                                 << "; CPU tensors: "
-                                 << (topo_.numNodes() > 1 ? "hierarchical (shared memory + "
-                                                            "transport)"
-                                                          : "shared memory")
-                                 << "; CUDA tensors: "
+  if (topo_.numNodes() > 1) {
+    checkSameCudaInter(store_, rank, size, cfg_, timeout_);
 #ifdef FASTCOMM_WITH_CUDA
-                                 << (topo_.numNodes() > 1 && cfg_.cudaHier
-                                         ? "NCCL; large all_reduces across nodes staged over the "
-                                           "transport"
-                                         : "NCCL")
-#else
-                                 << "unsupported (CPU-only build)"
+    cudaThroughHost_ = cfg_.cudaInterHost;
 #endif
-                                 << "; config: " << cfg_.describe());
+  }
+  if (rank == 0) {
+    FASTCOMM_LOG(
+        Info,
+        "group '" << groupName_ << "' of " << size << " ranks, timeout " << timeout_.count()
+                  << " ms; " << topo_.describe() << "; CPU tensors: "
+                  << (topo_.numNodes() > 1 ? "hierarchical (shared memory + "
+                                             "transport)"
+                                           : "shared memory")
+                  << "; CUDA tensors: "
+#ifdef FASTCOMM_WITH_CUDA
+                  << (topo_.numNodes() == 1 ? "NCCL"
+                      : cudaThroughHost_    ? "across nodes staged through host memory and run by "
+                                              "the hierarchical host plan (FASTCOMM_CUDA_INTER=host), "
+                                              "except all_reduce: NCCL, large ones staged over the "
+                                              "transport"
+                      : cfg_.cudaHier ? "NCCL; large all_reduces across nodes staged over the "
+                                        "transport"
+                                      : "NCCL")
+#else
+                  << "unsupported (CPU-only build)"
+#endif
+                  << "; config: " << cfg_.describe());
   }
   hostLane_ = std::make_unique<SerialLane>("fc-host");
 }
@@ -240,8 +291,20 @@ HostComm& ProcessGroupFastComm::host(const OpContext& ctx) {
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::runHost(
     const char* name, const char* title, c10d::OpType type, const std::vector<at::Tensor>& inputs,
-    std::vector<at::Tensor> outputs, int64_t bytes, const OpSignature& sig, HostBody body) {
+    std::vector<at::Tensor> outputs, int64_t bytes, const OpSignature& sig, HostBody body,
+    std::shared_ptr<HostStaging> staging) {
   checkUsable();
+#ifdef FASTCOMM_WITH_CUDA
+  if (staging) {
+    body = [staging, body = std::move(body)](HostComm& comm, const OpContext& ctx) {
+      staging->waitForInputs(ctx);
+      body(comm, ctx);
+      staging->copyOutputsBack(ctx);
+    };
+  }
+#else
+  (void)staging;  // CUDA tensors are never staged without CUDA support
+#endif
   const uint64_t seq = ++seq_;
   const auto ctx = OpContext::start(name, seq, timeout_);
   auto work = c10::make_intrusive<HostWork>(rank_, type, title, seq, inputs, std::move(outputs));
@@ -275,8 +338,20 @@ SerialLane& ProcessGroupFastComm::p2pLane(int peer, bool sending) {
 
 c10::intrusive_ptr<HostWork> ProcessGroupFastComm::runP2P(
     const char* name, const char* title, c10d::OpType type, SerialLane& lane,
-    const at::Tensor& tensor, std::function<void(HostComm&, const OpContext&, HostWork&)> body) {
+    const at::Tensor& tensor, std::function<void(HostComm&, const OpContext&, HostWork&)> body,
+    std::shared_ptr<HostStaging> staging) {
   checkUsable();
+#ifdef FASTCOMM_WITH_CUDA
+  if (staging) {
+    body = [staging, body = std::move(body)](HostComm& comm, const OpContext& ctx, HostWork& work) {
+      staging->waitForInputs(ctx);
+      body(comm, ctx, work);
+      staging->copyOutputsBack(ctx);
+    };
+  }
+#else
+  (void)staging;  // CUDA tensors are never staged without CUDA support
+#endif
   const auto ctx = OpContext::start(name, ++p2pSeq_, timeout_);
   auto work =
       c10::make_intrusive<HostWork>(rank_, type, title, ctx.seq, std::vector<at::Tensor>{tensor},
@@ -386,6 +461,41 @@ CudaCollectives& ProcessGroupFastComm::cuda(const at::Tensor& sample, const char
 #endif
 }
 
+std::shared_ptr<HostStaging> ProcessGroupFastComm::stageThroughHost(
+    const char* op, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs) {
+#ifdef FASTCOMM_WITH_CUDA
+  const at::Tensor& sample = inputs.empty() ? outputs.at(0) : inputs[0];
+  if (!cudaThroughHost_ || !sample.is_cuda()) return nullptr;
+  checkUsable();
+  auto staging = HostStaging::begin(op, inputs, outputs);
+  int64_t bytes = 0;
+  for (const auto& t : inputs) bytes += nbytes(t);
+  stats_.addCall(kCudaViaHost, static_cast<uint64_t>(bytes));
+  return staging;
+#else
+  (void)op, (void)inputs, (void)outputs;
+  return nullptr;
+#endif
+}
+
+// Host mirror of `t` when the collective is staged through host memory.
+static at::Tensor onHost(const std::shared_ptr<HostStaging>& staging, const at::Tensor& t) {
+#ifdef FASTCOMM_WITH_CUDA
+  if (staging) return staging->host(t);
+#else
+  (void)staging;
+#endif
+  return t;
+}
+
+static std::vector<at::Tensor> onHost(const std::shared_ptr<HostStaging>& staging,
+                                      const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> out;
+  out.reserve(tensors.size());
+  for (const auto& t : tensors) out.push_back(onHost(staging, t));
+  return out;
+}
+
 void ProcessGroupFastComm::eagerConnectSingleDevice(at::Device device) {
   if (device.is_cuda()) cuda(at::empty({0}, at::TensorOptions().device(device)));
 }
@@ -405,7 +515,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::broadcast(std::vector<at::T
   TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "fastcomm: broadcast: invalid root ",
               opts.rootRank, " for a group of ", size_);
   TORCH_CHECK(opts.rootTensor == 0, "fastcomm: broadcast: rootTensor must be 0");
-  if (t.is_cuda()) {
+  auto staging = stageThroughHost(kBroadcast, tensors, tensors);
+  if (t.is_cuda() && !staging) {
 #ifdef FASTCOMM_WITH_CUDA
     auto info = FASTCOMM_CUDA_INFO(kBroadcast, nbytes(t), opts);
     info.type = c10d::OpType::BROADCAST;
@@ -414,13 +525,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::broadcast(std::vector<at::T
     cuda(t);
 #endif
   }
-  Contig c(t);
+  Contig c(onHost(staging, t));
   const int root = opts.rootRank;
-  return runHost(kBroadcast, kBroadcastTitle, c10d::OpType::BROADCAST, tensors, tensors, nbytes(t),
-                 signature(kBroadcast, t, root), [c, root](HostComm& comm, const OpContext& ctx) {
-                   comm.broadcast(c.work.data_ptr(), nbytes(c.work), root, ctx);
-                   c.finish();
-                 });
+  return runHost(
+      kBroadcast, kBroadcastTitle, c10d::OpType::BROADCAST, tensors, tensors, nbytes(t),
+      signature(kBroadcast, t, root),
+      [c, root](HostComm& comm, const OpContext& ctx) {
+        comm.broadcast(c.work.data_ptr(), nbytes(c.work), root, ctx);
+        c.finish();
+      },
+      staging);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allreduce(std::vector<at::Tensor>& tensors,
@@ -490,7 +604,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::reduce(std::vector<at::Tens
   at::Tensor real = realView(t, opts.reduceOp, kReduce);
   const RedOp op = toRedOp(opts.reduceOp, real.scalar_type(), kReduce);
   const int root = static_cast<int>(opts.rootRank);
-  if (t.is_cuda()) {
+  // Only the root's tensor is written back (NCCL leaves the others unchanged).
+  auto staging =
+      stageThroughHost(kReduce, tensors, rank_ == root ? tensors : std::vector<at::Tensor>{});
+  if (t.is_cuda() && !staging) {
 #ifdef FASTCOMM_WITH_CUDA
     auto info = FASTCOMM_CUDA_INFO(kReduce, nbytes(t), opts);
     info.type = c10d::OpType::REDUCE;
@@ -499,14 +616,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::reduce(std::vector<at::Tens
     cuda(t);
 #endif
   }
-  Contig c(real);
-  return runHost(kReduce, kReduceTitle, c10d::OpType::REDUCE, tensors, tensors, nbytes(t),
-                 signature(kReduce, real, root, static_cast<int>(op)),
-                 [c, op, root](HostComm& comm, const OpContext& ctx) {
-                   comm.reduce(c.work.data_ptr(), c.work.numel(), c.work.scalar_type(), op, root,
-                               ctx);
-                   if (comm.index() == root) c.finish();
-                 });
+  Contig c(staging ? realView(onHost(staging, t), opts.reduceOp, kReduce) : real);
+  return runHost(
+      kReduce, kReduceTitle, c10d::OpType::REDUCE, tensors, tensors, nbytes(t),
+      signature(kReduce, real, root, static_cast<int>(op)),
+      [c, op, root](HostComm& comm, const OpContext& ctx) {
+        comm.reduce(c.work.data_ptr(), c.work.numel(), c.work.scalar_type(), op, root, ctx);
+        if (comm.index() == root) c.finish();
+      },
+      staging);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allgather(
@@ -525,7 +643,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allgather(
                 "input's ",
                 in.numel(), " elements, got ", o.numel());
   }
-  if (in.is_cuda()) {
+  auto staging = stageThroughHost(kAllGather, inputs, outs);
+  if (in.is_cuda() && !staging) {
 #ifdef FASTCOMM_WITH_CUDA
     auto info = FASTCOMM_CUDA_INFO(kAllGather, nbytes(in), opts);
     info.type = c10d::OpType::ALLGATHER;
@@ -534,15 +653,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allgather(
     cuda(in);
 #endif
   }
-  at::Tensor src = in.contiguous();
-  at::Tensor flat = at::empty({size_, in.numel()}, in.options());
-  return runHost(kAllGather, kAllGatherTitle, c10d::OpType::ALLGATHER, inputs, outs, nbytes(in),
-                 signature(kAllGather, in),
-                 [src, flat, outs](HostComm& comm, const OpContext& ctx) {
-                   comm.allgather(src.data_ptr(), flat.data_ptr(), nbytes(src), ctx);
-                   for (size_t i = 0; i < outs.size(); ++i)
-                     outs[i].copy_(flat[static_cast<int64_t>(i)].view(outs[i].sizes()));
-                 });
+  at::Tensor src = onHost(staging, in).contiguous();
+  at::Tensor flat = at::empty({size_, in.numel()}, src.options());
+  return runHost(
+      kAllGather, kAllGatherTitle, c10d::OpType::ALLGATHER, inputs, outs, nbytes(in),
+      signature(kAllGather, in),
+      [src, flat, hostOuts = onHost(staging, outs)](HostComm& comm, const OpContext& ctx) {
+        comm.allgather(src.data_ptr(), flat.data_ptr(), nbytes(src), ctx);
+        for (size_t i = 0; i < hostOuts.size(); ++i)
+          hostOuts[i].copy_(flat[static_cast<int64_t>(i)].view(hostOuts[i].sizes()));
+      },
+      staging);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::_allgather_base(
@@ -554,7 +675,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::_allgather_base(
               "has ",
               output.numel(), " elements but must have world_size (", size_, ") x input (",
               input.numel(), ")");
-  if (input.is_cuda()) {
+  auto staging = stageThroughHost(kAllGatherInto, {input}, {output});
+  if (input.is_cuda() && !staging) {
 #ifdef FASTCOMM_WITH_CUDA
     auto info = FASTCOMM_CUDA_INFO(kAllGatherInto, nbytes(input), opts);
     info.type = c10d::OpType::_ALLGATHER_BASE;
@@ -563,14 +685,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::_allgather_base(
     cuda(input);
 #endif
   }
-  at::Tensor src = input.contiguous();
-  Contig c(output);
-  return runHost(kAllGatherInto, kAllGatherIntoTitle, c10d::OpType::_ALLGATHER_BASE, {input},
-                 {output}, nbytes(input), signature(kAllGatherInto, input),
-                 [src, c](HostComm& comm, const OpContext& ctx) {
-                   comm.allgather(src.data_ptr(), c.work.data_ptr(), nbytes(src), ctx);
-                   c.finish();
-                 });
+  at::Tensor src = onHost(staging, input).contiguous();
+  Contig c(onHost(staging, output));
+  return runHost(
+      kAllGatherInto, kAllGatherIntoTitle, c10d::OpType::_ALLGATHER_BASE, {input}, {output},
+      nbytes(input), signature(kAllGatherInto, input),
+      [src, c](HostComm& comm, const OpContext& ctx) {
+        comm.allgather(src.data_ptr(), c.work.data_ptr(), nbytes(src), ctx);
+        c.finish();
+      },
+      staging);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allgather_into_tensor_coalesced(
@@ -590,7 +714,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allgather_into_tensor_coale
                 "input elements");
     bytes += nbytes(inputs[i]);
   }
-  if (inputs[0].is_cuda()) {
+  auto staging = stageThroughHost(kAllGatherIntoCoalesced, inputs, outputs);
+  if (inputs[0].is_cuda() && !staging) {
 #ifdef FASTCOMM_WITH_CUDA
     auto& cc = cuda(inputs[0]);
     auto info = FASTCOMM_CUDA_INFO(kAllGatherIntoCoalesced, bytes, opts);
@@ -605,8 +730,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allgather_into_tensor_coale
   std::vector<at::Tensor> srcs;
   std::vector<Contig> dsts;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    srcs.push_back(inputs[i].contiguous());
-    dsts.emplace_back(outputs[i]);
+    srcs.push_back(onHost(staging, inputs[i]).contiguous());
+    dsts.emplace_back(onHost(staging, outputs[i]));
   }
   return runHost(
       kAllGatherIntoCoalesced, kAllGatherIntoCoalescedTitle, c10d::OpType::COALESCED, inputs,
@@ -617,7 +742,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allgather_into_tensor_coale
           comm.allgather(srcs[i].data_ptr(), dsts[i].work.data_ptr(), nbytes(srcs[i]), ctx);
           dsts[i].finish();
         }
-      });
+      },
+      staging);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::gather(
@@ -643,7 +769,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::gather(
     TORCH_CHECK(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()),
                 "fastcomm: gather: only the root may pass output tensors");
   }
-  if (in.is_cuda()) {
+  auto staging = stageThroughHost(kGather, inputs, outs);
+  if (in.is_cuda() && !staging) {
 #ifdef FASTCOMM_WITH_CUDA
     auto info = FASTCOMM_CUDA_INFO(kGather, nbytes(in), opts);
     info.type = c10d::OpType::GATHER;
@@ -652,16 +779,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::gather(
     cuda(in);
 #endif
   }
-  at::Tensor src = in.contiguous();
-  at::Tensor flat = rank_ == root ? at::empty({size_, in.numel()}, in.options()) : at::Tensor();
-  return runHost(kGather, kGatherTitle, c10d::OpType::GATHER, inputs, outs, nbytes(in),
-                 signature(kGather, in, root),
-                 [src, flat, outs, root](HostComm& comm, const OpContext& ctx) {
-                   comm.gather(src.data_ptr(), flat.defined() ? flat.data_ptr() : nullptr,
-                               nbytes(src), root, ctx);
-                   for (size_t i = 0; i < outs.size(); ++i)
-                     outs[i].copy_(flat[static_cast<int64_t>(i)].view(outs[i].sizes()));
-                 });
+  at::Tensor src = onHost(staging, in).contiguous();
+  at::Tensor flat = rank_ == root ? at::empty({size_, in.numel()}, src.options()) : at::Tensor();
+  return runHost(
+      kGather, kGatherTitle, c10d::OpType::GATHER, inputs, outs, nbytes(in),
+      signature(kGather, in, root),
+      [src, flat, hostOuts = onHost(staging, outs), root](HostComm& comm, const OpContext& ctx) {
+        comm.gather(src.data_ptr(), flat.defined() ? flat.data_ptr() : nullptr, nbytes(src), root,
+                    ctx);
+        for (size_t i = 0; i < hostOuts.size(); ++i)
+          hostOuts[i].copy_(flat[static_cast<int64_t>(i)].view(hostOuts[i].sizes()));
+      },
+      staging);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::scatter(
@@ -687,7 +816,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::scatter(
     TORCH_CHECK(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()),
                 "fastcomm: scatter: only the root may pass input tensors");
   }
-  if (out.is_cuda()) {
+  auto staging = stageThroughHost(kScatter, ins, outputs);
+  if (out.is_cuda() && !staging) {
 #ifdef FASTCOMM_WITH_CUDA
     auto info = FASTCOMM_CUDA_INFO(kScatter, nbytes(out), opts);
     info.type = c10d::OpType::SCATTER;
@@ -698,16 +828,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::scatter(
   }
   at::Tensor flat;
   if (rank_ == root) {
-    flat = catFlat(ins);
+    flat = catFlat(onHost(staging, ins));
   }
-  Contig c(out);
-  return runHost(kScatter, kScatterTitle, c10d::OpType::SCATTER, ins, outputs, nbytes(out),
-                 signature(kScatter, out, root),
-                 [flat, c, root](HostComm& comm, const OpContext& ctx) {
-                   comm.scatter(flat.defined() ? flat.data_ptr() : nullptr, c.work.data_ptr(),
-                                nbytes(c.work), root, ctx);
-                   c.finish();
-                 });
+  Contig c(onHost(staging, out));
+  return runHost(
+      kScatter, kScatterTitle, c10d::OpType::SCATTER, ins, outputs, nbytes(out),
+      signature(kScatter, out, root),
+      [flat, c, root](HostComm& comm, const OpContext& ctx) {
+        comm.scatter(flat.defined() ? flat.data_ptr() : nullptr, c.work.data_ptr(), nbytes(c.work),
+                     root, ctx);
+        c.finish();
+      },
+      staging);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::reduce_scatter(
@@ -729,7 +861,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::reduce_scatter(
   const RedOp op = toRedOp(opts.reduceOp, realOut.scalar_type(), kReduceScatter);
   std::vector<at::Tensor> realIns;
   for (const auto& i : inputs[0]) realIns.push_back(realView(i, opts.reduceOp, kReduceScatter));
-  if (out.is_cuda()) {
+  auto staging = stageThroughHost(kReduceScatter, inputs[0], outputs);
+  if (out.is_cuda() && !staging) {
 #ifdef FASTCOMM_WITH_CUDA
     auto info = FASTCOMM_CUDA_INFO(kReduceScatter, nbytes(out) * size_, opts);
     info.type = c10d::OpType::REDUCE_SCATTER;
@@ -738,16 +871,23 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::reduce_scatter(
     cuda(out);
 #endif
   }
+  if (staging) {
+    realOut = realView(onHost(staging, out), opts.reduceOp, kReduceScatter);
+    realIns.clear();
+    for (const auto& i : inputs[0])
+      realIns.push_back(realView(onHost(staging, i), opts.reduceOp, kReduceScatter));
+  }
   at::Tensor flat = catFlat(realIns);
   Contig c(realOut);
-  return runHost(kReduceScatter, kReduceScatterTitle, c10d::OpType::REDUCE_SCATTER, inputs[0],
-                 outputs, nbytes(flat),
-                 signature(kReduceScatter, realOut, -1, static_cast<int>(op)),
-                 [flat, c, op](HostComm& comm, const OpContext& ctx) {
-                   comm.reduceScatter(flat.data_ptr(), c.work.data_ptr(), c.work.numel(),
-                                      c.work.scalar_type(), op, ctx);
-                   c.finish();
-                 });
+  return runHost(
+      kReduceScatter, kReduceScatterTitle, c10d::OpType::REDUCE_SCATTER, inputs[0], outputs,
+      nbytes(flat), signature(kReduceScatter, realOut, -1, static_cast<int>(op)),
+      [flat, c, op](HostComm& comm, const OpContext& ctx) {
+        comm.reduceScatter(flat.data_ptr(), c.work.data_ptr(), c.work.numel(), c.work.scalar_type(),
+                           op, ctx);
+        c.finish();
+      },
+      staging);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::_reduce_scatter_base(
@@ -762,7 +902,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::_reduce_scatter_base(
   at::Tensor realOut = realView(output, opts.reduceOp, kReduceScatterTensor);
   at::Tensor realIn = realView(input, opts.reduceOp, kReduceScatterTensor);
   const RedOp op = toRedOp(opts.reduceOp, realOut.scalar_type(), kReduceScatterTensor);
-  if (input.is_cuda()) {
+  auto staging = stageThroughHost(kReduceScatterTensor, {input}, {output});
+  if (input.is_cuda() && !staging) {
 #ifdef FASTCOMM_WITH_CUDA
     auto info = FASTCOMM_CUDA_INFO(kReduceScatterTensor, nbytes(input), opts);
     info.type = c10d::OpType::_REDUCE_SCATTER_BASE;
@@ -771,16 +912,21 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::_reduce_scatter_base(
     cuda(input);
 #endif
   }
+  if (staging) {
+    realOut = realView(onHost(staging, output), opts.reduceOp, kReduceScatterTensor);
+    realIn = realView(onHost(staging, input), opts.reduceOp, kReduceScatterTensor);
+  }
   at::Tensor src = realIn.contiguous();
   Contig c(realOut);
-  return runHost(kReduceScatterTensor, kReduceScatterTensorTitle,
-                 c10d::OpType::_REDUCE_SCATTER_BASE, {input}, {output}, nbytes(input),
-                 signature(kReduceScatterTensor, realOut, -1, static_cast<int>(op)),
-                 [src, c, op](HostComm& comm, const OpContext& ctx) {
-                   comm.reduceScatter(src.data_ptr(), c.work.data_ptr(), c.work.numel(),
-                                      c.work.scalar_type(), op, ctx);
-                   c.finish();
-                 });
+  return runHost(
+      kReduceScatterTensor, kReduceScatterTensorTitle, c10d::OpType::_REDUCE_SCATTER_BASE, {input},
+      {output}, nbytes(input), signature(kReduceScatterTensor, realOut, -1, static_cast<int>(op)),
+      [src, c, op](HostComm& comm, const OpContext& ctx) {
+        comm.reduceScatter(src.data_ptr(), c.work.data_ptr(), c.work.numel(), c.work.scalar_type(),
+                           op, ctx);
+        c.finish();
+      },
+      staging);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::reduce_scatter_tensor_coalesced(
@@ -807,7 +953,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::reduce_scatter_tensor_coale
     dsts.emplace_back(ro);
     bytes += nbytes(inputs[i]);
   }
-  if (inputs[0].is_cuda()) {
+  auto staging = stageThroughHost(kReduceScatterCoalesced, inputs, outputs);
+  if (staging) {
+    srcs.clear();
+    dsts.clear();
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      srcs.push_back(realView(onHost(staging, inputs[i]), opts.reduceOp, kReduceScatterCoalesced)
+                         .contiguous());
+      dsts.emplace_back(
+          realView(onHost(staging, outputs[i]), opts.reduceOp, kReduceScatterCoalesced));
+    }
+  }
+  if (inputs[0].is_cuda() && !staging) {
 #ifdef FASTCOMM_WITH_CUDA
     auto& cc = cuda(inputs[0]);
     auto info = FASTCOMM_CUDA_INFO(kReduceScatterCoalesced, bytes, opts);
@@ -819,17 +976,19 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::reduce_scatter_tensor_coale
     cuda(inputs[0]);
 #endif
   }
-  return runHost(kReduceScatterCoalesced, kReduceScatterCoalescedTitle, c10d::OpType::COALESCED,
-                 inputs, outputs, bytes,
-                 signature(kReduceScatterCoalesced, inputs[0], -1, static_cast<int>(op),
-                           static_cast<int64_t>(inputs.size())),
-                 [srcs, dsts, op](HostComm& comm, const OpContext& ctx) {
-                   for (size_t i = 0; i < srcs.size(); ++i) {
-                     comm.reduceScatter(srcs[i].data_ptr(), dsts[i].work.data_ptr(),
-                                        dsts[i].work.numel(), dsts[i].work.scalar_type(), op, ctx);
-                     dsts[i].finish();
-                   }
-                 });
+  return runHost(
+      kReduceScatterCoalesced, kReduceScatterCoalescedTitle, c10d::OpType::COALESCED, inputs,
+      outputs, bytes,
+      signature(kReduceScatterCoalesced, inputs[0], -1, static_cast<int>(op),
+                static_cast<int64_t>(inputs.size())),
+      [srcs, dsts, op](HostComm& comm, const OpContext& ctx) {
+        for (size_t i = 0; i < srcs.size(); ++i) {
+          comm.reduceScatter(srcs[i].data_ptr(), dsts[i].work.data_ptr(), dsts[i].work.numel(),
+                             dsts[i].work.scalar_type(), op, ctx);
+          dsts[i].finish();
+        }
+      },
+      staging);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::alltoall_base(
@@ -861,7 +1020,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::alltoall_base(
   };
   std::vector<int64_t> sendCounts = counts(input, inputSplits, "input");
   std::vector<int64_t> recvCounts = counts(output, outputSplits, "output");
-  if (input.is_cuda()) {
+  auto staging = stageThroughHost(kAllToAllSingle, {input}, {output});
+  if (input.is_cuda() && !staging) {
 #ifdef FASTCOMM_WITH_CUDA
     auto info = FASTCOMM_CUDA_INFO(kAllToAllSingle, nbytes(input), opts);
     info.type = c10d::OpType::ALLTOALL_BASE;
@@ -881,15 +1041,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::alltoall_base(
     so += static_cast<int>(sendBytes[i]);
     ro += static_cast<int>(recvBytes[i]);
   }
-  at::Tensor src = input.contiguous();
-  Contig c(output);
-  return runHost(kAllToAllSingle, kAllToAllSingleTitle, c10d::OpType::ALLTOALL_BASE, {input},
-                 {output}, nbytes(input), signature(kAllToAllSingle, input, -1, -1, output.numel()),
-                 [=](HostComm& comm, const OpContext& ctx) {
-                   comm.alltoall(src.data_ptr(), sendBytes, sendOffs, c.work.data_ptr(), recvBytes,
-                                 recvOffs, ctx);
-                   c.finish();
-                 });
+  at::Tensor src = onHost(staging, input).contiguous();
+  Contig c(onHost(staging, output));
+  return runHost(
+      kAllToAllSingle, kAllToAllSingleTitle, c10d::OpType::ALLTOALL_BASE, {input}, {output},
+      nbytes(input), signature(kAllToAllSingle, input, -1, -1, output.numel()),
+      [=](HostComm& comm, const OpContext& ctx) {
+        comm.alltoall(src.data_ptr(), sendBytes, sendOffs, c.work.data_ptr(), recvBytes, recvOffs,
+                      ctx);
+        c.finish();
+      },
+      staging);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::alltoall(std::vector<at::Tensor>& outputs,
@@ -908,7 +1070,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::alltoall(std::vector<at::Te
     recvCounts.push_back(outputs[i].numel());
     bytes += nbytes(inputs[i]);
   }
-  if (inputs[0].is_cuda()) {
+  auto staging = stageThroughHost(kAllToAll, inputs, outputs);
+  if (inputs[0].is_cuda() && !staging) {
 #ifdef FASTCOMM_WITH_CUDA
     auto info = FASTCOMM_CUDA_INFO(kAllToAll, bytes, opts);
     info.type = c10d::OpType::ALLTOALL;
@@ -919,9 +1082,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::alltoall(std::vector<at::Te
 #endif
   }
   const int64_t es = inputs[0].element_size();
-  at::Tensor src = catFlat(inputs);
+  at::Tensor src = catFlat(onHost(staging, inputs));
   int64_t recvTotal = std::accumulate(recvCounts.begin(), recvCounts.end(), int64_t{0});
-  at::Tensor dst = at::empty({recvTotal}, inputs[0].options());
+  at::Tensor dst = at::empty({recvTotal}, src.options());
   std::vector<int64_t> sendBytes(size_), sendOffs(size_), recvBytes(size_), recvOffs(size_);
   for (int i = 0; i < size_; ++i) {
     sendBytes[i] = sendCounts[i] * es;
@@ -929,15 +1092,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::alltoall(std::vector<at::Te
     sendOffs[i] = i ? sendOffs[i - 1] + sendBytes[i - 1] : 0;
     recvOffs[i] = i ? recvOffs[i - 1] + recvBytes[i - 1] : 0;
   }
-  std::vector<at::Tensor> outs = outputs;
+  std::vector<at::Tensor> outs = onHost(staging, outputs);
   return runHost(
       kAllToAll, kAllToAllTitle, c10d::OpType::ALLTOALL, inputs, outputs, bytes,
-      signature(kAllToAll, src, -1, -1, recvTotal), [=](HostComm& comm, const OpContext& ctx) {
+      signature(kAllToAll, src, -1, -1, recvTotal),
+      [=](HostComm& comm, const OpContext& ctx) {
         comm.alltoall(src.data_ptr(), sendBytes, sendOffs, dst.data_ptr(), recvBytes, recvOffs,
                       ctx);
         for (int i = 0; i < static_cast<int>(outs.size()); ++i)
           outs[i].copy_(dst.narrow(0, recvOffs[i] / es, recvCounts[i]).view(outs[i].sizes()));
-      });
+      },
+      staging);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::send(std::vector<at::Tensor>& tensors,
@@ -952,7 +1117,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::sendNow(std::vector<at::Ten
               "fastcomm: send: invalid "
               "destination ",
               dstRank, " (group of ", size_, ", this is rank ", rank_, ")");
-  if (t.is_cuda()) {
+  auto staging = stageThroughHost(kSend, {t}, {});
+  if (t.is_cuda() && !staging) {
 #ifdef FASTCOMM_WITH_CUDA
     auto info = CudaOpInfo{kSend, kSendTitle, c10d::OpType::SEND, ++p2pSeq_, timeout_, nbytes(t)};
     return remember(cuda(t, info.name).send(t, dstRank, info));
@@ -960,12 +1126,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::sendNow(std::vector<at::Ten
     cuda(t);
 #endif
   }
-  at::Tensor src = t.contiguous();
+  at::Tensor src = onHost(staging, t).contiguous();
   const int peer = dstRank;  // single node: group rank == local index
-  return runP2P(kSend, kSendTitle, c10d::OpType::SEND, p2pLane(peer, true), t,
-                [src, peer, tag](HostComm& comm, const OpContext& ctx, HostWork&) {
-                  comm.send(src.data_ptr(), nbytes(src), peer, tag, ctx);
-                });
+  return runP2P(
+      kSend, kSendTitle, c10d::OpType::SEND, p2pLane(peer, true), t,
+      [src, peer, tag](HostComm& comm, const OpContext& ctx, HostWork&) {
+        comm.send(src.data_ptr(), nbytes(src), peer, tag, ctx);
+      },
+      staging);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::recv(std::vector<at::Tensor>& tensors,
@@ -980,7 +1148,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::recvNow(std::vector<at::Ten
               "fastcomm: recv: invalid "
               "source ",
               srcRank, " (group of ", size_, ", this is rank ", rank_, ")");
-  if (t.is_cuda()) {
+  auto staging = stageThroughHost(kRecv, {}, {t});
+  if (t.is_cuda() && !staging) {
 #ifdef FASTCOMM_WITH_CUDA
     auto info = CudaOpInfo{kRecv, kRecvTitle, c10d::OpType::RECV, ++p2pSeq_, timeout_, nbytes(t)};
     return remember(cuda(t, info.name).recv(t, srcRank, info));
@@ -988,14 +1157,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::recvNow(std::vector<at::Ten
     cuda(t);
 #endif
   }
-  Contig c(t);
+  Contig c(onHost(staging, t));
   const int peer = srcRank;
-  return runP2P(kRecv, kRecvTitle, c10d::OpType::RECV, p2pLane(peer, false), t,
-                [c, peer, tag](HostComm& comm, const OpContext& ctx, HostWork& work) {
-                  comm.recv(c.work.data_ptr(), nbytes(c.work), peer, tag, ctx);
-                  c.finish();
-                  work.setSourceRank(peer);
-                });
+  return runP2P(
+      kRecv, kRecvTitle, c10d::OpType::RECV, p2pLane(peer, false), t,
+      [c, peer, tag](HostComm& comm, const OpContext& ctx, HostWork& work) {
+        comm.recv(c.work.data_ptr(), nbytes(c.work), peer, tag, ctx);
+        c.finish();
+        work.setSourceRank(peer);
+      },
+      staging);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::recvAnysource(std::vector<at::Tensor>& tensors,

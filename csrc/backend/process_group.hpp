@@ -2,7 +2,9 @@
 //
 // Each collective is validated here, before any communication, and then run
 // by a plan: CPU tensors on the group's host lane through shared memory, CUDA
-// tensors on the group's NCCL communicator (CudaCollectives).
+// tensors on the group's NCCL communicator (CudaCollectives); with
+// FASTCOMM_CUDA_INTER=host and several nodes, CUDA collectives other than
+// all_reduce are staged through host memory and run by the host plan.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -29,6 +31,7 @@
 namespace fastcomm {
 
 class CudaCollectives;
+class HostStaging;
 
 class ProcessGroupFastComm : public c10d::Backend {
  public:
@@ -109,15 +112,27 @@ class ProcessGroupFastComm : public c10d::Backend {
  private:
   using HostBody = std::function<void(HostComm&, const OpContext&)>;
 
-  // Runs `body` on the host lane (collectives) and returns its work.
+  // Runs `body` on the host lane (collectives) and returns its work. With
+  // `staging` (CUDA tensors, see stageThroughHost) the body runs on the host
+  // mirrors once they are filled, and the work completes once the outputs are
+  // copied back.
   c10::intrusive_ptr<c10d::Work> runHost(const char* name, const char* title, c10d::OpType type,
                                          const std::vector<at::Tensor>& inputs,
                                          std::vector<at::Tensor> outputs, int64_t bytes,
-                                         const OpSignature& sig, HostBody body);
+                                         const OpSignature& sig, HostBody body,
+                                         std::shared_ptr<HostStaging> staging = nullptr);
   // Runs a point-to-point `body` on the lane of (peer, direction).
   c10::intrusive_ptr<HostWork> runP2P(
       const char* name, const char* title, c10d::OpType type, SerialLane& lane,
-      const at::Tensor& tensor, std::function<void(HostComm&, const OpContext&, HostWork&)> body);
+      const at::Tensor& tensor, std::function<void(HostComm&, const OpContext&, HostWork&)> body,
+      std::shared_ptr<HostStaging> staging = nullptr);
+  // For CUDA tensors when FASTCOMM_CUDA_INTER=host and the group spans several
+  // nodes: starts copying `inputs` into pinned host mirrors (HostStaging) so
+  // that the host body of the collective runs on them. Null otherwise: CPU
+  // tensors run on themselves, CUDA tensors take CudaCollectives.
+  std::shared_ptr<HostStaging> stageThroughHost(const char* op,
+                                                const std::vector<at::Tensor>& inputs,
+                                                const std::vector<at::Tensor>& outputs);
   c10::intrusive_ptr<c10d::Work> sendNow(std::vector<at::Tensor>& tensors, int dstRank, int tag);
   c10::intrusive_ptr<c10d::Work> recvNow(std::vector<at::Tensor>& tensors, int srcRank, int tag);
   HostComm& host(const OpContext& ctx);  // created on first use, on the host lane
@@ -139,6 +154,8 @@ class ProcessGroupFastComm : public c10d::Backend {
   std::string groupName_;
   Config cfg_;
   Topology topo_;
+  // FASTCOMM_CUDA_INTER=host and more than one node (agreed by all ranks).
+  bool cudaThroughHost_ = false;
   c10::intrusive_ptr<Options> options_;
   Stats stats_;
   std::atomic<uint64_t> seq_{0};

@@ -6,12 +6,26 @@
 
 namespace fastcomm {
 
+namespace {
+
+// The CUDA devices of `tensors`: a future whose value holds CUDA tensors must
+// know them (CUDA tensors staged through host memory complete on the host).
+std::vector<c10::Device> cudaDevices(const std::vector<at::Tensor>& tensors) {
+  std::vector<c10::Device> devices;
+  for (const auto& t : tensors)
+    if (t.is_cuda() && std::find(devices.begin(), devices.end(), t.device()) == devices.end())
+      devices.push_back(t.device());
+  return devices;
+}
+
+}  // namespace
+
 HostWork::HostWork(int rank, c10d::OpType type, const char* profilingTitle, uint64_t seq,
                    const std::vector<at::Tensor>& inputs, std::vector<at::Tensor> outputs)
     : Work(rank, type, profilingTitle, std::optional<std::vector<at::Tensor>>(inputs)),
       outputs_(std::move(outputs)),
-      future_(
-          c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))),
+      future_(c10::make_intrusive<c10::ivalue::Future>(
+          c10::ListType::create(c10::TensorType::get()), cudaDevices(outputs_))),
       seq_(seq) {}
 
 int HostWork::sourceRank() const {

@@ -9,7 +9,8 @@
 
 namespace fastcomm {
 
-// A collective run on a host lane (CPU tensors). Completes from the lane.
+// A collective run on a host lane (CPU tensors, or CUDA tensors staged
+// through host memory). Completes from the lane.
 class HostWork : public c10d::Work {
  public:
   HostWork(int rank, c10d::OpType type, const char* profilingTitle, uint64_t seq,

@@ -72,6 +72,8 @@ Config Config::fromEnv() {
   if (const char* v = env("FASTCOMM_CUDA_HIER_MIN_BYTES"))
     c.cudaHierMinBytes = parseBytes("FASTCOMM_CUDA_HIER_MIN_BYTES", v);
   c.cudaHier = flag("FASTCOMM_CUDA_HIER", true);
+  if (const char* v = env("FASTCOMM_CUDA_INTER"))
+    c.cudaInterHost = oneOf("FASTCOMM_CUDA_INTER", v, {"nccl", "host"}) == "host";
   if (const char* v = env("FASTCOMM_STAGED_KERNELS"))
     c.stagedFused = oneOf("FASTCOMM_STAGED_KERNELS", v, {"fused", "copy"}) == "fused";
   if (const char* v = env("FASTCOMM_STAGED_MEMORY"))
@@ -130,8 +132,8 @@ std::string Config::describe() const {
      << " ib_qps_per_peer=" << ibQpsPerPeer << " ib_gdr=" << ibGdr << " ib_emulate=" << ibEmulate
      << (ibEmuFail.empty() ? "" : " ib_emu_fail=" + ibEmuFail) << " check=" << check
      << " blocking_wait=" << blockingWait << " cuda_timing=" << cudaTiming
-     << " cuda_hier=" << cudaHier << " cuda_chunk_bytes=" << cudaChunkBytes
-     << " cuda_hier_min_bytes=" << cudaHierMinBytes
+     << " cuda_hier=" << cudaHier << " cuda_inter=" << (cudaInterHost ? "host" : "nccl")
+     << " cuda_chunk_bytes=" << cudaChunkBytes << " cuda_hier_min_bytes=" << cudaHierMinBytes
      << " staged_kernels=" << (stagedFused ? "fused" : "copy")
      << " staged_memory=" << (stagedHostOnly ? "host" : "auto");
   return os.str();

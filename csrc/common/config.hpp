@@ -21,6 +21,13 @@ struct Config {
   // FASTCOMM_CUDA_HIER=0: CUDA all_reduce across nodes stays on the flat NCCL
   // communicator (NCCL's own socket path) instead of the staged pipeline.
   bool cudaHier = true;
+  // FASTCOMM_CUDA_INTER: nccl | host. How CUDA collectives other than
+  // all_reduce (and barrier) cross nodes: on the flat NCCL communicator
+  // (nccl), or staged through pinned host memory and run by the same
+  // hierarchical host plan as CPU tensors (host: shared memory inside a node,
+  // fastcomm's transport across nodes). Every rank must set the same value
+  // (checked at init). host is new and not yet validated on GPUs.
+  bool cudaInterHost = false;
   // FASTCOMM_CUDA_CHUNK_BYTES: pipeline chunk of that CUDA path, per rank's
   // shard; larger than the host chunk, since every chunk costs a few copies,
   // kernel launches and stream waits.
