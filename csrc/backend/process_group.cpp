@@ -141,6 +141,16 @@ void checkSameCudaInter(const c10::intrusive_ptr<c10d::Store>& store, int rank, 
     if (theirs != mine) differ += " group rank " + std::to_string(r) + " has " + theirs + ";";
   }
   if (!differ.empty()) {
+    // Every rank saw the same values, so all fail; none leaves before all
+    // have read them (rank 0's exit takes the store server with it, and a
+    // rank still reading would only see a lost connection).
+    try {
+      if (store->add(prefix + "read", 1) == size)
+        store->set(prefix + "all_read", std::vector<uint8_t>{1});
+      store->wait({prefix + "all_read"}, timeout);
+    } catch (const std::exception&) {
+      // the message below is what matters
+    }
     throwCommError(
         "fastcomm: FASTCOMM_CUDA_INTER must be the same on every rank of a group "
         "across nodes, but group rank " +
