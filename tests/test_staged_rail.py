@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import time
 from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -202,6 +203,46 @@ def test_staged_rail_fused_equals_copy() -> None:
 TIMEOUT_S = 4.0
 
 
+def _lose_peer(
+    store: Any,
+    ep: Any,
+    tag: str,
+    rank: int,
+    ws: int,
+    mode: str,
+    ops: Callable[[], None],
+    after: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Rank 1 exits (mode "dies") or stays alive without issuing ("sleeps") while the
+    others run `ops`: their error and how long it took, then `after(out)`, then how long
+    closing took. Rank 0 (the store's host) leaves last."""
+    victim = 1
+    out: dict[str, Any] = {}
+    if rank == victim:
+        if mode == "dies":
+            os._exit(17)
+        store.wait([f"{tag}/done/{r}" for r in range(ws) if r != victim], timedelta(seconds=60))
+        ep.close()
+        return out
+    t0 = time.monotonic()
+    try:
+        ops()
+    except RuntimeError as e:
+        out["elapsed"] = time.monotonic() - t0
+        out["message"] = str(e)
+    if after is not None:
+        after(out)
+    t1 = time.monotonic()
+    ep.close()
+    out["close_s"] = time.monotonic() - t1
+    store.set(f"{tag}/done/{rank}", "1")
+    if rank == 0:
+        store.wait([f"{tag}/done/{r}" for r in range(ws) if r != victim], timedelta(seconds=60))
+        if mode == "sleeps":
+            time.sleep(1.0)
+    return out
+
+
 def failure_fn(rank: int, ws: int, mode: str) -> dict[str, Any]:
     store = _store(rank, ws)
     ep = _endpoint(store, f"fail-{mode}", rank, ws, chunk_bytes=4096, timeout_s=TIMEOUT_S)
@@ -209,30 +250,12 @@ def failure_fn(rank: int, ws: int, mode: str) -> dict[str, Any]:
     t = torch.ones(n)
     ep.wait(ep.issue(t, "SUM"))  # all connected and working
     assert bool((t == ws).all())
-    victim = 1
-    out: dict[str, Any] = {}
-    if rank == victim:
-        if mode == "dies":
-            os._exit(17)
-        store.wait([f"failure/done/{r}" for r in range(ws) if r != victim], timedelta(seconds=60))
-        ep.close()
-        return out
-    t0 = time.monotonic()
-    try:
+
+    def ops() -> None:
         for _ in range(3):
             ep.wait(ep.issue(torch.ones(n), "SUM"))
-    except RuntimeError as e:
-        out["elapsed"] = time.monotonic() - t0
-        out["message"] = str(e)
-    t1 = time.monotonic()
-    ep.close()
-    out["close_s"] = time.monotonic() - t1
-    store.set(f"failure/done/{rank}", "1")
-    if rank == 0:
-        store.wait([f"failure/done/{r}" for r in range(ws) if r != victim], timedelta(seconds=60))
-        if mode == "sleeps":
-            time.sleep(1.0)
-    return out
+
+    return _lose_peer(store, ep, "failure", rank, ws, mode, ops)
 
 
 @pytest.mark.parametrize("mode", ["dies", "sleeps"])
@@ -350,36 +373,20 @@ def capture_failure_fn(rank: int, ws: int, mode: str) -> dict[str, Any]:
     a.fill_(1.0)
     ep.wait(ep.replay(g))  # every rank replays once
     assert bool((a == ws).all())
-    victim = 1
-    out: dict[str, Any] = {}
-    if rank == victim:
-        if mode == "dies":
-            os._exit(17)
-        store.wait([f"capfail/done/{r}" for r in range(ws) if r != victim], timedelta(seconds=60))
-        ep.close()
-        return out
-    t0 = time.monotonic()
-    try:
+
+    def ops() -> None:
         for _ in range(3):
             a.fill_(1.0)
             ep.wait(ep.replay(g))
-    except RuntimeError as e:
-        out["elapsed"] = time.monotonic() - t0
-        out["message"] = str(e)
-    try:
-        ep.issue(torch.ones(10), "SUM")
-        out["next"] = None
-    except RuntimeError as e:
-        out["next"] = str(e)
-    t1 = time.monotonic()
-    ep.close()
-    out["close_s"] = time.monotonic() - t1
-    store.set(f"capfail/done/{rank}", "1")
-    if rank == 0:
-        store.wait([f"capfail/done/{r}" for r in range(ws) if r != victim], timedelta(seconds=60))
-        if mode == "sleeps":
-            time.sleep(1.0)
-    return out
+
+    def next_op(out: dict[str, Any]) -> None:
+        try:
+            ep.issue(torch.ones(10), "SUM")
+            out["next"] = None
+        except RuntimeError as e:
+            out["next"] = str(e)
+
+    return _lose_peer(store, ep, "capfail", rank, ws, mode, ops, next_op)
 
 
 @pytest.mark.parametrize("mode", ["dies", "sleeps"])
