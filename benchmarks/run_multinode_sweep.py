@@ -3,7 +3,8 @@ r"""Simulated multi-node sweep: fastcomm against NCCL at its default and at its 
 NCCL reads its socket variables once per process, so every NCCL setting needs its own torchrun
 launch of bench_collectives.py. This driver runs, one after the other, on one machine:
 
-  1. fastcomm and the peer (NCCL) side by side, NCCL at its default;
+  1. fastcomm alone, then the peer (NCCL) alone at its default (with --together, one launch
+     running both side by side, as in earlier results);
   2. the peer alone, once per setting of a small sweep: NCCL_SOCKET_NTHREADS x
      NCCL_NSOCKS_PERTHREAD in --socket-settings, times NCCL_BUFFSIZE in --buffsizes;
   3. optionally fastcomm alone with --wire-dtype bf16|fp16;
@@ -69,7 +70,7 @@ class Launch:
     """One torchrun launch of bench_collectives.py."""
 
     name: str  # also the file name of its JSON and its --label
-    role: str  # "main" (fastcomm + peer at default), "peer" (one swept setting), "wire"
+    role: str  # "main" (fastcomm [+ peer at default]), "peer" (one swept setting), "wire"
     backends: list[str]
     setting: str = DEFAULT_SETTING  # the peer setting, as shown in tables
     env: dict[str, str] = field(default_factory=dict)  # set for this launch only
@@ -149,6 +150,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="measure fastcomm in the first launch, beside the peer at its default",
     )
     p.add_argument(
+        "--together",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="run fastcomm and the peer's default in one launch, interleaved (default: each in "
+        "a launch of its own)",
+    )
+    p.add_argument(
         "--socket-settings",
         type=_socket_settings,
         default="1x1,2x8,4x4",
@@ -213,8 +221,13 @@ def setting_label(threads: int, socks: int, buffsize: Optional[int]) -> str:
 def plan_launches(args: argparse.Namespace, out_dir: str, fallback: bool = False) -> list[Launch]:
     """The launches of the sweep, in run order, with their commands; with `fallback`, one more
     at the end: the peer alone at its default (for when the main launch failed)."""
-    main_backends = (["fastcomm"] if args.fastcomm else []) + [args.peer]
+    # Each backend in processes of its own by default: a backend's idle threads (NCCL's socket
+    # proxies, fastcomm's progress threads) share the host's cores with the other's busy ones.
+    together = args.together or not args.fastcomm
+    main_backends = (["fastcomm"] if args.fastcomm else []) + ([args.peer] if together else [])
     launches = [Launch("main", "main", main_backends)]
+    if not together:
+        launches.append(Launch(f"{args.peer}-{DEFAULT_SETTING}", "peer", [args.peer]))
     for threads, socks in args.socket_settings:
         for buffsize in args.buffsizes:
             env = {"NCCL_SOCKET_NTHREADS": str(threads), "NCCL_NSOCKS_PERTHREAD": str(socks)}
@@ -328,7 +341,11 @@ def merge(
     if args.fastcomm:
         take("main", "fastcomm", "fastcomm", None)
     defaults = [la.name for la in launches if la.setting == DEFAULT_SETTING and la.role != "wire"]
-    defaults = [name for name in defaults if name in loaded]
+    defaults = [
+        name
+        for name in defaults
+        if any(r["backend"] == peer for r in loaded.get(name, {}).get("results", []))
+    ]
     if defaults:
         take(defaults[0], peer, default_series, None)
     best_setting: dict[str, dict[str, str]] = {}
@@ -431,13 +448,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.merge_only:
         for la in list(launches):
             run_launch(la, args.launch_timeout)
-            if la.role == "main" and args.fastcomm and not os.path.exists(la.json):
+            alone_planned = any(x.role == "peer" and x.setting == DEFAULT_SETTING for x in launches)
+            if la.role == "main" and not alone_planned and not os.path.exists(la.json):
                 # fastcomm failed the whole launch: measure the peer's default on its own.
                 alone = plan_launches(args, out_dir, fallback=True)[-1]
                 print(f"### no result from {la.name}: adding {alone.name}", flush=True)
                 launches.insert(launches.index(la) + 1, alone)
                 run_launch(alone, args.launch_timeout)
-    elif args.fastcomm and not os.path.exists(launches[0].json):
+    elif (args.fastcomm and args.together) and not os.path.exists(launches[0].json):
         launches.insert(1, plan_launches(args, out_dir, fallback=True)[-1])
     loaded: dict[str, dict[str, Any]] = {}
     for la in launches:

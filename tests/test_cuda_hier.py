@@ -573,6 +573,18 @@ def test_timeline_shows_copies_network_and_reduction_overlapping(tmp_path: Any) 
 
 
 IB_EMU = {"FASTCOMM_TRANSPORT": "ib", "FASTCOMM_IB_EMULATE": "1"}
+# Device staging under the ib emulation deadlocks on GPUs (4x H200, 2026-11-22): the emulated
+# HCA is itself a CUDA client (cudaMemcpyAsync of the device staging), and a blocking pageable
+# copy of the test's main thread (t.cpu() while the all_reduce is in flight) holds a driver lock
+# that the HCA thread's copy then waits for, while that copy waits on a stream that waits for the
+# HCA: every rank times out at the second all_reduce (native stacks in
+# benchmarks/results/2026-11-22-4xH200-2x2-emulated-gdr-deadlock.md). A real NIC's DMA takes no
+# CUDA lock, so this is the emulation's limit; FASTCOMM_TEST_EMULATED_GDR=1 runs the cases.
+EMULATED_GDR = pytest.mark.skipif(
+    os.environ.get("FASTCOMM_TEST_EMULATED_GDR") != "1",
+    reason="device staging under the ib emulation deadlocks in the CUDA driver on GPUs "
+    "(the emulated HCA is a CUDA client); FASTCOMM_TEST_EMULATED_GDR=1 runs it",
+)
 # (environment, the staging the INFO log must name)
 STAGING_MODES = [
     pytest.param({"FASTCOMM_STAGED_KERNELS": "fused"}, "pinned host staging", id="fused-tcp"),
@@ -581,11 +593,13 @@ STAGING_MODES = [
         {"FASTCOMM_STAGED_KERNELS": "fused", "FASTCOMM_STAGED_MEMORY": "auto", **IB_EMU},
         "device staging",
         id="fused-ib-device",
+        marks=EMULATED_GDR,
     ),
     pytest.param(
         {"FASTCOMM_STAGED_KERNELS": "copy", "FASTCOMM_STAGED_MEMORY": "auto", **IB_EMU},
         "device staging",
         id="copy-ib-device",
+        marks=EMULATED_GDR,
     ),
     pytest.param(
         {"FASTCOMM_STAGED_KERNELS": "fused", "FASTCOMM_STAGED_MEMORY": "host", **IB_EMU},

@@ -67,12 +67,13 @@ struct Config {
   bool cudaTiming = false;
   // FASTCOMM_TCP_SOCKETS: sockets per peer connection of the tcp transport
   // (one stream cannot fill a fast link: NCCL_NSOCKS_PERTHREAD likewise).
-  // FASTCOMM_TCP_THREADS: progress threads of the tcp transport. 8 x 4 was
-  // the fastest of {4x2, 8x4, 16x4, 8x8, 16x8} for the staged 256 MiB CUDA
-  // all_reduce on 4x H200 as 2x2 nodes (30.0 GB/s busbw against 19.8 for
-  // 4 x 2; benchmarks/results/2026-11-21-4xH200-2x2-staged-settings.md).
+  // FASTCOMM_TCP_THREADS: progress threads of the tcp transport. 8 x 8 was
+  // the fastest setting for the staged 256 MiB CUDA all_reduce on 4x H200 as
+  // 2x2 nodes once its device steps were fused kernels: 33.1 GB/s busbw
+  // against 29.8 for 8 x 4 and 30.7 for 16 x 4 (each thread then drives one
+  // socket of the peer; benchmarks/results/2026-11-22-4xH200-2x2-sweep-fused.md).
   int tcpSocketsPerPeer = 8;
-  int tcpThreads = 4;
+  int tcpThreads = 8;
   // FASTCOMM_SOCKET_IFNAME: interface (or prefix) whose address the tcp
   // transport listens on; empty picks one automatically.
   std::string socketIfname;
