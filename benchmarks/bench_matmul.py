@@ -21,7 +21,9 @@ kernel with its own heuristic), and the Hopper variants ``coop`` (cooperative
 128x256, epilogue from registers), ``coop_tma`` (same, epilogue through shared
 memory + TMA stores), ``coop128`` (cooperative 128x128, TMA stores),
 ``pingpong`` (two 128x128 tiles in ping-pong), ``coop_tma2`` (``coop_tma`` with
-the lean epilogue), ``pingpong_w`` (ping-pong on 64x256 tiles), each with
+the lean epilogue), ``coop_off`` (the offload epilogue: activation and stores
+by the producer warpgroup's idle warps, under the next tile's MMAs),
+``pingpong_w`` (ping-pong on 64x256 tiles), each with
 ``_c2`` for 2-CTA clusters with TMA multicast. ``--variants hopper`` names the
 set the sweep of docs/matmul.md times, ``--variants fused`` the comparison of
 the epilogue variants. The kernel a variant actually ran is recorded
@@ -201,6 +203,17 @@ class Variant:
             "EPI": "tma2",
             "CLUSTER": "2",
         },
+        # The offload epilogue (3 stages + a whole-tile output buffer; the
+        # activation and the TMA stores run on warps 1-3 of the producer
+        # warpgroup, under the next tile's main loop).
+        "coop_off": {**_HOPPER, "SCHED": "coop", "TILE": "large", "EPI": "offload", "CLUSTER": "1"},
+        "coop_off_c2": {
+            **_HOPPER,
+            "SCHED": "coop",
+            "TILE": "large",
+            "EPI": "offload",
+            "CLUSTER": "2",
+        },
         # Wide ping-pong: a 64 x 256 tile per warpgroup (m64n256k16, the
         # cooperative MMA shape), one warpgroup's epilogue under the other's MMAs.
         "pingpong_w": {**_HOPPER, "SCHED": "pingpong", "TILE": "large", "CLUSTER": "1"},
@@ -221,13 +234,16 @@ class Variant:
             "pingpong_c2",
         ],
         # The fused-epilogue comparison (issue 5): the old TMA epilogue against
-        # the lean one, ping-pong 128 x 128 against the wide 64 x 256 form.
+        # the lean one and the offload one, ping-pong 128 x 128 against the
+        # wide 64 x 256 form.
         "fused": [
             "auto",
             "coop",
             "coop_tma",
             "coop_tma2",
             "coop_tma2_c2",
+            "coop_off",
+            "coop_off_c2",
             "pingpong",
             "pingpong_w",
             "pingpong_w_c2",

@@ -90,6 +90,12 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
   // bare product 0.99-1.06x as fast as the first TMA epilogue and linear +
   // bias + gelu_tanh 1.00-1.11x; FASTCOMM_MATMUL_EPI=tma keeps the first.
   plan.epi_lean = plan.tma_store && o.epi != WgmmaEpi::kTma;
+  // The offload epilogue (activation by warps 1-3 of the producer warpgroup,
+  // under the next tile's MMAs) exists for the 128 x 256 tile only; elsewhere
+  // EPI=offload falls back as tma2 does (lean TMA epilogue on the 128 x 128
+  // cooperative tile, direct stores where C takes no TMA stores or for
+  // ping-pong). Not chosen by auto until measured.
+  plan.epi_offload = plan.tma_store && plan.bn == 256 && o.epi == WgmmaEpi::kOffload;
   if (o.raster == Raster::kAuto) {
     // Bytes read from DRAM, if each group's panel stays in L2: rows-first
     // groups (2048 rows of A) stream all of B once per group, columns-first
@@ -206,7 +212,10 @@ std::string describe_gemm_wgmma_sm90(const GemmArgs& p, int num_sms, const Wgmma
                       : "wgmma coop 128x" + std::to_string(plan.bn);
   s += " cluster " + std::to_string(plan.cluster);
   if (plan.sched == sm90::Sched::kCoop) {
-    s += plan.tma_store ? (plan.epi_lean ? " epi tma2" : " epi tma") : " epi direct";
+    s += !plan.tma_store    ? " epi direct"
+         : plan.epi_offload ? " epi offload"
+         : plan.epi_lean    ? " epi tma2"
+                            : " epi tma";
   }
   s += plan.raster_n ? " raster n" : " raster m";
   return s;

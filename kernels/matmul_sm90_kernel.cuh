@@ -78,25 +78,37 @@ constexpr int kBK = 64;                      // K per stage: 64 x 2 bytes = one 
 constexpr int kThreads = 384;                // producer + 2 consumer warpgroups
 constexpr int kEpiChunkBytes = 64 * 64 * 2;  // TMA-store epilogue: 64 x 64 output chunks
 
-template <Sched S, int BN>
+// OFFLOAD: the cooperative 128 x 256 kernel with the "offload" epilogue
+// (epilogue_offload_write / epilogue_warps_offload below): 3 stages and one
+// whole-tile output buffer instead of 4 stages and 4 chunk buffers.
+template <Sched S, int BN, bool OFFLOAD = false>
 struct Cfg {
   static_assert(BN == 256 || BN == 128, "BN must be 128 or 256");
+  static_assert(!OFFLOAD || (S == Sched::kCoop && BN == 256),
+                "the offload epilogue exists for the cooperative 128 x 256 kernel only");
   static constexpr bool PINGPONG = S == Sched::kPingpong;
   // Tile rows: 128, except for the wide ping-pong (BN = 256), whose
   // warpgroups each own a 64 x 256 tile (one m64n256k16 per k16 step and 128
   // accumulators per thread, the MMA shape of the cooperative kernel).
   static constexpr int BM = PINGPONG && BN == 256 ? 64 : kBM;
   // 4 x 48 KB (cooperative 128 x 256), 5 x 40 KB (ping-pong 64 x 256),
-  // 6 x 32 KB (128 x 128).
-  static constexpr int STAGES = BN == 256 ? (PINGPONG ? 5 : 4) : 6;
+  // 6 x 32 KB (128 x 128); 3 x 48 KB with the offload epilogue, whose 64 KB
+  // tile buffer takes the fourth stage's place.
+  static constexpr int STAGES = OFFLOAD ? 3 : BN == 256 ? (PINGPONG ? 5 : 4) : 6;
   static constexpr int A_BYTES = BM * kBK * 2;  // 16 KB (8 KB for BM = 64)
   static constexpr int B_BYTES = BN * kBK * 2;
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
   // Staging of the TMA-store epilogue (cooperative only): two chunk buffers
   // per consumer warpgroup, so that one chunk is written while the previous
   // one is being stored.
-  static constexpr int EPI_BYTES = PINGPONG ? 0 : 2 * 2 * kEpiChunkBytes;
-  // + 1 KB slack for the 1024-byte alignment of 128B-swizzled tiles.
+  // Offload: the whole 128 x 256 output tile, 8 chunks of 64 x 64 (chunk
+  // 4 w + c holds rows 64 w.., columns 64 c.. of the tile), so that the
+  // consumers can hand a tile over and go on while the epilogue warps finish it.
+  static constexpr int EPI_BYTES = OFFLOAD    ? 8 * kEpiChunkBytes
+                                   : PINGPONG ? 0
+                                              : 2 * 2 * kEpiChunkBytes;
+  // + 1 KB slack for the 1024-byte alignment of 128B-swizzled tiles
+  // (offload: 1 + 3 x 48 + 64 = 209 KB).
   static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + EPI_BYTES;
   // The static part (the mbarriers, padded by the 1024-byte alignment of the
   // dynamic array) reads 2 KB in cuobjdump's resource usage: the cooperative
@@ -109,15 +121,18 @@ struct Cfg {
   // m64 sub-tiles in a consumer warpgroup's accumulator: 64 rows (cooperative)
   // or the whole tile (ping-pong: 2 for 128 x 128, 1 for 64 x 256).
   static constexpr int MSUB = PINGPONG ? BM / 64 : 1;
+  // Warpgroup 0 (the producer thread, and with OFFLOAD the epilogue warps).
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = 232;  // 128 x (40 + 2 x 232) <= 64K registers
+  static_assert(128 * (PRODUCER_REGS + 2 * CONSUMER_REGS) <= 65536, "register file");
 };
 
 // Run-time options of one launch (by value, in the kernel parameters).
 struct KernelOpts {
   int raster_n = 0;  // tile order: groups of columns (1) or of rows (0)
   // Cooperative epilogue through TMA stores (tma_c is valid): 1 epilogue_tma,
-  // 2 epilogue_tma_lean.
+  // 2 epilogue_tma_lean, 3 the offload epilogue (set for, and only for, the
+  // kernels instantiated with OFFLOAD).
   int tma_store = 0;
 };
 
@@ -274,6 +289,23 @@ __device__ __forceinline__ void named_barrier_sync(int id, int count) {
 __device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {
 #if FASTCOMM_SM90A_DEVICE
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void ld_shared_v4(uint32_t addr, uint32_t (&v)[4]) {
+#if FASTCOMM_SM90A_DEVICE
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+               : "r"(addr)
+               : "memory");
+#endif
+}
+
+__device__ __forceinline__ void st_shared_v4(uint32_t addr, const uint32_t (&v)[4]) {
+#if FASTCOMM_SM90A_DEVICE
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v[0]), "r"(v[1]),
+               "r"(v[2]), "r"(v[3])
+               : "memory");
 #endif
 }
 
@@ -593,6 +625,195 @@ __device__ __forceinline__ void epilogue_tma_lean(const GemmArgs& p, const CUten
   }
 }
 
+// ---- the offload epilogue (FASTCOMM_MATMUL_EPI=offload) ---------------------------------
+//
+// With bias + gelu / gelu_tanh / silu, the lean epilogue's math (~32K
+// activations per 128 x 256 tile, MUFU ex2 / rcp and ~10 FMA-pipe ops each,
+// ~3 us) runs while the tensor cores wait. The offload form moves it to the
+// three warps of warpgroup 0 that the producer leaves idle (warps 1-3; thread
+// 0 of warp 0 keeps issuing the TMA loads), so that it runs under the next
+// tile's main loop:
+//  * the consumers, after the tile's last MMAs, write acc + bias rounded to T
+//    (relu applied, which commutes with the rounding) into a whole-tile
+//    output buffer (8 chunks of 64 x 64, 128B-swizzled like the chunk
+//    buffers of epilogue_tma_lean, so that the C tensor map stores them),
+//    signal "tile_full" and go straight on to the next tile;
+//  * the epilogue warps apply the activation in place (16-byte vectors,
+//    activate_lean) and one of their threads stores the chunks with TMA,
+//    waits until the stores have read the buffer and signals "tile_empty".
+// Numerics: the activation sees the pre-activation already rounded to T, as
+// in the unfused F.gelu(F.linear(x, w, b)); the fused tma2 epilogue activates
+// the float32 value. The extra rounding is one 16-bit ulp of the input, far
+// below the tolerance of a 16-bit output.
+// Cost: 3 pipeline stages instead of 4 (the 64 KB buffer takes the fourth
+// stage's shared memory), and the consumers still wait for tile j - 1's stores
+// to have read the buffer before writing tile j (normally long done: the
+// epilogue warps had tile j's whole main loop for it).
+//
+// Barriers (mbarriers in shared memory, after the stage and order ones):
+//   tile_full:  8 arrivals per phase (lane 0 of each consumer warp, after
+//               __syncwarp: the warp's buffer writes are done);
+//   tile_empty: 1 arrival per phase (the storing thread, after
+//               cp.async.bulk.wait_group.read 0: the stores have read the buffer).
+// The j-th tile of the CTA (j = 0, 1, ...) completes phase j of each.
+// Parity rule: after k completed phases a barrier is in phase k, and a wait
+// for parity P passes iff (k & 1) != P (a fresh barrier, k = 0, passes P = 1).
+// With E, F the completed phases of tile_empty, tile_full:
+//  * consumers at tile j need E >= j (tile j - 1's stores have read the
+//    buffer) and wait P = (j & 1) ^ 1, which passes iff (E & 1) == (j & 1);
+//  * epilogue warps at tile j need F >= j + 1 (all 8 consumer warps have
+//    written tile j) and wait P = j & 1, which passes iff (F & 1) != (j & 1).
+// Exact because neither barrier can be two phases off from its waiter:
+//  * consumers at tile j see E in {j - 1, j}: E >= j - 1 since they passed
+//    the wait of tile j - 1, and E = j + 1 needs the epilogue's stores of
+//    tile j, which need these consumers' tile_full arrival after this wait;
+//  * epilogue threads at tile j see F in {j, j + 1}: F >= j since they
+//    passed the wait of tile j - 1 (F = j: the first j tiles), and F = j + 2
+//    needs the consumers' arrival for tile j + 1, after their wait for
+//    E = j + 1, which the storing thread signals after the last named
+//    barrier of tile j, which every epilogue thread reaches only after its
+//    wait of tile j.
+// Trace:
+//   j = 0: consumers wait E, P = 1: E = 0 passes; write; arrive: F = 1.
+//          epilogue waits F, P = 0: F = 0 blocks, F = 1 passes; math,
+//          stores, wait.read; arrive: E = 1.
+//   j = 1: consumers wait E, P = 0: E = 0 blocks, E = 1 passes; F = 2.
+//          epilogue waits F, P = 1: F = 1 blocks, F = 2 passes; E = 2.
+//   j = 2: consumers wait E, P = 1: E = 1 blocks, E = 2 passes; F = 3.
+//          epilogue waits F, P = 0: F = 2 blocks, F = 3 passes; E = 3.
+// Without math (none / relu) no named barrier keeps the other epilogue
+// threads in step, so only the storing thread waits on tile_full (the
+// others have nothing to do and leave at once).
+
+// Named barrier of the epilogue warps (0 is __syncthreads, 1 and 2 the
+// consumer warpgroups' in the other TMA epilogues).
+constexpr int kOffloadBarId = 3;
+constexpr int kOffloadThreads = 96;  // warps 1-3 of warpgroup 0
+
+// Consumer side: acc + bias of the warpgroup's 64 x BN block (bias pairs from
+// prefetch_bias), relu applied if RELU, rounded to T, written into the
+// warpgroup's BN / 64 chunks of the tile buffer (chunk c at buf + c x 8 KB)
+// with the addressing of epilogue_tma_lean. No barriers: the caller has
+// waited for tile_empty and signals tile_full.
+template <typename T, bool RELU, int BN>
+__device__ __forceinline__ void epilogue_offload_write(const float (&acc)[1][BN / 2],
+                                                       const uint32_t (&bw)[BN / 8], uint32_t buf,
+                                                       int wtid) {
+  // An opaque thread index, as in epilogue_tma: nothing derived from it is
+  // hoisted out of the tile loop next to the accumulators.
+  const int et = static_cast<int>(opaque_u32(static_cast<uint32_t>(wtid)));
+  const int warp = et / 32, lane = et % 32;
+  const int r0 = 16 * warp + (lane >> 2);
+  const uint32_t row_off = static_cast<uint32_t>(r0 * 128 + ((lane & 3) << 2));
+  const uint32_t swz = static_cast<uint32_t>(r0 & 7);
+#pragma unroll
+  for (int c = 0; c < BN / 64; ++c) {
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      const int j = 8 * c + jj;
+      float b0, b1;
+      unpack_pair<T>(bw[j], b0, b1);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float v0 = acc[0][4 * j + 2 * h] + b0;
+        float v1 = acc[0][4 * j + 2 * h + 1] + b1;
+        if constexpr (RELU) {
+          v0 = fmaxf(v0, 0.0f);
+          v1 = fmaxf(v1, 0.0f);
+        }
+        const uint32_t addr = buf + static_cast<uint32_t>(c) * kEpiChunkBytes + row_off +
+                              1024u * h + ((jj ^ swz) << 4);
+        st_shared_b32(addr, pack_pair<T>(v0, v1));
+      }
+    }
+  }
+}
+
+// 8 outputs of the tile buffer (one 16-byte vector at addr) through the
+// activation, in place. activate_lean as in epilogue_tma_lean (the odd
+// element of each pair takes the software reciprocal), so the accuracy is
+// that of matmul_device.cuh's lean activations on the rounded input.
+template <typename T, Act ACT>
+__device__ __forceinline__ void activate_vec_in_place(uint32_t addr) {
+  uint32_t w[4];
+  ld_shared_v4(addr, w);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float lo, hi;
+    unpack_pair<T>(w[i], lo, hi);
+    w[i] = pack_pair<T>(activate_lean<ACT, false>(lo), activate_lean<ACT, true>(hi));
+  }
+  st_shared_v4(addr, w);
+}
+
+// Epilogue side, run by the 96 threads of warps 1-3 of warpgroup 0 (et =
+// 0..95) over the CTA's tiles in the consumers' order (unit_tile: unit ->
+// m0, n0). Thread 0 issues the TMA stores, clipped like epilogue_tma_lean's
+// (a chunk wholly outside C is skipped; TMA clips the rest).
+template <typename T, Act ACT, typename TileFn>
+__device__ __forceinline__ void epilogue_warps_offload(const GemmArgs& p, const CUtensorMap* map_c,
+                                                       uint32_t buf, uint32_t full_bar,
+                                                       uint32_t empty_bar, int et, int first_unit,
+                                                       int num_units, int unit_stride,
+                                                       const TileFn& unit_tile) {
+  // none / relu: the consumers wrote the final values; only the stores remain
+  // (the consumers' epi_math must agree: without math they fence their writes).
+  constexpr bool kMath = ACT == Act::kGelu || ACT == Act::kGeluTanh || ACT == Act::kSilu;
+  // Without math the other threads have nothing to do, and they must not
+  // wait on tile_full either: nothing would keep them within one phase of
+  // the barrier (see the protocol above), so they leave at once.
+  if (!kMath && et != 0) return;
+  const int M = static_cast<int>(p.M), N = static_cast<int>(p.N);
+  if (et == 0) tma_prefetch_map(map_c);
+  int j = 0;
+  for (int unit = first_unit; unit < num_units; unit += unit_stride, ++j) {
+    mbar_wait(full_bar, static_cast<uint32_t>(j & 1));
+    int m0, n0;
+    unit_tile(unit, m0, n0);
+    // Chunk q = 4 w + c: rows m0 + 64 w, columns n0 + 64 c.
+    auto store_chunks = [&](int q0, int nq) {
+      for (int q = q0; q < q0 + nq; ++q) {
+        const int row = m0 + 64 * (q >> 2), col = n0 + 64 * (q & 3);
+        if (row < M && col < N) {
+          tma_store_2d(map_c, buf + static_cast<uint32_t>(q) * kEpiChunkBytes, col, row);
+        }
+      }
+      bulk_commit_group();
+    };
+    if constexpr (kMath) {
+      // Three groups of chunks (3, 3, 2: 1536, 1536, 1024 vectors), each
+      // stored as soon as it is done so that the stores drain under the
+      // next group's math: 16 + 16 + 11 vectors per thread, the fewest a
+      // split of the tile's 4096 vectors over 96 threads allows (43).
+#pragma unroll
+      for (int g = 0; g < 3; ++g) {
+        const int q0 = 3 * g, nq = g < 2 ? 3 : 2;
+        const uint32_t base = buf + static_cast<uint32_t>(q0) * kEpiChunkBytes;
+        const int nvec = nq * (kEpiChunkBytes / 16);
+#pragma unroll 1
+        for (int v = et; v < nvec; v += kOffloadThreads) {
+          activate_vec_in_place<T, ACT>(base + 16u * static_cast<uint32_t>(v));
+        }
+        // Each writer orders its shared-memory stores before the TMA reads;
+        // the barrier tells the storing thread that all have.
+        fence_proxy_async_smem();
+        named_barrier_sync(kOffloadBarId, kOffloadThreads);
+        if (et == 0) store_chunks(q0, nq);
+      }
+    } else {
+      store_chunks(0, 8);
+    }
+    if (et == 0) {
+      // The buffer is free once the stores have read it (their global writes
+      // may still be in flight).
+      bulk_wait_read<0>();
+      mbar_arrive(empty_bar);
+    }
+  }
+  // Shared memory must outlive the stores that read it.
+  if (et == 0) bulk_wait_all();
+}
+
 // ---- the kernel ------------------------------------------------------------------------
 
 // A_K: A is K-major ([M][K], lda = sam), else M-major ([K][M], lda = sak).
@@ -600,7 +821,9 @@ __device__ __forceinline__ void epilogue_tma_lean(const GemmArgs& p, const CUten
 // CLUSTER: 1, or 2 for pairs of CTAs that compute vertically adjacent tiles
 // (same columns of B): each CTA loads half of the B tile and multicasts it
 // to both, which cuts the L2 -> shared-memory traffic per CTA by a third.
-template <typename T, Sched S, int BN, bool A_K, bool B_K, int CLUSTER>
+// OFFLOAD: the offload epilogue (cooperative 128 x 256 only; opts.tma_store
+// is 3 and tma_c valid).
+template <typename T, Sched S, int BN, bool A_K, bool B_K, int CLUSTER, bool OFFLOAD = false>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_wgmma_kernel(const __grid_constant__ CUtensorMap tma_a,
                       const __grid_constant__ CUtensorMap tma_b,
@@ -608,27 +831,33 @@ __global__ void __launch_bounds__(kThreads, 1)
                       const KernelOpts opts) {
 #if FASTCOMM_SM90A_DEVICE
   static_assert(CLUSTER == 1 || CLUSTER == 2, "cluster of 1 or 2 CTAs");
-  using C = Cfg<S, BN>;
+  using C = Cfg<S, BN, OFFLOAD>;
   constexpr int STAGES = C::STAGES;
   constexpr bool PINGPONG = C::PINGPONG;
   constexpr int MSUB = C::MSUB;
   // Static shared memory only in the real kernel: gemm_wgmma_compiled() reads
   // its size to tell this build from an empty one (plain sm_90 target).
-  // full[0..S), empty[S..2S), then the ping-pong order barriers.
-  __shared__ __align__(8) uint64_t bars[2 * STAGES + 2];
+  // full[0..S), empty[S..2S), then the ping-pong order barriers, then (offload)
+  // tile_full and tile_empty.
+  __shared__ __align__(8) uint64_t bars[2 * STAGES + (OFFLOAD ? 4 : 2)];
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // 128B-swizzled tiles must start on 1024-byte boundaries.
   const uint32_t smem_base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t sA = smem_base;
   const uint32_t sB = sA + STAGES * C::A_BYTES;
-  const uint32_t sEpi = sB + STAGES * C::B_BYTES;  // TMA-store staging (cooperative)
+  // TMA-store staging (cooperative), or the tile buffer of the offload epilogue.
+  const uint32_t sEpi = sB + STAGES * C::B_BYTES;
   const uint32_t bar0 = smem_u32(bars);
   auto full_bar = [&](int s) { return bar0 + 8u * s; };
   auto empty_bar = [&](int s) { return bar0 + 8u * (STAGES + s); };
   // order_bar(w) completes a phase each time the other consumer warpgroup
   // has issued a tile's MMAs: warpgroup w's turn on the tensor cores.
   auto order_bar = [&](int w) { return bar0 + 8u * (2 * STAGES + w); };
+  // Offload epilogue: the tile buffer holds a tile for the epilogue warps
+  // (tile_full) / is free for the consumers again (tile_empty).
+  const uint32_t tile_full_bar = bar0 + 8u * (2 * STAGES + 2);
+  const uint32_t tile_empty_bar = bar0 + 8u * (2 * STAGES + 3);
 
   const int tid = threadIdx.x;
   const int wg = tid / 128;
@@ -663,6 +892,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     mbar_init(order_bar(0), 4);  // one arrival per warp of the other warpgroup
     mbar_init(order_bar(1), 4);
+    if constexpr (OFFLOAD) {
+      mbar_init(tile_full_bar, 8);   // lane 0 of each consumer warp
+      mbar_init(tile_empty_bar, 1);  // the thread that stores the tile
+    }
     mbar_init_fence();
   }
   if constexpr (CLUSTER == 2) {
@@ -728,6 +961,16 @@ __global__ void __launch_bounds__(kThreads, 1)
             phase ^= 1;
           }
         }
+      }
+    }
+    if constexpr (OFFLOAD) {
+      if (tid >= 32) {
+        // ---------------- epilogue warps (offload) ----------------
+        // Warps 1-3, idle in the other forms: the tile's activation and
+        // stores, under the consumers' next main loop.
+        FASTCOMM_DISPATCH_ACT(p.act, (epilogue_warps_offload<T, kAct>(
+                                         p, &tma_c, sEpi, tile_full_bar, tile_empty_bar, tid - 32,
+                                         first_unit, num_units, unit_stride, unit_tile)));
       }
     }
   } else {
@@ -806,6 +1049,35 @@ __global__ void __launch_bounds__(kThreads, 1)
           phase ^= 1;
         }
       }
+      if constexpr (OFFLOAD) {
+        // Offload epilogue: the bias loads go out under the last MMAs, as in
+        // the lean one; then the tile goes into the tile buffer as acc + bias
+        // (relu applied), and the epilogue warps do the rest.
+        uint32_t bw[BN / 8];
+        prefetch_bias<T, BN>(p, n0, wtid, bias_paired, bw);
+        wgmma_wait<0>();
+        fence_accumulators(acc);
+        if (num_kb > 0) release(prev_s);
+        // Tile j - 1's stores have read the buffer (the first tile passes at
+        // once; the protocol is traced above epilogue_offload_write).
+        mbar_wait(tile_empty_bar, static_cast<uint32_t>(j & 1) ^ 1u);
+        const uint32_t buf = sEpi + static_cast<uint32_t>(cw) * (BN / 64) * kEpiChunkBytes;
+        if (p.act == Act::kRelu) {
+          epilogue_offload_write<T, true, BN>(acc, bw, buf, wtid);
+        } else {
+          epilogue_offload_write<T, false, BN>(acc, bw, buf, wtid);
+        }
+        // none / relu (the epilogue warps' kMath is false): these are the
+        // final values and the TMA engine reads them next, so order our
+        // writes before its reads; otherwise the epilogue warps rewrite every
+        // byte and fence their own writes.
+        const bool epi_math = p.act == Act::kGelu || p.act == Act::kGeluTanh || p.act == Act::kSilu;
+        if (!epi_math) fence_proxy_async_smem();
+        // The warp's writes (and fences) are done before lane 0 releases them.
+        __syncwarp();
+        if (lane == 0) mbar_arrive(tile_full_bar);
+        continue;
+      }
       if constexpr (PINGPONG) {
         // All our MMAs are issued: the other warpgroup may start its tile.
         if (lane == 0) mbar_arrive(order_bar(cw ^ 1));
@@ -844,7 +1116,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           p.act, (epilogue_direct<T, kAct, MSUB, BN>(p, acc, block_row, n0, wtid, interior, pair_ok,
                                                      bias_paired)));
     }
-    if constexpr (!PINGPONG) {
+    if constexpr (!PINGPONG && !OFFLOAD) {
       // The staging buffers must outlive the stores that read them.
       if (opts.tma_store && wtid == 0) bulk_wait_all();
     }
@@ -866,9 +1138,9 @@ struct LaunchSetup {
   int resident_clusters = 0;
 };
 
-template <typename T, Sched S, int BN, bool A_K, bool B_K, int CLUSTER>
+template <typename T, Sched S, int BN, bool A_K, bool B_K, int CLUSTER, bool OFFLOAD>
 cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stream) {
-  using C = Cfg<S, BN>;
+  using C = Cfg<S, BN, OFFLOAD>;
   CUtensorMap ma, mb, mc;
   const bool ok_a = A_K ? make_map(&ma, p.dtype, p.a, p.K, p.M, p.sam, kBK, C::BM)
                         : make_map(&ma, p.dtype, p.a, p.M, p.K, p.sak, 64, kBK);
@@ -878,7 +1150,11 @@ cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stre
   if (!ok_a || !ok_b) return cudaErrorInvalidValue;
   KernelOpts opts;
   opts.raster_n = plan.raster_n ? 1 : 0;
-  opts.tma_store = (S == Sched::kCoop && plan.tma_store) ? (plan.epi_lean ? 2 : 1) : 0;
+  if constexpr (OFFLOAD) {
+    opts.tma_store = 3;  // the dispatcher picks OFFLOAD only where C takes TMA stores
+  } else {
+    opts.tma_store = (S == Sched::kCoop && plan.tma_store) ? (plan.epi_lean ? 2 : 1) : 0;
+  }
   if (opts.tma_store) {
     // C [M][N] row-major, 64 x 64 boxes (one swizzle row wide).
     if (!make_map(&mc, p.dtype, p.c, p.N, p.M, p.ldc, 64, 64)) return cudaErrorInvalidValue;
@@ -888,7 +1164,7 @@ cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stre
   const int64_t tiles_m = (p.M + C::BM - 1) / C::BM;
   const int64_t units = ((tiles_m + CLUSTER - 1) / CLUSTER) * ((p.N + BN - 1) / BN);
   if (units * CLUSTER > INT_MAX) return cudaErrorInvalidValue;
-  auto kernel = gemm_wgmma_kernel<T, S, BN, A_K, B_K, CLUSTER>;
+  auto kernel = gemm_wgmma_kernel<T, S, BN, A_K, B_K, CLUSTER, OFFLOAD>;
 
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
@@ -919,8 +1195,9 @@ cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stre
     // Once per kernel and device (FASTCOMM_LOG=INFO): the persistent grid
     // decides how well the tiles spread over the SMs.
     FASTCOMM_LOG(Info, "matmul wgmma kernel "
-                           << (S == Sched::kPingpong ? "ping-pong" : "cooperative") << " " << C::BM
-                           << "x" << BN << " cluster " << CLUSTER << " layout " << (A_K ? "K" : "M")
+                           << (S == Sched::kPingpong ? "ping-pong" : "cooperative")
+                           << (OFFLOAD ? " offload" : "") << " " << C::BM << "x" << BN
+                           << " cluster " << CLUSTER << " layout " << (A_K ? "K" : "M")
                            << (B_K ? "K" : "N") << " on device " << dev << ": " << C::SMEM_BYTES
                            << " B shared memory, "
                            << (CLUSTER > 1 ? su.resident_clusters : plan.num_sms)
@@ -954,13 +1231,13 @@ cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stre
   }
 }
 
-template <typename T, Sched S, int BN, int CLUSTER>
+template <typename T, Sched S, int BN, int CLUSTER, bool OFFLOAD = false>
 cudaError_t launch_layout(const GemmArgs& p, const Plan& plan, cudaStream_t stream) {
   const bool a_k = p.sak == 1, b_k = p.sbk == 1;
-  if (a_k && b_k) return launch_kernel<T, S, BN, true, true, CLUSTER>(p, plan, stream);
-  if (a_k) return launch_kernel<T, S, BN, true, false, CLUSTER>(p, plan, stream);
-  if (b_k) return launch_kernel<T, S, BN, false, true, CLUSTER>(p, plan, stream);
-  return launch_kernel<T, S, BN, false, false, CLUSTER>(p, plan, stream);
+  if (a_k && b_k) return launch_kernel<T, S, BN, true, true, CLUSTER, OFFLOAD>(p, plan, stream);
+  if (a_k) return launch_kernel<T, S, BN, true, false, CLUSTER, OFFLOAD>(p, plan, stream);
+  if (b_k) return launch_kernel<T, S, BN, false, true, CLUSTER, OFFLOAD>(p, plan, stream);
+  return launch_kernel<T, S, BN, false, false, CLUSTER, OFFLOAD>(p, plan, stream);
 }
 
 template <typename T, Sched S>
@@ -974,6 +1251,10 @@ cudaError_t launch_sched(const GemmArgs& p, const Plan& plan, cudaStream_t strea
                              : launch_layout<T, S, 128, 1>(p, plan, stream);
   } else {
     if (plan.bn == 256) {
+      if (plan.epi_offload) {  // 3 stages + the tile buffer: separate kernels
+        return plan.cluster == 2 ? launch_layout<T, S, 256, 2, true>(p, plan, stream)
+                                 : launch_layout<T, S, 256, 1, true>(p, plan, stream);
+      }
       return plan.cluster == 2 ? launch_layout<T, S, 256, 2>(p, plan, stream)
                                : launch_layout<T, S, 256, 1>(p, plan, stream);
     }

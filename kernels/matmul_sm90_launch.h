@@ -31,7 +31,10 @@ struct Plan {
   int cluster = 1;         // 1, or 2: CTA pairs on vertically adjacent tiles, B multicast
   bool tma_store = false;  // epilogue through shared memory + TMA stores (cooperative)
   bool epi_lean = false;   // ... in its lean form (bias prefetch, lean activations)
-  bool raster_n = false;   // walk tiles in groups of columns (true) or of rows (false)
+  // ... in the offload form (activation and stores by warps 1-3 of the
+  // producer warpgroup, under the next tile's MMAs; cooperative 128 x 256 only)
+  bool epi_offload = false;
+  bool raster_n = false;  // walk tiles in groups of columns (true) or of rows (false)
   int num_sms = 0;
 };
 

@@ -42,6 +42,7 @@ EXTRAS = {
     "pingpong_c2+raster_n": ("pingpong_c2", {"FASTCOMM_MATMUL_RASTER": "n"}),
     "pingpong_w+raster_n": ("pingpong_w", {"FASTCOMM_MATMUL_RASTER": "n"}),
     "coop_tma2+raster_n": ("coop_tma2", {"FASTCOMM_MATMUL_RASTER": "n"}),
+    "coop_off+raster_n": ("coop_off", {"FASTCOMM_MATMUL_RASTER": "n"}),
     "pingpong_w+mn_copy": ("pingpong_w", {"FASTCOMM_MATMUL_WGMMA_MN": "0"}),
     "coop+mn_copy": ("coop", {"FASTCOMM_MATMUL_WGMMA_MN": "0"}),
 }

@@ -480,6 +480,8 @@ WGMMA_VARIANTS = {
     "pingpong": {"SCHED": "pingpong", "RASTER": "m"},
     "pingpong_rn": {"SCHED": "pingpong", "RASTER": "n"},
     "coop256_tma2": {"SCHED": "coop", "TILE": "large", "EPI": "tma2", "RASTER": "m"},
+    "coop256_offload": {"SCHED": "coop", "TILE": "large", "EPI": "offload", "RASTER": "m"},
+    "coop256_offload_rn": {"SCHED": "coop", "TILE": "large", "EPI": "offload", "RASTER": "n"},
     "pingpong_w": {"SCHED": "pingpong", "TILE": "large", "RASTER": "m"},
     "pingpong_w_rn": {"SCHED": "pingpong", "TILE": "large", "RASTER": "n"},
 }
@@ -524,6 +526,30 @@ def test_cuda_wgmma_kernel(monkeypatch, variant, cluster, mn_major, dtype):
         wide = WGMMA_VARIANTS[variant].get("TILE") == "large"
         assert (" 64x256 " in name) == wide, name
     _check_all_layouts("cuda", dtype, WGMMA_SHAPES, acts=ACTS)
+
+
+@pytest.mark.cuda(1)
+@pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
+def test_cuda_wgmma_offload_fallback(monkeypatch):
+    """EPI=offload exists for the cooperative 128x256 tile only: the 128x128 tile falls
+    back to the lean TMA epilogue (and stays right), ping-pong keeps its direct stores."""
+    monkeypatch.setenv("FASTCOMM_MATMUL_IMPL", "wgmma")
+    monkeypatch.setenv("FASTCOMM_MATMUL_EPI", "offload")
+    monkeypatch.setenv("FASTCOMM_MATMUL_RASTER", "m")
+    probe = torch.empty(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setenv("FASTCOMM_MATMUL_SCHED", "coop")
+    monkeypatch.setenv("FASTCOMM_MATMUL_TILE", "large")
+    assert " epi offload " in torch.ops.fastcomm._kernel_name(probe, probe)
+    monkeypatch.setenv("FASTCOMM_MATMUL_TILE", "small")
+    name = torch.ops.fastcomm._kernel_name(probe, probe)
+    assert name.startswith("wgmma coop 128x128") and " epi tma2 " in name, name
+    monkeypatch.setenv("FASTCOMM_MATMUL_SCHED", "pingpong")
+    monkeypatch.delenv("FASTCOMM_MATMUL_TILE")
+    name = torch.ops.fastcomm._kernel_name(probe, probe)
+    assert name.startswith("wgmma pingpong") and " epi " not in name, name
+    monkeypatch.setenv("FASTCOMM_MATMUL_SCHED", "coop")
+    monkeypatch.setenv("FASTCOMM_MATMUL_TILE", "small")
+    _check_all_layouts("cuda", torch.bfloat16, [(300, 520, 1000)], acts=ACTS)
 
 
 @pytest.mark.cuda(1)

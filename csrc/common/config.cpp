@@ -150,7 +150,7 @@ MatmulConfig MatmulConfig::fromEnv() {
   if (const char* v = env("FASTCOMM_MATMUL_CLUSTER"))
     c.cluster = oneOf("FASTCOMM_MATMUL_CLUSTER", v, {"auto", "1", "2"});
   if (const char* v = env("FASTCOMM_MATMUL_EPI"))
-    c.epi = oneOf("FASTCOMM_MATMUL_EPI", v, {"auto", "direct", "tma", "tma2"});
+    c.epi = oneOf("FASTCOMM_MATMUL_EPI", v, {"auto", "direct", "tma", "tma2", "offload"});
   if (const char* v = env("FASTCOMM_MATMUL_RASTER"))
     c.raster = oneOf("FASTCOMM_MATMUL_RASTER", v, {"auto", "m", "n"});
   c.wgmmaMnMajor = flag("FASTCOMM_MATMUL_WGMMA_MN", true);

@@ -119,8 +119,10 @@ struct MatmulConfig {
   std::string sched = "auto";
   // FASTCOMM_MATMUL_CLUSTER: auto | 1 | 2 (Hopper CTA pairs sharing B via multicast).
   std::string cluster = "auto";
-  // FASTCOMM_MATMUL_EPI: auto | direct | tma | tma2 (Hopper cooperative epilogue
-  // stores; tma2: the TMA epilogue with bias prefetch and lean activations).
+  // FASTCOMM_MATMUL_EPI: auto | direct | tma | tma2 | offload (Hopper cooperative
+  // epilogue stores; tma2: the TMA epilogue with bias prefetch and lean
+  // activations; offload: tma2's math and stores moved to the producer
+  // warpgroup's idle warps, under the next tile's MMAs, 128 x 256 tile only).
   std::string epi = "auto";
   // FASTCOMM_MATMUL_RASTER: auto | m | n (Hopper tile order: row or column groups).
   std::string raster = "auto";

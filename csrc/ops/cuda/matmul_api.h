@@ -72,8 +72,11 @@ bool gemm_wgmma_preferred(const GemmArgs& args, int num_sms);
 enum class WgmmaSched : int { kAuto = 0, kCoop = 1, kPingpong = 2 };
 // Cooperative epilogue: stores from registers, or through shared memory and TMA;
 // kTmaLean: the TMA one with the tile's bias prefetched into registers under
-// the last MMAs, one barrier per chunk and the lean activations.
-enum class WgmmaEpi : int { kAuto = 0, kDirect = 1, kTma = 2, kTmaLean = 3 };
+// the last MMAs, one barrier per chunk and the lean activations; kOffload
+// (128 x 256 tile only, else as kTmaLean): the consumers hand acc + bias to a
+// whole-tile buffer and the producer warpgroup's idle warps apply the
+// activation and store it, under the next tile's main loop.
+enum class WgmmaEpi : int { kAuto = 0, kDirect = 1, kTma = 2, kTmaLean = 3, kOffload = 4 };
 // Tile order: groups of tile rows (kM) or of tile columns (kN).
 enum class Raster : int { kAuto = 0, kM = 1, kN = 2 };
 

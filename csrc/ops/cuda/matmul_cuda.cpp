@@ -69,10 +69,11 @@ kc::WgmmaOptions wgmma_options(const MatmulConfig& c) {
                                     : kc::WgmmaSched::kAuto;
   o.tile = to_tile(c.tile);
   o.cluster = c.cluster == "1" ? 1 : c.cluster == "2" ? 2 : 0;
-  o.epi = c.epi == "direct" ? kc::WgmmaEpi::kDirect
-          : c.epi == "tma"  ? kc::WgmmaEpi::kTma
-          : c.epi == "tma2" ? kc::WgmmaEpi::kTmaLean
-                            : kc::WgmmaEpi::kAuto;
+  o.epi = c.epi == "direct"    ? kc::WgmmaEpi::kDirect
+          : c.epi == "tma"     ? kc::WgmmaEpi::kTma
+          : c.epi == "tma2"    ? kc::WgmmaEpi::kTmaLean
+          : c.epi == "offload" ? kc::WgmmaEpi::kOffload
+                               : kc::WgmmaEpi::kAuto;
   o.raster = c.raster == "m"   ? kc::Raster::kM
              : c.raster == "n" ? kc::Raster::kN
                                : kc::Raster::kAuto;
