@@ -175,8 +175,10 @@ def _many_small(chk: Checker, ep: Any, rank: int, world: int, tag: str, count: i
     inb = {p: torch.zeros(offsets[-1], dtype=torch.uint8) for p in peers}
     sends = [(p, out[p][offsets[i] : offsets[i + 1]]) for p in peers for i in range(count)]
     recvs = [(p, inb[p][offsets[i] : offsets[i + 1]]) for p in peers for i in range(count)]
-    retries = ep.exchange(sends, recvs)
-    chk.true(retries > 0, f"{tag}: {count} messages never hit the in-flight limit")
+    # Whether these posts meet the in-flight limit depends on how fast the peers drain them
+    # (progress threads, scheduling); the "retry later" path is checked deterministically in
+    # the two-rank suite (a peer that posts nothing until the limit was hit).
+    ep.exchange(sends, recvs)
     for p in peers:
         chk.equal(inb[p], _payload(offsets[-1], tag, p, rank), f"{tag}: small messages from {p}")
 
