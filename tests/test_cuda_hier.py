@@ -192,6 +192,7 @@ def _check_wire_allreduce(
     inputs = [gen(key, r, (n,), torch.float32, "SUM") for r in range(ws)]
     t = inputs[rank].to(dev)
     dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=group)
+    torch.cuda.current_stream(dev).synchronize()  # as in staging_modes_fn: no pageable wait
     got = t.cpu()
     chk.true(len(_proxy_chunks(torchext.timeline())) > 0, f"{key}: path not taken")
     exact = torch.stack([x.double() for x in inputs]).sum(0)
@@ -579,7 +580,8 @@ IB_EMU = {"FASTCOMM_TRANSPORT": "ib", "FASTCOMM_IB_EMULATE": "1"}
 # that the HCA thread's copy then waits for, while that copy waits on a stream that waits for the
 # HCA: every rank times out at the second all_reduce (native stacks in
 # benchmarks/results/2026-11-22-4xH200-2x2-emulated-gdr-deadlock.md). A real NIC's DMA takes no
-# CUDA lock, so this is the emulation's limit; FASTCOMM_TEST_EMULATED_GDR=1 runs the cases.
+# CUDA lock, so this is the emulation's limit. The checks now wait for the stream before their
+# pageable copies (not yet run on GPUs); FASTCOMM_TEST_EMULATED_GDR=1 runs the cases.
 EMULATED_GDR = pytest.mark.skipif(
     os.environ.get("FASTCOMM_TEST_EMULATED_GDR") != "1",
     reason="device staging under the ib emulation deadlocks in the CUDA driver on GPUs "
@@ -659,6 +661,10 @@ def staging_modes_fn(rank: int, ws: int, staging: str) -> dict[str, Any]:
         inputs = [gen(key, r, (n,), dt, op) for r in range(ws)]
         t = inputs[rank].to(dev)
         dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+        # Wait for the stream before the pageable copy: under the ib emulation with device
+        # staging the emulated HCA's own CUDA copies must not queue behind a driver lock that a
+        # blocking pageable copy holds while it waits for this all_reduce (EMULATED_GDR above).
+        torch.cuda.current_stream(dev).synchronize()
         got = t.cpu()
         chk.true(len(_proxy_chunks(torchext.timeline())) > 0, f"{key}: path not taken")
         chk.reduced(got, inputs, op, key)

@@ -117,46 +117,41 @@ OpSignature signature(const char* name, const at::Tensor& t, int root = -1, int 
 // A rank that runs CUDA collectives on NCCL and one that stages them through
 // the host plan would wait for each other until the timeout: every rank of a
 // group across nodes must have the same FASTCOMM_CUDA_INTER, checked at init.
+// The values come with the topology exchange; on a mismatch every rank fails,
+// none before all have read them (rank 0's exit takes the store server with
+// it, and a rank still reading would only see a lost connection).
+std::string cudaInterSetting(const Config& cfg) {
+  return std::string("cuda_inter=") + (cfg.cudaInterHost ? "host" : "nccl");
+}
+
 void checkSameCudaInter(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                        const Config& cfg, std::chrono::milliseconds timeout) {
-  const std::string prefix = "fastcomm/cuda_inter/";
-  const std::string mine = cfg.cudaInterHost ? "host" : "nccl";
-  store->set(prefix + std::to_string(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
-  std::vector<std::string> keys;
-  for (int r = 0; r < size; ++r) keys.push_back(prefix + std::to_string(r));
-  try {
-    store->wait(keys, timeout);
-  } catch (const std::exception&) {
-    std::vector<int> missing;
-    for (int r = 0; r < size; ++r)
-      if (!store->check({keys[r]})) missing.push_back(r);
-    throwCommError("fastcomm: init of group rank " + std::to_string(rank) + ": timeout after " +
-                   std::to_string(timeout.count()) +
-                   " ms waiting for the FASTCOMM_CUDA_INTER setting of group rank(s) " +
-                   formatRanks(missing));
-  }
+                        const std::vector<std::string>& settings, const Config& cfg,
+                        std::chrono::milliseconds timeout) {
+  const std::string mine = cudaInterSetting(cfg);
+  auto value = [](const std::string& s) {
+    const size_t eq = s.find('=');
+    return eq == std::string::npos ? std::string("unset") : s.substr(eq + 1);
+  };
   std::string differ;
   for (int r = 0; r < size; ++r) {
-    const std::string theirs = storeGet(store, keys[r]);
-    if (theirs != mine) differ += " group rank " + std::to_string(r) + " has " + theirs + ";";
-  }
-  if (!differ.empty()) {
-    // Every rank saw the same values, so all fail; none leaves before all
-    // have read them (rank 0's exit takes the store server with it, and a
-    // rank still reading would only see a lost connection).
-    try {
-      if (store->add(prefix + "read", 1) == size)
-        store->set(prefix + "all_read", std::vector<uint8_t>{1});
-      store->wait({prefix + "all_read"}, timeout);
-    } catch (const std::exception&) {
-      // the message below is what matters
+    if (settings[r] != mine) {
+      differ += " group rank " + std::to_string(r) + " has " + value(settings[r]) + ";";
     }
-    throwCommError(
-        "fastcomm: FASTCOMM_CUDA_INTER must be the same on every rank of a group "
-        "across nodes, but group rank " +
-        std::to_string(rank) + " has " + mine + " and" + differ +
-        " set it alike everywhere (nccl or host)");
   }
+  if (differ.empty()) return;
+  const std::string prefix = "fastcomm/cuda_inter/";
+  try {
+    if (store->add(prefix + "read", 1) == size)
+      store->set(prefix + "all_read", std::vector<uint8_t>{1});
+    store->wait({prefix + "all_read"}, timeout);
+  } catch (const std::exception&) {
+    // the message below is what matters
+  }
+  throwCommError(
+      "fastcomm: FASTCOMM_CUDA_INTER must be the same on every rank of a group "
+      "across nodes, but group rank " +
+      std::to_string(rank) + " has " + value(mine) + " and" + differ +
+      " set it alike everywhere (nccl or host)");
 }
 
 // torch reuses group names (and, with env://, the store) after a destroy and
@@ -184,7 +179,9 @@ ProcessGroupFastComm::ProcessGroupFastComm(const c10::intrusive_ptr<c10d::Store>
   options_->group_name = groupName_;
   if (cfg_.crashBacktrace) installCrashBacktrace();
   if (cfg_.timeline) Timeline::setEnabled(true);
-  topo_ = Topology::exchange(store_, rank, size, localHostId(cfg_), timeout_);
+  std::vector<std::string> settings;
+  topo_ = Topology::exchange(store_, rank, size, localHostId(cfg_), timeout_,
+                             cudaInterSetting(cfg_), &settings);
   if (topo_.numNodes() > 1 && cfg_.transport == "ib") {
     // Forced ib without a device fails here, at init, not at the first collective.
     std::string why;
@@ -195,7 +192,7 @@ ProcessGroupFastComm::ProcessGroupFastComm(const c10::intrusive_ptr<c10d::Store>
     }
   }
   if (topo_.numNodes() > 1) {
-    checkSameCudaInter(store_, rank, size, cfg_, timeout_);
+    checkSameCudaInter(store_, rank, size, settings, cfg_, timeout_);
 #ifdef FASTCOMM_WITH_CUDA
     cudaThroughHost_ = cfg_.cudaInterHost;
 #endif

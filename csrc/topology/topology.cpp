@@ -62,9 +62,14 @@ Topology Topology::fromHostIds(int rank, std::vector<std::string> hostOf) {
 }
 
 Topology Topology::exchange(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                            const std::string& hostId, std::chrono::milliseconds timeout) {
+                            const std::string& hostId, std::chrono::milliseconds timeout,
+                            const std::string& settings, std::vector<std::string>* allSettings) {
   auto key = [](int r) { return "fastcomm/host/" + std::to_string(r); };
-  store->set(key(rank), std::vector<uint8_t>(hostId.begin(), hostId.end()));
+  // "<host id>\0<settings>": host ids (hostnames, FASTCOMM_HOST_ID) hold no NUL.
+  std::string value = hostId;
+  value.push_back('\0');
+  value += settings;
+  store->set(key(rank), std::vector<uint8_t>(value.begin(), value.end()));
   std::vector<std::string> keys;
   for (int r = 0; r < size; ++r) keys.push_back(key(r));
   try {
@@ -79,7 +84,16 @@ Topology Topology::exchange(const c10::intrusive_ptr<c10d::Store>& store, int ra
                    " ms");
   }
   std::vector<std::string> hosts(size);
-  for (int r = 0; r < size; ++r) hosts[r] = storeGet(store, keys[r]);
+  if (allSettings) allSettings->assign(size, std::string());
+  for (int r = 0; r < size; ++r) {
+    std::string v = storeGet(store, keys[r]);
+    const size_t nul = v.find('\0');
+    if (nul != std::string::npos) {
+      if (allSettings) (*allSettings)[r] = v.substr(nul + 1);
+      v.resize(nul);
+    }
+    hosts[r] = std::move(v);
+  }
   return fromHostIds(rank, std::move(hosts));
 }
 

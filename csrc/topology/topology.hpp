@@ -31,8 +31,13 @@ struct Topology {
 
   // Publishes this rank's host id in `store` and reads everyone's; fails with
   // the missing ranks named when they do not appear within `timeout`.
+  // `settings` rides along in the same key (the ranks' choices that must
+  // agree, checked by the caller at no extra store round); every rank's comes
+  // back in `allSettings` when given.
   static Topology exchange(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                           const std::string& hostId, std::chrono::milliseconds timeout);
+                           const std::string& hostId, std::chrono::milliseconds timeout,
+                           const std::string& settings = "",
+                           std::vector<std::string>* allSettings = nullptr);
   // Nodes are ordered by their lowest group rank.
   static Topology fromHostIds(int rank, std::vector<std::string> hostOf);
 };
