@@ -3,7 +3,7 @@
 # root: builds the extension, runs the GPU tests and the benchmarks, and
 # leaves logs and JSON in $OUT (at most 8 files come back).
 #   scripts/device_check.sh build tests bench cpubench cpubench2x2 multinode sweep stagedsweep
-#     stagedmodes stagedtests killed capture hooks ddpbench ops
+#     stagedmodes stagedtests segments killed capture hooks ddpbench ops
 #   (any subset, in order)
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"
@@ -112,6 +112,23 @@ for stage in "${stages[@]}"; do
           ${STAGED_ARGS:-} --json "$OUT/staged_${socks}x${threads}_${chunk}.json" 2>&1 \
           | grep "B  median" | tee -a "$LOG"
       done
+      ;;
+    segments)
+      # The staged all_reduce with the node's NCCL steps whole (0) or in
+      # segments on a second stream (FASTCOMM_CUDA_SEGMENT_BYTES), float32 and
+      # bf16 wire, 256 MiB and 1 GiB; then its correctness test.
+      say "staged all_reduce in segments, $NGPU GPUs as 2 nodes"
+      for seg in ${SEGMENT_SIZES:-0 16M 32M 64M}; do
+        for wire in none bf16; do
+          echo "--- segment bytes $seg wire $wire" | tee -a "$LOG"
+          FASTCOMM_CUDA_SEGMENT_BYTES=$seg timeout 120 "$PY" -m torch.distributed.run --standalone \
+            --nproc_per_node="$NGPU" benchmarks/trace_staged_allreduce.py --sim-nodes 2 \
+            --sizes 256M,1G --iters 7 --wire "$wire" --json "$OUT/segments_${seg}_${wire}.json" 2>&1 \
+            | grep "B  median" | tee -a "$LOG"
+        done
+      done
+      timeout 200 "$PY" -m pytest -q -ra tests/test_cuda_hier.py -k segments > "$OUT/segments_test.log" 2>&1
+      tail -n 4 "$OUT/segments_test.log" | tee -a "$LOG"
       ;;
     killed)
       # The killed-peer test of the staged path; if a survivor is still alive

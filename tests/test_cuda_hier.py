@@ -591,6 +591,12 @@ EMULATED_GDR = pytest.mark.skipif(
 STAGING_MODES = [
     pytest.param({"FASTCOMM_STAGED_KERNELS": "fused"}, "pinned host staging", id="fused-tcp"),
     pytest.param({"FASTCOMM_STAGED_KERNELS": "copy"}, "pinned host staging", id="copy-tcp"),
+    # segments of 2 MiB: the node's NCCL steps on a second stream under the rail's
+    pytest.param(
+        {"FASTCOMM_STAGED_KERNELS": "fused", "FASTCOMM_CUDA_SEGMENT_BYTES": "2M"},
+        "pinned host staging",
+        id="fused-tcp-segments",
+    ),
     pytest.param(
         {"FASTCOMM_STAGED_KERNELS": "fused", "FASTCOMM_STAGED_MEMORY": "auto", **IB_EMU},
         "device staging",

@@ -69,6 +69,8 @@ Config Config::fromEnv() {
     c.chunkBytes = parseBytes("FASTCOMM_CHUNK_BYTES", v);
   if (const char* v = env("FASTCOMM_CUDA_CHUNK_BYTES"))
     c.cudaChunkBytes = parseBytes("FASTCOMM_CUDA_CHUNK_BYTES", v);
+  if (const char* v = env("FASTCOMM_CUDA_SEGMENT_BYTES"))
+    c.cudaSegmentBytes = parseBytes("FASTCOMM_CUDA_SEGMENT_BYTES", v);
   if (const char* v = env("FASTCOMM_CUDA_HIER_MIN_BYTES"))
     c.cudaHierMinBytes = parseBytes("FASTCOMM_CUDA_HIER_MIN_BYTES", v);
   c.cudaHier = flag("FASTCOMM_CUDA_HIER", true);
@@ -133,7 +135,8 @@ std::string Config::describe() const {
      << (ibEmuFail.empty() ? "" : " ib_emu_fail=" + ibEmuFail) << " check=" << check
      << " blocking_wait=" << blockingWait << " cuda_timing=" << cudaTiming
      << " cuda_hier=" << cudaHier << " cuda_inter=" << (cudaInterHost ? "host" : "nccl")
-     << " cuda_chunk_bytes=" << cudaChunkBytes << " cuda_hier_min_bytes=" << cudaHierMinBytes
+     << " cuda_chunk_bytes=" << cudaChunkBytes << " cuda_segment_bytes=" << cudaSegmentBytes
+     << " cuda_hier_min_bytes=" << cudaHierMinBytes
      << " staged_kernels=" << (stagedFused ? "fused" : "copy")
      << " staged_memory=" << (stagedHostOnly ? "host" : "auto");
   return os.str();

@@ -68,7 +68,7 @@ std::string InterPlan::encode() const {
   std::ostringstream os;
   os << "transport=" << transport << ";wire=" << wireDtype << ";chunk=" << chunkBytes
      << ";cuda_hier=" << (cudaHier ? 1 : 0) << ";cuda_chunk=" << cudaChunkBytes
-     << ";cuda_min=" << cudaHierMinBytes;
+     << ";cuda_min=" << cudaHierMinBytes << ";cuda_seg=" << cudaSegmentBytes;
   return os.str();
 }
 
@@ -80,6 +80,7 @@ InterPlan InterPlan::decode(const std::string& text) {
   p.cudaHier = number(text, "cuda_hier") != 0;
   p.cudaChunkBytes = number(text, "cuda_chunk");
   p.cudaHierMinBytes = number(text, "cuda_min");
+  p.cudaSegmentBytes = number(text, "cuda_seg");
   return p;
 }
 
@@ -101,6 +102,7 @@ InterPlan InterPlan::agree(const c10::intrusive_ptr<c10d::Store>& store, int ran
     mine.cudaHier = cfg.cudaHier;
     mine.cudaChunkBytes = cfg.cudaChunkBytes;
     mine.cudaHierMinBytes = cfg.cudaHierMinBytes;
+    mine.cudaSegmentBytes = cfg.cudaSegmentBytes;
     store->set(kKey, mine.encode());
   }
   try {

@@ -6,9 +6,11 @@
 #include <cudaTypedefs.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include <algorithm>
 #include <cstring>
 #include <sstream>
 #include <thread>
+#include <vector>
 
 #include "backend/cuda/nccl_utils.hpp"
 #include "common/logging.hpp"
@@ -21,6 +23,9 @@ namespace {
 // before leaking the staging rather than freeing it under the copy engines
 // or kernels.
 constexpr auto kDrainLimit = std::chrono::seconds(10);
+// Most segments of one segmented all_reduce (each is a rail op of its own,
+// with its own pipeline ramp: more would cost more than they overlap).
+constexpr int64_t kMaxSegments = 16;
 
 constexpr int64_t kFlagStride = 16;  // uint32 words per flag: one 64-byte line each
 constexpr int64_t kProbe = kStagedFlagKinds * kStagedWindow;  // a spare flag for the probe
@@ -145,6 +150,11 @@ struct CudaHier::Resources : StagedDevice {
   std::string stagingWhy;      // where the staging is, and why (describe())
   bool leak = false;           // the GPU may still use the memory: never free
   cudaStream_t stream = nullptr;
+  // Segmented all_reduces (FASTCOMM_CUDA_SEGMENT_BYTES): the stream of their
+  // intra-node NCCL steps, and events reused by every call (a wait takes the
+  // event's last record at the time it is issued, so re-recording is safe).
+  cudaStream_t side = nullptr;
+  std::vector<cudaEvent_t> events;
 
   CUdeviceptr flagDev(int kind, int64_t slot) const {
     return flagsDev +
@@ -222,8 +232,16 @@ struct CudaHier::Resources : StagedDevice {
     cudaCheck(cudaLaunchHostFunc(stream, fn, arg), "cudaLaunchHostFunc");
   }
 
-  static std::unique_ptr<Resources> make(int rails, int64_t chunkBytes) {
+  static std::unique_ptr<Resources> make(int rails, int64_t chunkBytes, bool segmented) {
     auto r = std::make_unique<Resources>();
+    if (segmented) {
+      // Before the vote, like the staging: a rank that cannot make them
+      // keeps every rank on the flat path (the segment count must agree).
+      cudaCheck(cudaStreamCreateWithFlags(&r->side, cudaStreamNonBlocking), "cudaStreamCreate");
+      r->events.resize(2 + 2 * kMaxSegments);
+      for (auto& e : r->events)
+        cudaCheck(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+    }
     cudaDriverEntryPointQueryResult q{};
     // Through the runtime, so fastcomm does not link libcuda itself; the
     // 12.0 ABI of both functions (their _v2 forms) is all we use.
@@ -350,6 +368,9 @@ struct CudaHier::Resources : StagedDevice {
 
   ~Resources() override {
     if (leak) return;
+    for (cudaEvent_t e : events)
+      if (e != nullptr) cudaEventDestroy(e);
+    if (side != nullptr) cudaStreamDestroy(side);
     if (pinnedStaging != nullptr) cudaFreeHost(pinnedStaging);
     if (deviceStaging != nullptr) cudaFree(deviceStaging);
     if (flags != nullptr) cudaFreeHost(flags);
@@ -375,7 +396,8 @@ std::unique_ptr<CudaHier> CudaHier::create(const c10::intrusive_ptr<c10d::Store>
   std::unique_ptr<Resources> res;
   std::string problem;
   try {
-    res = Resources::make(topo.numNodes(), plan.cudaChunkBytes);
+    res = Resources::make(topo.numNodes(), plan.cudaChunkBytes,
+                          plan.cudaSegmentBytes > 0 && topo.localSize > 1);
   } catch (const std::exception& e) {
     problem = errorText(e);
     if (problem.empty()) problem = "unknown error";
@@ -455,9 +477,13 @@ std::string CudaHier::describe() const {
      << plan_.cudaChunkBytes << " B (window " << kStagedWindow << "), reduction on the GPU, "
      << (rail_->fused() ? "fused staging kernels" : "copy-engine staging copies")
      << (plan_.wireDtype != "none" ? ", float32 sums as " + plan_.wireDtype + " on the wire" : "")
-     << (topo_.localSize > 1 ? ", NCCL all-gather in the node" : "") << "; "
-     << (rail_->stagingBytes() >> 20) << " MiB of staging per rank (here " << res_->stagingWhy
-     << ")";
+     << (topo_.localSize > 1 ? ", NCCL all-gather in the node" : "")
+     << (res_->side != nullptr
+             ? " (in segments of about " + std::to_string(plan_.cudaSegmentBytes) +
+                   " B, the node's steps on a second stream under the rail's)"
+             : std::string())
+     << "; " << (rail_->stagingBytes() >> 20) << " MiB of staging per rank (here "
+     << res_->stagingWhy << ")";
   return os.str();
 }
 
@@ -474,6 +500,15 @@ void CudaHier::allreduce(const at::Tensor& t, RedOp op, cudaStream_t s, const Op
   const at::ScalarType dt = t.scalar_type();
   const int64_t esize = static_cast<int64_t>(t.element_size());
   const int64_t numel = t.numel();
+  if (res_->side != nullptr) {
+    // The same count on every rank: the plan and the tensor size agree.
+    const int64_t seg = plan_.cudaSegmentBytes;
+    const int64_t G = std::min(kMaxSegments, (numel * esize + seg - 1) / seg);
+    if (G > 1) {
+      allreduceSegmented(t, op, s, ctx, std::move(failWork), G);
+      return;
+    }
+  }
   const int64_t S = (numel + L - 1) / L;  // shard elements
   at::Tensor flat = t.view({-1});
   at::Tensor buf = flat;
@@ -500,6 +535,71 @@ void CudaHier::allreduce(const at::Tensor& t, RedOp op, cudaStream_t s, const Op
   if (L > 1) {
     ncclCheck(ncclAllGather(shard, base, S, ncclType(dt), intra_, s), intra_, ctx.name);
   }
+  if (!buf.is_same(flat)) flat.copy_(buf.narrow(0, 0, numel));
+}
+
+// G segments of L equal shards each (the tensor padded to G x L x Sg
+// elements where it does not divide). The node's NCCL steps go to the side
+// stream, forked from and joined back to `s` (so a capture covers them), in
+// the order RS(0), RS(1), AG(0), RS(2), AG(1), ...: the reduce-scatter of
+// segment g + 1 and the all-gather of segment g - 1 run while the rail moves
+// segment g on `s`. Every cross-stream wait is on work issued earlier (RS(g)
+// before rail(g), rail(g) before AG(g)), the rule that keeps the rail's
+// stream waits deadlock-free where streams share a hardware queue (header).
+// Each segment is a rail op of its own; the op sequence is the same on every
+// rank, as the issue lock orders the calls.
+void CudaHier::allreduceSegmented(const at::Tensor& t, RedOp op, cudaStream_t s,
+                                  const OpContext& ctx,
+                                  std::function<void(std::exception_ptr)> failWork, int64_t G) {
+  const int L = topo_.localSize;
+  const at::ScalarType dt = t.scalar_type();
+  const int64_t esize = static_cast<int64_t>(t.element_size());
+  const int64_t numel = t.numel();
+  const int64_t Sg = (numel + G * L - 1) / (G * L);  // shard elements per segment
+  at::Tensor flat = t.view({-1});
+  at::Tensor buf = flat;
+  if (Sg * G * L != numel) {
+    buf = at::empty({Sg * G * L}, t.options());
+    buf.narrow(0, 0, numel).copy_(flat);
+    buf.narrow(0, numel, Sg * G * L - numel).zero_();
+  }
+  char* base = static_cast<char*>(buf.data_ptr());
+  const int64_t segBytes = Sg * L * esize;
+  auto segment = [&](int64_t g) { return base + g * segBytes; };
+  auto shardOf = [&](int64_t g) { return segment(g) + topo_.localRank * Sg * esize; };
+  const HierLayout l = HierLayout::make(Sg, topo_.numNodes(), plan_.cudaChunkBytes, esize);
+  // One scratch for all segments: their rail steps run in order on `s`.
+  at::Tensor scratch = at::empty({rail_->scratchBytes(l, esize, rail_->wireFor(dt, op))},
+                                 t.options().dtype(at::kByte));
+  cudaStream_t side = res_->side;
+  const std::vector<cudaEvent_t>& ev = res_->events;
+  cudaEvent_t fork = ev[0], join = ev[1];
+  auto rsDone = [&](int64_t g) { return ev[2 + g]; };
+  auto railDone = [&](int64_t g) { return ev[2 + kMaxSegments + g]; };
+  auto rs = [&](int64_t g) {
+    ncclCheck(ncclReduceScatter(segment(g), shardOf(g), Sg, ncclType(dt),
+                                ncclRedOp(op, dt, NcclAvg::AsSum), intra_, side),
+              intra_, ctx.name);
+    cudaCheck(cudaEventRecord(rsDone(g), side), "cudaEventRecord");
+  };
+  auto ag = [&](int64_t g) {
+    cudaCheck(cudaStreamWaitEvent(side, railDone(g), 0), "cudaStreamWaitEvent");
+    ncclCheck(ncclAllGather(shardOf(g), segment(g), Sg, ncclType(dt), intra_, side), intra_,
+              ctx.name);
+  };
+  cudaCheck(cudaEventRecord(fork, s), "cudaEventRecord");  // the padding copy, earlier work
+  cudaCheck(cudaStreamWaitEvent(side, fork, 0), "cudaStreamWaitEvent");
+  rs(0);
+  res_->stream = s;
+  for (int64_t g = 0; g < G; ++g) {
+    cudaCheck(cudaStreamWaitEvent(s, rsDone(g), 0), "cudaStreamWaitEvent");
+    rail_->allreduce(shardOf(g), Sg, dt, op, static_cast<char*>(scratch.data_ptr()), ctx, failWork);
+    cudaCheck(cudaEventRecord(railDone(g), s), "cudaEventRecord");
+    if (g + 1 < G) rs(g + 1);
+    ag(g);
+  }
+  cudaCheck(cudaEventRecord(join, side), "cudaEventRecord");
+  cudaCheck(cudaStreamWaitEvent(s, join, 0), "cudaStreamWaitEvent");
   if (!buf.is_same(flat)) flat.copy_(buf.narrow(0, 0, numel));
 }
 

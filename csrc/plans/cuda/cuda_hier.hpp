@@ -98,6 +98,9 @@ class CudaHier {
  private:
   CudaHier(const Topology& topo, const InterPlan& plan, at::Device device,
            std::unique_ptr<Resources> res);
+  // allreduce() in G segments (FASTCOMM_CUDA_SEGMENT_BYTES; the .cpp says how).
+  void allreduceSegmented(const at::Tensor& t, RedOp op, cudaStream_t stream, const OpContext& ctx,
+                          std::function<void(std::exception_ptr)> failWork, int64_t G);
 
   Topology topo_;
   InterPlan plan_;
