@@ -578,6 +578,30 @@ __device__ __forceinline__ void unpack_pair(uint32_t w, float& lo, float& hi) {
   }
 }
 
+// Where a consumer thread's accumulator pairs go in a 64 x 64 output chunk
+// staged with the 128B swizzle (epilogue_tma's layout): rows r0 and r0 + 8 of
+// the warpgroup's 64, two columns of each 8-column (16-byte) unit. Derived
+// from an opaque copy of the thread index, as in epilogue_tma, so nothing is
+// hoisted out of the tile loop next to the accumulators.
+struct EpiFragment {
+  uint32_t row_off;  // byte offset of the thread's pair in row r0
+  uint32_t swz;      // the row's swizzle (r0 % 8, the same for r0 + 8)
+
+  __device__ __forceinline__ explicit EpiFragment(int wtid) {
+    const int et = static_cast<int>(opaque_u32(static_cast<uint32_t>(wtid)));
+    const int warp = et / 32, lane = et % 32;
+    const int r0 = 16 * warp + (lane >> 2);
+    row_off = static_cast<uint32_t>(r0 * 128 + ((lane & 3) << 2));
+    swz = static_cast<uint32_t>(r0 & 7);
+  }
+  // The pair of 16-byte unit jj in row r0 (h = 0) or r0 + 8 (h = 1) of the
+  // chunk at `chunk`.
+  __device__ __forceinline__ uint32_t addr(uint32_t chunk, int jj, int h) const {
+    return chunk + row_off + 1024u * static_cast<uint32_t>(h) +
+           ((static_cast<uint32_t>(jj) ^ swz) << 4);
+  }
+};
+
 // The TMA-store epilogue in fewer instructions and barriers ("tma2"): the
 // bias comes from registers (prefetch_bias), the activations are the lean
 // ones (activate_lean), and each 64 x 64 chunk takes one named barrier
@@ -594,11 +618,7 @@ __device__ __forceinline__ void epilogue_tma_lean(const GemmArgs& p, const CUten
                                                   const uint32_t (&bw)[BN / 8], uint32_t stage,
                                                   int row_base, int n0, int wtid, int bar_id) {
   static_assert((BN / 64) % 2 == 0, "the staging buffers alternate across tiles");
-  const int et = static_cast<int>(opaque_u32(static_cast<uint32_t>(wtid)));
-  const int warp = et / 32, lane = et % 32;
-  const int r0 = 16 * warp + (lane >> 2);
-  const uint32_t row_off = static_cast<uint32_t>(r0 * 128 + ((lane & 3) << 2));
-  const uint32_t swz = static_cast<uint32_t>(r0 & 7);
+  const EpiFragment frag(wtid);
 #pragma unroll
   for (int c = 0; c < BN / 64; ++c) {
     const uint32_t buf = stage + static_cast<uint32_t>(c & 1) * kEpiChunkBytes;
@@ -611,8 +631,7 @@ __device__ __forceinline__ void epilogue_tma_lean(const GemmArgs& p, const CUten
       for (int h = 0; h < 2; ++h) {
         const float v0 = activate_lean<ACT, false>(acc[0][4 * j + 2 * h] + b0);
         const float v1 = activate_lean<ACT, true>(acc[0][4 * j + 2 * h + 1] + b1);
-        const uint32_t addr = buf + row_off + 1024u * h + ((jj ^ swz) << 4);
-        st_shared_b32(addr, pack_pair<T>(v0, v1));
+        st_shared_b32(frag.addr(buf, jj, h), pack_pair<T>(v0, v1));
       }
     }
     fence_proxy_async_smem();
@@ -699,13 +718,7 @@ template <typename T, bool RELU, int BN>
 __device__ __forceinline__ void epilogue_offload_write(const float (&acc)[1][BN / 2],
                                                        const uint32_t (&bw)[BN / 8], uint32_t buf,
                                                        int wtid) {
-  // An opaque thread index, as in epilogue_tma: nothing derived from it is
-  // hoisted out of the tile loop next to the accumulators.
-  const int et = static_cast<int>(opaque_u32(static_cast<uint32_t>(wtid)));
-  const int warp = et / 32, lane = et % 32;
-  const int r0 = 16 * warp + (lane >> 2);
-  const uint32_t row_off = static_cast<uint32_t>(r0 * 128 + ((lane & 3) << 2));
-  const uint32_t swz = static_cast<uint32_t>(r0 & 7);
+  const EpiFragment frag(wtid);
 #pragma unroll
   for (int c = 0; c < BN / 64; ++c) {
 #pragma unroll
@@ -721,9 +734,8 @@ __device__ __forceinline__ void epilogue_offload_write(const float (&acc)[1][BN 
           v0 = fmaxf(v0, 0.0f);
           v1 = fmaxf(v1, 0.0f);
         }
-        const uint32_t addr = buf + static_cast<uint32_t>(c) * kEpiChunkBytes + row_off +
-                              1024u * h + ((jj ^ swz) << 4);
-        st_shared_b32(addr, pack_pair<T>(v0, v1));
+        st_shared_b32(frag.addr(buf + static_cast<uint32_t>(c) * kEpiChunkBytes, jj, h),
+                      pack_pair<T>(v0, v1));
       }
     }
   }
