@@ -8,8 +8,6 @@ Run on the GPU machine:  python -m pytest -q tests/test_cuda_inter_host.py
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -42,7 +40,7 @@ def _ops(dt: torch.dtype) -> list[str]:
     return ["SUM", "AVG", "MIN", "MAX"] if dt.is_floating_point else ["SUM", "MIN", "MAX"]
 
 
-def matrix_fn(rank: int, ws: int) -> dict[str, Any]:
+def matrix_fn(rank: int, ws: int) -> None:
     dev = _device(rank)
     chk = Checker(f"rank {rank}")
     n = 1003  # odd: not divisible by chunks or ranks
@@ -123,16 +121,14 @@ def matrix_fn(rank: int, ws: int) -> dict[str, Any]:
             dist.reduce_scatter(out2, [p.to(dev) for p in pieces[rank]], op=rop)
             chk.reduced(out2, [p[rank] for p in pieces], op, f"{kk} reduce_scatter")
         chk.true(_via_host() > before, f"{k}: no collective took the host-staged path")
-    return {"errors": chk.errors}
+    chk.raise_if_failed()
 
 
 def test_every_collective_host_staged() -> None:
-    res = run_ranks(4, matrix_fn, env=ENV, timeout_s=600)
-    errors = [e for r in res for e in r["errors"]]
-    assert not errors, "\n".join(errors[:20])
+    run_ranks(4, matrix_fn, env=ENV, timeout_s=600)
 
 
-def semantics_fn(rank: int, ws: int) -> dict[str, Any]:
+def semantics_fn(rank: int, ws: int) -> None:
     import torchext
 
     dev = _device(rank)
@@ -183,16 +179,14 @@ def semantics_fn(rank: int, ws: int) -> dict[str, Any]:
     torch.cuda.synchronize()
     chk.equal(y[:2].cpu(), torch.ones(2), "capture still valid")
     dist.barrier()
-    return {"errors": chk.errors}
+    chk.raise_if_failed()
 
 
 def test_semantics_capture_and_all_reduce_path() -> None:
-    res = run_ranks(4, semantics_fn, env=ENV, timeout_s=300)
-    errors = [e for r in res for e in r["errors"]]
-    assert not errors, "\n".join(errors[:20])
+    run_ranks(4, semantics_fn, env=ENV, timeout_s=300)
 
 
-def coalesced_fn(rank: int, ws: int) -> dict[str, Any]:
+def coalesced_fn(rank: int, ws: int) -> None:
     dev = _device(rank)
     chk = Checker(f"rank {rank}")
     n = 257
@@ -203,10 +197,8 @@ def coalesced_fn(rank: int, ws: int) -> dict[str, Any]:
     for w in dist.batch_isend_irecv(ops):
         w.wait()
     chk.equal(recv, ins[peer], "batch_isend_irecv across nodes")
-    return {"errors": chk.errors}
+    chk.raise_if_failed()
 
 
 def test_coalesced_p2p_run_one_by_one() -> None:
-    res = run_ranks(4, coalesced_fn, env=ENV, timeout_s=300)
-    errors = [e for r in res for e in r["errors"]]
-    assert not errors, "\n".join(errors[:20])
+    run_ranks(4, coalesced_fn, env=ENV, timeout_s=300)
