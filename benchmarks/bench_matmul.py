@@ -58,6 +58,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -99,6 +100,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--reps", type=int, default=50, help="timed calls per measurement (median reported)"
     )
     p.add_argument("--warmup-ms", type=float, default=100.0)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time every method this many times per shape, in alternating order: the median "
+        "of the rounds' medians (p20/p80 in the JSON become the rounds' min/max)",
+    )
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     p.add_argument("--quick", action="store_true", help="small sizes, few reps (smoke test)")
     p.add_argument("--json", help="write all results to this JSON file")
@@ -328,37 +336,90 @@ def run_shape(m: int, n: int, k: int, args, dtype, compiled_cache: dict) -> list
     approx = "tanh" if args.gelu == "tanh" else "none"
     act = "gelu_tanh" if args.gelu == "tanh" else "gelu"
 
-    def record(op, method, fn, ref, min_bytes, kernel=None):
+    # Every method is checked first, then timed in --rounds rounds, the order reversed in every
+    # other round, so that slow drifts (clocks under the power limit, temperature) fall on all
+    # methods alike; a method's time is the median of its rounds' medians.
+    pending = []
+
+    def record(op, method, fn, ref, min_bytes, kernel=None, variant=None):
         try:
             with torch.no_grad():
                 err = rel_err(fn(0), ref)
-                t = time_calls(fn, args.reps, args.warmup_ms)
         except Exception as e:  # keep going: one failing method must not lose the run
             rows.append(
                 {"M": m, "N": n, "K": k, "op": op, "method": method, "error": repr(e)[:300]}
             )
             print(f"  {op:8s} {method:18s} FAILED: {e!r}"[:200], flush=True)
             return
-        tflops = flops / (t["ms"] * 1e-3) / 1e12
-        rows.append(
+        pending.append(
             {
-                "M": m,
-                "N": n,
-                "K": k,
                 "op": op,
                 "method": method,
-                "ms": t["ms"],
-                "p20_ms": t["p20_ms"],
-                "p80_ms": t["p80_ms"],
-                "tflops": tflops,
-                "rel_err": err,
-                "ok": err < TOL[dtype],
-                "flops": flops,
+                "fn": fn,
+                "err": err,
                 "min_bytes": min_bytes,
-                "intensity": flops / min_bytes,
-                **({"kernel": kernel} if kernel else {}),
+                "kernel": kernel,
+                "variant": variant,
+                "times": [],
             }
         )
+
+    def time_all():
+        for rnd in range(args.rounds):
+            for entry in pending if rnd % 2 == 0 else pending[::-1]:
+                if "error" in entry:
+                    continue
+                # The knobs stay set for the whole series (warm-up, timed calls), so that
+                # setting them costs no time inside the measurement.
+                variant = (
+                    Variant(entry["variant"]) if entry["variant"] else contextlib.nullcontext()
+                )
+                try:
+                    with variant, torch.no_grad():
+                        entry["times"].append(time_calls(entry["fn"], args.reps, args.warmup_ms))
+                except Exception as e:  # as in record(): keep the other methods
+                    entry["error"] = repr(e)[:300]
+                    print(f"  {entry['op']:8s} {entry['method']:18s} FAILED: {e!r}"[:200])
+        for entry in pending:
+            if "error" in entry:
+                rows.append(
+                    {
+                        "M": m,
+                        "N": n,
+                        "K": k,
+                        "op": entry["op"],
+                        "method": entry["method"],
+                        "error": entry["error"],
+                    }
+                )
+                continue
+            times = entry["times"]
+            ms = statistics.median(t["ms"] for t in times)
+            if len(times) == 1:
+                p20, p80 = times[0]["p20_ms"], times[0]["p80_ms"]
+            else:  # the spread between rounds
+                p20, p80 = min(t["ms"] for t in times), max(t["ms"] for t in times)
+            err = entry["err"]
+            rows.append(
+                {
+                    "M": m,
+                    "N": n,
+                    "K": k,
+                    "op": entry["op"],
+                    "method": entry["method"],
+                    "ms": ms,
+                    "p20_ms": p20,
+                    "p80_ms": p80,
+                    **({"round_ms": [t["ms"] for t in times]} if len(times) > 1 else {}),
+                    "tflops": flops / (ms * 1e-3) / 1e12,
+                    "rel_err": err,
+                    "ok": err < TOL[dtype],
+                    "flops": flops,
+                    "min_bytes": entry["min_bytes"],
+                    "intensity": flops / entry["min_bytes"],
+                    **({"kernel": entry["kernel"]} if entry["kernel"] else {}),
+                }
+            )
 
     s0 = sets[0]
     if "matmul" in ops_wanted:
@@ -377,10 +438,8 @@ def run_shape(m: int, n: int, k: int, args, dtype, compiled_cache: dict) -> list
             return torch.ops.fastcomm.matmul(s["x"], s["b"])
 
         for v in variants:
-            # The knobs stay set for the whole series (warm-up, timed calls), so
-            # that setting them costs no time inside the measurement.
             with Variant(v):
-                record("matmul", f"fastcomm[{v}]", fc, ref, mb, kernel_name(s0["x"], s0["b"]))
+                record("matmul", f"fastcomm[{v}]", fc, ref, mb, kernel_name(s0["x"], s0["b"]), v)
         del ref
     if "linear" in ops_wanted:
         ref = F.gelu(
@@ -395,7 +454,13 @@ def run_shape(m: int, n: int, k: int, args, dtype, compiled_cache: dict) -> list
         for v in variants:
             with Variant(v):
                 record(
-                    "linear_gelu", f"fastcomm[{v}]", fl, ref, mb, kernel_name(s0["x"], s0["w"].t())
+                    "linear_gelu",
+                    f"fastcomm[{v}]",
+                    fl,
+                    ref,
+                    mb,
+                    kernel_name(s0["x"], s0["w"].t()),
+                    v,
                 )
 
         def unfused(i):
@@ -422,6 +487,7 @@ def run_shape(m: int, n: int, k: int, args, dtype, compiled_cache: dict) -> list
 
             record("linear_gelu", "torch.compile", comp, ref, mb)
         del ref
+    time_all()
     del sets
     torch.cuda.empty_cache()
     return rows
@@ -719,6 +785,7 @@ def main(argv=None) -> int:
         "dtype": args.dtype,
         "gelu": args.gelu,
         "reps": args.reps,
+        "rounds": args.rounds,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     print(

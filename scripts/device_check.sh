@@ -3,7 +3,7 @@
 # root: builds the extension, runs the GPU tests and the benchmarks, and
 # leaves logs and JSON in $OUT (at most 8 files come back).
 #   scripts/device_check.sh build tests bench cpubench cpubench2x2 multinode sweep stagedsweep
-#     stagedmodes stagedtests segments killed capture hooks ddpbench ops
+#     stagedmodes stagedtests segments ibdevice killed capture hooks ddpbench ops
 #   (any subset, in order)
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"
@@ -129,6 +129,18 @@ for stage in "${stages[@]}"; do
       done
       timeout 200 "$PY" -m pytest -q -ra tests/test_cuda_hier.py -k segments > "$OUT/segments_test.log" 2>&1
       tail -n 4 "$OUT/segments_test.log" | tee -a "$LOG"
+      ;;
+    ibdevice)
+      # Device staging under the ib emulation (GPUDirect emulated by the rank's
+      # own CUDA copies; gated in the suite, see EMULATED_GDR in
+      # tests/test_cuda_hier.py): 2x1 on 2 GPUs, 2x2 too on 4. Hang stacks of
+      # the ranks land in $OUT/hung.
+      say "ib emulation with device staging, $NGPU GPUs"
+      FASTCOMM_TEST_EMULATED_GDR=1 FASTCOMM_CRASH_BACKTRACE=1 FASTCOMM_TEST_TIMEOUT_CAP=150 \
+        FASTCOMM_TEST_HANG_DIR="$OUT/hung" timeout 420 "$PY" -m pytest -q -ra tests/test_cuda_hier.py \
+        -k "ib-device" > "$OUT/ib_device.log" 2>&1
+      tail -n 8 "$OUT/ib_device.log" | tee -a "$LOG"
+      pkill -9 -x python 2> /dev/null; pkill -9 -x python3 2> /dev/null
       ;;
     killed)
       # The killed-peer test of the staged path; if a survivor is still alive

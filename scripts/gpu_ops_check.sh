@@ -13,7 +13,7 @@
 #   bench_matmul.png    TFLOP/s per shape and method
 #   roofline.png        each kernel under the measured bandwidth / matmul ceilings
 #
-# Usage: scripts/gpu_ops_check.sh [all|tests|smoke|sanitize|bench|bench-quick]
+# Usage: scripts/gpu_ops_check.sh [all|tests|smoke|sanitize|racecheck|bench|bench-quick]
 #   (each step fits in a few minutes; run them as separate commands if the
 #   machine limits the length of one command)
 # Env: PYTHON (default python3), OUT, BENCH_VARIANTS (default: the "hopper" set of
@@ -93,6 +93,34 @@ step_sanitize() {
   return $rc
 }
 
+# racecheck on the Hopper kernels, whose pipelines hand shared memory over
+# through mbarriers, beside a probe that asks whether the tool models such a
+# handover at all (scripts/racecheck_mbarrier_probe.cu: the same handover by
+# mbarrier and by named barrier).
+step_racecheck() {
+  echo "[gpu_ops_check] racecheck (mbarrier probe, Hopper variants) -> $OUT/ops_racecheck.log"
+  local cs
+  cs="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+  local rc=0
+  {
+    "${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}" -std=c++17 -arch=sm_90a \
+      -o /tmp/fastcomm_mbar_probe scripts/racecheck_mbarrier_probe.cu || rc=1
+    for mode in 0 1; do
+      echo "== probe mode $mode: plain run, then racecheck"
+      /tmp/fastcomm_mbar_probe "$mode" || rc=1
+      "$cs" --tool racecheck --print-limit 5 /tmp/fastcomm_mbar_probe "$mode" 2>&1 | tail -n 12
+    done
+    for v in ${RACECHECK_VARIANTS:-coop_tma2 pingpong coop_off}; do
+      echo "== racecheck variant $v"
+      "$cs" --tool racecheck --print-limit 5 "$PY" scripts/matmul_smoke.py --quick --variants "$v" \
+        2>&1 | tail -n 14
+      [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    done
+  } > "$OUT/ops_racecheck.log" 2>&1
+  grep -E "^== |RACECHECK SUMMARY|OK|WRONG|variants" "$OUT/ops_racecheck.log" | tail -n 30
+  return $rc
+}
+
 step_bench() {
   local extra="${1:-}"
   local variants="${BENCH_VARIANTS:-}"
@@ -112,6 +140,7 @@ case "$STEP" in
   tests) step_tests || status=1 ;;
   smoke) step_smoke || status=1 ;;
   sanitize) step_sanitize || status=1 ;;
+  racecheck) step_racecheck || status=1 ;;
   bench) step_bench || status=1 ;;
   bench-quick) step_bench --quick || status=1 ;;
   all)
@@ -121,7 +150,7 @@ case "$STEP" in
     step_bench || status=1
     ;;
   *)
-    echo "usage: $0 [all|tests|smoke|sanitize|bench|bench-quick]" >&2
+    echo "usage: $0 [all|tests|smoke|sanitize|racecheck|bench|bench-quick]" >&2
     exit 2
     ;;
 esac

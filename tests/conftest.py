@@ -1,7 +1,8 @@
 """Fixtures and markers of the fastcomm test suite.
 
 - ``@pytest.mark.cuda(world_size=N)`` (or ``cuda(N)``): skipped unless
-  ``torch.cuda.device_count() >= N`` (default N = 2; one GPU per rank).
+  ``torch.cuda.device_count() >= N`` (default N = 2; one GPU per rank). The closest mark
+  counts, so a parameter's ``cuda(2)`` overrides a module-wide ``cuda(4)``.
 - Shared-memory hygiene: ``/dev/shm/fastcomm*`` entries that appear during the session
   and are still there at its end fail the session (each is attributed to the test after
   which it was first seen).
@@ -48,7 +49,8 @@ def _cuda_device_count() -> int:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    for marker in item.iter_markers(name="cuda"):
+    marker = item.get_closest_marker("cuda")
+    if marker is not None:
         need = marker.kwargs.get("world_size", marker.args[0] if marker.args else 2)
         have = _cuda_device_count()
         if have < need:

@@ -687,18 +687,27 @@ def staging_modes_fn(rank: int, ws: int, staging: str) -> dict[str, Any]:
     return {}
 
 
+# Node of each rank: 2 nodes x 2 GPUs (the node's NCCL reduce-scatter / all-gather around the
+# rail), and 2 nodes x 1 GPU (the rail alone; runs on a 2-GPU machine).
+LAYOUTS = [
+    pytest.param([0, 0, 1, 1], id="2x2"),
+    pytest.param([0, 1], id="2x1", marks=pytest.mark.cuda(world_size=2)),
+]
+
+
+@pytest.mark.parametrize("nodes", LAYOUTS)
 @pytest.mark.parametrize("extra,staging", STAGING_MODES)
-def test_staging_modes(extra: dict[str, str], staging: str) -> None:
+def test_staging_modes(extra: dict[str, str], staging: str, nodes: list[int]) -> None:
     """FASTCOMM_STAGED_KERNELS=fused|copy over tcp (pinned host staging) and over the ib
     emulation (device staging, GPUDirect emulated with cudaMemcpy; or forced host staging):
     dtypes and ops with AVG, aligned and odd sizes, the bf16 wire; equal to the float64/int64
     references, identical on all ranks, and the staging the set-up logged is the expected one."""
     env = nodes_env(
-        [0, 0, 1, 1],
+        nodes,
         FASTCOMM_TIMELINE="1",
         FASTCOMM_LOG="INFO",
         FASTCOMM_CUDA_HIER_MIN_BYTES="0",
         FASTCOMM_CUDA_CHUNK_BYTES="1M",
         **extra,
     )
-    run_ranks(4, staging_modes_fn, staging, env=env, timeout_s=600)
+    run_ranks(len(nodes), staging_modes_fn, staging, env=env, timeout_s=600)
