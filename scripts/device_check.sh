@@ -132,7 +132,7 @@ for stage in "${stages[@]}"; do
       ;;
     ibdevice)
       # Device staging under the ib emulation (GPUDirect emulated by the rank's
-      # own CUDA copies; gated in the suite, see EMULATED_GDR in
+      # own CUDA copies; 2x2 gated in the suite, see EMULATED_GDR_2X2 in
       # tests/test_cuda_hier.py): 2x1 on 2 GPUs, 2x2 too on 4. Hang stacks of
       # the ranks land in $OUT/hung.
       say "ib emulation with device staging, $NGPU GPUs"

@@ -105,7 +105,7 @@ step_racecheck() {
   {
     "${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}" -std=c++17 -arch=sm_90a \
       -o /tmp/fastcomm_mbar_probe scripts/racecheck_mbarrier_probe.cu || rc=1
-    for mode in 0 1; do
+    for mode in 0 1 2; do
       echo "== probe mode $mode: plain run, then racecheck"
       /tmp/fastcomm_mbar_probe "$mode" || rc=1
       "$cs" --tool racecheck --print-limit 5 /tmp/fastcomm_mbar_probe "$mode" 2>&1 | tail -n 12

@@ -4,17 +4,20 @@
 //   mode 0: writer st.shared; __syncwarp; lane 0 mbarrier.arrive (release.cta);
 //           readers mbarrier.try_wait.parity (acquire.cta) in a loop, ld.shared.
 //           The offload epilogue's tile_full handover, reduced to its pattern.
-//   mode 1: the same handover through a named barrier (bar.sync / bar.arrive),
-//           which racecheck is known to understand: the control.
-// A racecheck report for mode 0 and none for mode 1 means the tool does not
-// see mbarrier ordering, and its report on the offload kernel is no evidence
-// of a race. Each mode also checks the values it read (a real race would
+//   mode 1: the same handover through named barriers, the producer side
+//           arriving (bar.arrive) and the consumer side waiting (bar.sync), as
+//           a warp-specialised kernel would do it;
+//   mode 2: the control: every handover a __syncthreads of both warps.
+// Reports for modes 0 / 1 and none for mode 2 mean the tool does not see the
+// one-sided orderings (only full barriers), and its report on the offload
+// kernel is no evidence of a race. Each mode also checks the values it read (a real race would
 // show up as wrong sums when run without the tool).
 //
 // Build and run on an sm_90 machine (scripts/device_check.sh ops stage does):
 //   nvcc -std=c++17 -arch=sm_90a -o /tmp/mbar_probe scripts/racecheck_mbarrier_probe.cu
 //   compute-sanitizer --tool racecheck /tmp/mbar_probe 0
 //   compute-sanitizer --tool racecheck /tmp/mbar_probe 1
+//   compute-sanitizer --tool racecheck /tmp/mbar_probe 2
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -64,6 +67,15 @@ __global__ void probe(int mode, unsigned long long* sums) {
   __syncthreads();
   unsigned long long sum = 0;
   for (int r = 0; r < kRounds; ++r) {
+    if (mode == 2) {
+      if (warp == 0)
+        for (int i = lane; i < kWords; i += 32) buf[i] = static_cast<uint32_t>(r * kWords + i);
+      __syncthreads();
+      if (warp == 1)
+        for (int i = lane; i < kWords; i += 32) sum += buf[i];
+      __syncthreads();
+      continue;
+    }
     if (warp == 0) {
       if (mode == 0) {
         mbar_wait(empty, static_cast<uint32_t>(r & 1) ^ 1u);
@@ -113,7 +125,10 @@ int main(int argc, char** argv) {
   for (int r = 0; r < kRounds; ++r)
     for (int i = 0; i < kWords; ++i) want += static_cast<unsigned long long>(r * kWords + i);
   std::printf("mode %d (%s handover): sum %llu, expected %llu: %s\n", mode,
-              mode == 0 ? "mbarrier" : "named barrier", got, want, got == want ? "OK" : "WRONG");
+              mode == 0   ? "mbarrier"
+              : mode == 1 ? "named barrier"
+                          : "__syncthreads",
+              got, want, got == want ? "OK" : "WRONG");
   cudaFree(sums);
   return got == want ? 0 : 1;
 }

@@ -574,19 +574,17 @@ def test_timeline_shows_copies_network_and_reduction_overlapping(tmp_path: Any) 
 
 
 IB_EMU = {"FASTCOMM_TRANSPORT": "ib", "FASTCOMM_IB_EMULATE": "1"}
-# Device staging under the ib emulation deadlocks on GPUs (4x H200, 2026-11-22): the emulated
-# HCA is itself a CUDA client (cudaMemcpyAsync of the device staging), and a blocking pageable
-# copy of the test's main thread (t.cpu() while the all_reduce is in flight) holds a driver lock
-# that the HCA thread's copy then waits for, while that copy waits on a stream that waits for the
-# HCA: every rank times out at the second all_reduce (native stacks in
+# Device staging under the ib emulation deadlocked as 2 x 2 on GPUs (4x H200, 2026-11-22): the
+# emulated HCA is itself a CUDA client (cudaMemcpyAsync of the device staging), and a blocking
+# pageable copy of the test's main thread (t.cpu() while the all_reduce is in flight) held a
+# driver lock that the HCA thread's copy then waited for, while that copy waited on a stream that
+# waited for the HCA (native stacks in
 # benchmarks/results/2026-11-22-4xH200-2x2-emulated-gdr-deadlock.md). A real NIC's DMA takes no
 # CUDA lock, so this is the emulation's limit. The checks now wait for the stream before their
-# pageable copies (not yet run on GPUs); FASTCOMM_TEST_EMULATED_GDR=1 runs the cases.
-EMULATED_GDR = pytest.mark.skipif(
-    os.environ.get("FASTCOMM_TEST_EMULATED_GDR") != "1",
-    reason="device staging under the ib emulation deadlocks in the CUDA driver on GPUs "
-    "(the emulated HCA is a CUDA client); FASTCOMM_TEST_EMULATED_GDR=1 runs it",
-)
+# pageable copies; so they passed as 2 x 1 (2x H200,
+# benchmarks/results/2026-11-22-2xH200-2x1-ib-device-staging.md). The 2 x 2 cases have not run
+# since: FASTCOMM_TEST_EMULATED_GDR=1 runs them.
+EMULATED_GDR_2X2 = os.environ.get("FASTCOMM_TEST_EMULATED_GDR") == "1"
 # (environment, the staging the INFO log must name)
 STAGING_MODES = [
     pytest.param({"FASTCOMM_STAGED_KERNELS": "fused"}, "pinned host staging", id="fused-tcp"),
@@ -601,13 +599,11 @@ STAGING_MODES = [
         {"FASTCOMM_STAGED_KERNELS": "fused", "FASTCOMM_STAGED_MEMORY": "auto", **IB_EMU},
         "device staging",
         id="fused-ib-device",
-        marks=EMULATED_GDR,
     ),
     pytest.param(
         {"FASTCOMM_STAGED_KERNELS": "copy", "FASTCOMM_STAGED_MEMORY": "auto", **IB_EMU},
         "device staging",
         id="copy-ib-device",
-        marks=EMULATED_GDR,
     ),
     pytest.param(
         {"FASTCOMM_STAGED_KERNELS": "fused", "FASTCOMM_STAGED_MEMORY": "host", **IB_EMU},
@@ -669,7 +665,7 @@ def staging_modes_fn(rank: int, ws: int, staging: str) -> dict[str, Any]:
         dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
         # Wait for the stream before the pageable copy: under the ib emulation with device
         # staging the emulated HCA's own CUDA copies must not queue behind a driver lock that a
-        # blocking pageable copy holds while it waits for this all_reduce (EMULATED_GDR above).
+        # blocking pageable copy holds while it waits for this all_reduce (EMULATED_GDR_2X2 above).
         torch.cuda.current_stream(dev).synchronize()
         got = t.cpu()
         chk.true(len(_proxy_chunks(torchext.timeline())) > 0, f"{key}: path not taken")
@@ -702,6 +698,11 @@ def test_staging_modes(extra: dict[str, str], staging: str, nodes: list[int]) ->
     emulation (device staging, GPUDirect emulated with cudaMemcpy; or forced host staging):
     dtypes and ops with AVG, aligned and odd sizes, the bf16 wire; equal to the float64/int64
     references, identical on all ranks, and the staging the set-up logged is the expected one."""
+    if staging == "device staging" and len(nodes) == 4 and not EMULATED_GDR_2X2:
+        pytest.skip(
+            "device staging under the ib emulation as 2 x 2 deadlocked in the CUDA driver "
+            "(the emulated HCA is a CUDA client; see above); FASTCOMM_TEST_EMULATED_GDR=1 runs it"
+        )
     env = nodes_env(
         nodes,
         FASTCOMM_TIMELINE="1",

@@ -78,8 +78,10 @@ Config Config::fromEnv() {
     c.cudaInterHost = oneOf("FASTCOMM_CUDA_INTER", v, {"nccl", "host"}) == "host";
   if (const char* v = env("FASTCOMM_STAGED_KERNELS"))
     c.stagedFused = oneOf("FASTCOMM_STAGED_KERNELS", v, {"fused", "copy"}) == "fused";
-  if (const char* v = env("FASTCOMM_STAGED_MEMORY"))
+  if (const char* v = env("FASTCOMM_STAGED_MEMORY")) {
     c.stagedHostOnly = oneOf("FASTCOMM_STAGED_MEMORY", v, {"host", "auto"}) == "host";
+    c.stagedMemoryExplicit = true;
+  }
   if (const char* v = env("FASTCOMM_SHM_ONESHOT_BYTES"))
     c.oneShotBytes = parseBytes("FASTCOMM_SHM_ONESHOT_BYTES", v);
   if (const char* v = env("FASTCOMM_P2P_BYTES")) c.p2pBytes = parseBytes("FASTCOMM_P2P_BYTES", v);
@@ -103,6 +105,7 @@ Config Config::fromEnv() {
     c.ibQpsPerPeer = static_cast<int>(parseBytes("FASTCOMM_IB_QPS_PER_PEER", v));
   c.ibGdr = flag("FASTCOMM_IB_GDR", true);
   c.ibEmulate = flag("FASTCOMM_IB_EMULATE", false);
+  if (!c.stagedMemoryExplicit) c.stagedHostOnly = c.ibEmulate;  // see config.hpp
   if (const char* v = env("FASTCOMM_IB_EMU_FAIL")) c.ibEmuFail = v;
   c.check = flag("FASTCOMM_CHECK", false);
   c.crashBacktrace = flag("FASTCOMM_CRASH_BACKTRACE", false);

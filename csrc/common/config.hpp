@@ -53,9 +53,13 @@ struct Config {
   // always mapped pinned host memory (host); or device memory when the
   // rail's transports can move it (ib with GPUDirect RDMA, see
   // FASTCOMM_IB_GDR), else pinned host memory (auto). Local to each rank.
-  // host by default until device staging passes on GPUs: its first run (ib
-  // emulation, 4x H200) hung in the first all_reduce.
-  bool stagedHostOnly = true;
+  // Default: auto, except under the ib emulation (FASTCOMM_IB_EMULATE=1),
+  // whose software HCA moves device memory with CUDA copies of its own and
+  // can deadlock in the driver against the application's blocking copies
+  // (benchmarks/results/2026-11-22-4xH200-2x2-emulated-gdr-deadlock.md); a
+  // real NIC's DMA takes no CUDA lock.
+  bool stagedHostOnly = false;
+  bool stagedMemoryExplicit = false;  // FASTCOMM_STAGED_MEMORY was set
   // FASTCOMM_SHM_ONESHOT_BYTES: all-reduces up to this size reduce the whole
   // buffer on every rank after one exchange (one barrier instead of two).
   int64_t oneShotBytes = 32 << 10;

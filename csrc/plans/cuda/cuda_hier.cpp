@@ -311,15 +311,19 @@ struct CudaHier::Resources : StagedDevice {
   }
 
   // The rail's StagingAllocator: device memory where the rail's transports
-  // move it (`deviceMemoryMoves`), unless FASTCOMM_STAGED_MEMORY=host, the
-  // GPU could not see a NIC's writes in order (see the memory ordering
-  // above) or cudaMalloc fails; else the mapped pinned staging.
-  void placeStaging(StagedRail::Staging& s, bool deviceMemoryMoves, bool hostOnly,
+  // move it (`deviceMemoryMoves`), unless FASTCOMM_STAGED_MEMORY=host (or its
+  // default under the ib emulation, config.hpp), the GPU could not see a
+  // NIC's writes in order (see the memory ordering above) or cudaMalloc
+  // fails; else the mapped pinned staging.
+  void placeStaging(StagedRail::Staging& s, bool deviceMemoryMoves, const Config& cfg,
                     const std::string& transport, at::Device device) {
     TORCH_INTERNAL_ASSERT(s.bytes == stagingBytes);
     std::string why;
-    if (hostOnly) {
-      why = "FASTCOMM_STAGED_MEMORY=host";
+    if (cfg.stagedHostOnly) {
+      why = cfg.stagedMemoryExplicit
+                ? "FASTCOMM_STAGED_MEMORY=host"
+                : "the default under the ib emulation, whose HCA moves device memory with CUDA "
+                  "copies of this process; FASTCOMM_STAGED_MEMORY=auto stages in device memory";
     } else if (!deviceMemoryMoves) {
       why = "the " + transport + " transport cannot move device memory" +
             (transport == "ib" ? " (GPUDirect RDMA unavailable or FASTCOMM_IB_GDR=0)" : "");
@@ -451,7 +455,7 @@ std::unique_ptr<CudaHier> CudaHier::create(const c10::intrusive_ptr<c10d::Store>
   h->rail_->connect(
       plan.transport, cfg, c10::make_intrusive<c10d::PrefixStore>("fastcomm/cuda_hier", store), ctx,
       [r, &cfg, &plan, device](StagedRail::Staging& s, bool deviceMemoryMoves) {
-        r->placeStaging(s, deviceMemoryMoves, cfg.stagedHostOnly, plan.transport, device);
+        r->placeStaging(s, deviceMemoryMoves, cfg, plan.transport, device);
       });
   if (topo.rank == 0) FASTCOMM_LOG(Info, h->describe());
   return h;
