@@ -94,8 +94,16 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
   // under the next tile's MMAs) exists for the 128 x 256 tile only; elsewhere
   // EPI=offload falls back as tma2 does (lean TMA epilogue on the 128 x 128
   // cooperative tile, direct stores where C takes no TMA stores or for
-  // ping-pong). Not chosen by auto until measured.
-  plan.epi_offload = plan.tma_store && plan.bn == 256 && o.epi == WgmmaEpi::kOffload;
+  // ping-pong). auto takes it where there is activation math to hide (gelu,
+  // gelu_tanh, silu): on one H200, bf16, 7 rounds in alternating order
+  // (benchmarks/results/2026-11-22-2xH200-matmul-rounds-racecheck.md),
+  // linear + bias + gelu_tanh ran 1.00-1.03x tma2's speed at 4096^3, 8192^3
+  // and 8192 x 11008 x 4096 and 0.99x at 8192 x {4096, 14336} x 4096
+  // (1.01-1.07x in the session before); the bare product (none / relu) keeps
+  // tma2 and its fourth stage.
+  const bool act_math = p.act == Act::kGelu || p.act == Act::kGeluTanh || p.act == Act::kSilu;
+  plan.epi_offload = plan.tma_store && plan.bn == 256 &&
+                     (o.epi == WgmmaEpi::kOffload || (o.epi == WgmmaEpi::kAuto && act_math));
   if (o.raster == Raster::kAuto) {
     // Bytes read from DRAM, if each group's panel stays in L2: rows-first
     // groups (2048 rows of A) stream all of B once per group, columns-first
