@@ -341,15 +341,17 @@ def run_shape(m: int, n: int, k: int, args, dtype, compiled_cache: dict) -> list
     # methods alike; a method's time is the median of its rounds' medians.
     pending = []
 
+    def failed(op, method, e):
+        # keep going: one failing method must not lose the run
+        rows.append({"M": m, "N": n, "K": k, "op": op, "method": method, "error": repr(e)[:300]})
+        print(f"  {op:8s} {method:18s} FAILED: {e!r}"[:200], flush=True)
+
     def record(op, method, fn, ref, min_bytes, kernel=None, variant=None):
         try:
             with torch.no_grad():
                 err = rel_err(fn(0), ref)
-        except Exception as e:  # keep going: one failing method must not lose the run
-            rows.append(
-                {"M": m, "N": n, "K": k, "op": op, "method": method, "error": repr(e)[:300]}
-            )
-            print(f"  {op:8s} {method:18s} FAILED: {e!r}"[:200], flush=True)
+        except Exception as e:
+            failed(op, method, e)
             return
         pending.append(
             {
@@ -377,21 +379,11 @@ def run_shape(m: int, n: int, k: int, args, dtype, compiled_cache: dict) -> list
                 try:
                     with variant, torch.no_grad():
                         entry["times"].append(time_calls(entry["fn"], args.reps, args.warmup_ms))
-                except Exception as e:  # as in record(): keep the other methods
-                    entry["error"] = repr(e)[:300]
-                    print(f"  {entry['op']:8s} {entry['method']:18s} FAILED: {e!r}"[:200])
+                except Exception as e:
+                    entry["error"] = e
         for entry in pending:
             if "error" in entry:
-                rows.append(
-                    {
-                        "M": m,
-                        "N": n,
-                        "K": k,
-                        "op": entry["op"],
-                        "method": entry["method"],
-                        "error": entry["error"],
-                    }
-                )
+                failed(entry["op"], entry["method"], entry["error"])
                 continue
             times = entry["times"]
             ms = statistics.median(t["ms"] for t in times)
