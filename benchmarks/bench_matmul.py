@@ -295,10 +295,11 @@ class Variant:
                 os.environ[k] = v
 
 
-def kernel_name(a: torch.Tensor, b: torch.Tensor) -> str:
-    """The fastcomm kernel matmul(a, b) runs under the current settings ("?" if unknown)."""
+def kernel_name(a: torch.Tensor, b: torch.Tensor, activation: str = "none") -> str:
+    """The fastcomm kernel matmul(a, b) with that epilogue activation runs under the current
+    settings ("?" if unknown)."""
     try:
-        return torch.ops.fastcomm._kernel_name(a, b)
+        return torch.ops.fastcomm._kernel_name(a, b, activation)
     except (AttributeError, RuntimeError) as e:
         return f"? ({str(e)[:60]})"
 
@@ -451,7 +452,7 @@ def run_shape(m: int, n: int, k: int, args, dtype, compiled_cache: dict) -> list
                     fl,
                     ref,
                     mb,
-                    kernel_name(s0["x"], s0["w"].t()),
+                    kernel_name(s0["x"], s0["w"].t(), act),
                     v,
                 )
 

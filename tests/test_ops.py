@@ -568,6 +568,12 @@ def test_cuda_default_dispatch(monkeypatch):
     if _is_sm90:
         assert name_big.startswith("wgmma "), name_big
         assert name_small.startswith("mma "), name_small
+        # the 128x256 tile: the offload epilogue where there is activation math to hide
+        assert name_big.startswith("wgmma coop 128x256") and " epi tma2 " in name_big, name_big
+        for act, epi in (("relu", "tma2"), ("gelu", "offload"), ("gelu_tanh", "offload"),
+                         ("silu", "offload")):  # fmt: skip
+            name = torch.ops.fastcomm._kernel_name(big, big, act)
+            assert f" epi {epi} " in name, (act, name)
     elif _cuda_cc()[0] >= 8:
         assert name_big.startswith("mma ") and name_small.startswith("mma "), (name_big, name_small)
     f32 = torch.empty(64, 64, device="cuda")
@@ -595,5 +601,8 @@ def test_cuda_matmul_knob_errors(monkeypatch):
 def test_kernel_name_cpu():
     a = torch.randn(8, 4)
     assert torch.ops.fastcomm._kernel_name(a, torch.randn(4, 3)) == "cpu blocked"
+    assert torch.ops.fastcomm._kernel_name(a, torch.randn(4, 3), "gelu") == "cpu blocked"
     with pytest.raises(RuntimeError, match="cannot be multiplied"):
         torch.ops.fastcomm._kernel_name(a, torch.randn(5, 3))
+    with pytest.raises(RuntimeError, match="activation"):
+        torch.ops.fastcomm._kernel_name(a, torch.randn(4, 3), "tanh")

@@ -176,8 +176,9 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight,
   return gemm_cpu(p, bias, act);
 }
 
-std::string kernel_name_cpu(const at::Tensor& a, const at::Tensor& b) {
+std::string kernel_name_cpu(const at::Tensor& a, const at::Tensor& b, c10::string_view activation) {
   make_matmul_problem(a, b);  // the same argument checks as matmul
+  parse_activation(std::string_view(activation.data(), activation.size()));
   return "cpu blocked";
 }
 

@@ -16,7 +16,8 @@ TORCH_LIBRARY(fastcomm, m) {
   // act in none | relu | gelu | gelu_tanh | silu.
   m.def("linear(Tensor x, Tensor weight, Tensor? bias=None, str activation=\"none\") -> Tensor");
   // The kernel matmul(a, b) would run with the current FASTCOMM_MATMUL_*
-  // settings, e.g. "wgmma pingpong 128x128 cluster 1 raster m" (for tests
+  // settings, e.g. "wgmma pingpong 128x128 cluster 1 raster m", with the
+  // epilogue of `activation` (the epilogue choice depends on it; for tests
   // and benchmark reports; no autograd, no fake kernel).
-  m.def("_kernel_name(Tensor a, Tensor b) -> str");
+  m.def("_kernel_name(Tensor a, Tensor b, str activation=\"none\") -> str");
 }

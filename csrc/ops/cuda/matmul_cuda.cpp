@@ -253,13 +253,16 @@ at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias
   return o.result(p);
 }
 
-// fastcomm::_kernel_name(a, b): the kernel matmul(a, b) would run here with
-// the current FASTCOMM_MATMUL_* settings (tests, benchmark reports).
-std::string kernel_name_cuda(const at::Tensor& a, const at::Tensor& b) {
+// fastcomm::_kernel_name(a, b, activation): the kernel matmul(a, b) would
+// run here with the current FASTCOMM_MATMUL_* settings and that activation
+// in its epilogue (tests, benchmark reports).
+std::string kernel_name_cuda(const at::Tensor& a, const at::Tensor& b,
+                             c10::string_view activation) {
   TORCH_CHECK(a.device().is_cuda(), "fastcomm._kernel_name (CUDA kernel): a is on ", a.device());
+  const Activation act = parse_activation(std::string_view(activation.data(), activation.size()));
   const GemmProblem p = make_matmul_problem(a, b);
   c10::cuda::CUDAGuard guard(p.A.device());
-  kc::GemmArgs args = problem_args(p, Activation::kNone);
+  kc::GemmArgs args = problem_args(p, act);
   // The output of a real call is a fresh caching-allocator block, which is
   // 512-byte aligned: any aligned address stands for it here.
   alignas(16) static const char aligned_c[16] = {};
