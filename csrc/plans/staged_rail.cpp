@@ -88,10 +88,18 @@ StagedRail::Staging StagedRail::stagingFor(int rails, int64_t chunkBytes) {
   return s;
 }
 
-int64_t StagedRail::scratchBytes(const HierLayout& l, int64_t esize, bool wire) const {
+HierLayout StagedRail::layoutFor(int64_t shardElems, at::ScalarType dt, RedOp op) const {
+  const int64_t esize = static_cast<int64_t>(c10::elementSize(dt));
+  return HierLayout::make(shardElems, static_cast<int>(railRanks_.size()), chunkBytes_,
+                          wireFor(dt, op) ? 2 : esize);
+}
+
+int64_t StagedRail::scratchBytes(int64_t shardElems, at::ScalarType dt, RedOp op) const {
   if (fused_) return 0;  // the fused steps read and write the staging in place
+  const HierLayout l = layoutFor(shardElems, dt, op);
+  const bool wire = wireFor(dt, op);
   const int64_t peers = l.rails - 1;
-  const int64_t wsize = wire ? 2 : esize;
+  const int64_t wsize = wire ? 2 : static_cast<int64_t>(c10::elementSize(dt));
   // received pieces; for a 16-bit wire also the packed casts and the result
   return roundUp(peers * l.qMax * wsize, 256) +
          (wire ? roundUp(peers * l.qMax * 2, 256) + roundUp(l.qMax * 2, 256) : 0);
@@ -304,8 +312,7 @@ void StagedRail::allreduce(char* shard, int64_t shardElems, at::ScalarType dt, R
   const int64_t esize = static_cast<int64_t>(c10::elementSize(dt));
   const bool wire = wireFor(dt, op);
   const int64_t wsize = wire ? 2 : esize;
-  const HierLayout l =
-      HierLayout::make(shardElems, static_cast<int>(railRanks_.size()), chunkBytes_, esize);
+  const HierLayout l = layoutFor(shardElems, dt, op);
   const int64_t peers = l.rails - 1;
   // Device scratch of the copy steps (the fused ones have none).
   char* dRecv = fused_ ? nullptr : scratch;

@@ -234,9 +234,9 @@ class StagedRail {
   // `s.device`; `deviceMemoryMoves` says whether both of the rail's
   // transports can move device memory (Transport::supportsDeviceMemory).
   using StagingAllocator = std::function<void(Staging& s, bool deviceMemoryMoves)>;
-  // Device scratch one op needs (copy steps: received pieces, packed wire
-  // casts; fused steps: none).
-  int64_t scratchBytes(const HierLayout& l, int64_t esize, bool wire) const;
+  // Device scratch one all_reduce of a shard of `shardElems` needs (copy
+  // steps: received pieces, packed wire casts; fused steps: none).
+  int64_t scratchBytes(int64_t shardElems, at::ScalarType dt, RedOp op) const;
 
   // `railRanks[n]` is the group rank of this rank's rail member on node n
   // (itself at `me`). `groupSize` divides AVG results. `fused`: the device
@@ -266,6 +266,14 @@ class StagedRail {
   bool wireFor(at::ScalarType dt, RedOp op) const {
     return wire_ != WireDtype::None && dt == at::kFloat && (op == RedOp::Sum || op == RedOp::Avg);
   }
+  // The chunks and pieces of one all_reduce: chunks of about chunkBytes of
+  // what crosses the network, i.e. of 16-bit elements on a 16-bit wire
+  // (twice the float32 elements per chunk), since the per-chunk costs (the
+  // proxy's posts and flags, the device's waits) are paid per wire chunk: on
+  // 4x H200 as 2 x 2 at 256 MiB with bf16 on the wire, 8 MiB float32 chunks
+  // (4 MiB on the wire) ran 55.8 GB/s busbw against ~44-46 with 4 MiB ones
+  // (benchmarks/results/2026-11-22-4xH200-2x2-bf16-wire-chunks.md).
+  HierLayout layoutFor(int64_t shardElems, at::ScalarType dt, RedOp op) const;
   bool failed() const { return failed_.load(); }
   // Whether an op was captured (a graph may replay it until stop()).
   bool hasCaptured() const { return !captured_.empty(); }

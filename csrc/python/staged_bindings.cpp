@@ -349,12 +349,9 @@ class StagedRailEndpoint {
     TORCH_CHECK(t.is_contiguous() && t.device().is_cpu() && t.numel() > 0,
                 "fastcomm: staged rail test: a non-empty contiguous CPU tensor is needed");
     const RedOp op = redOpOf(opName);
-    const int64_t esize = static_cast<int64_t>(t.element_size());
     const auto ctx = OpContext::start("all_reduce", ++seq_, timeout_);
-    const HierLayout l = HierLayout::make(t.numel(), rails_, chunkBytes_, esize);
-    at::Tensor scratch =
-        at::empty({rail_->scratchBytes(l, esize, rail_->wireFor(t.scalar_type(), op))},
-                  t.options().dtype(at::kByte));
+    at::Tensor scratch = at::empty({rail_->scratchBytes(t.numel(), t.scalar_type(), op)},
+                                   t.options().dtype(at::kByte));
     if (capture_) {
       // The graph keeps its buffers (as a CUDA graph's memory pool does); a
       // failure in a replay fails the replays of it in flight.

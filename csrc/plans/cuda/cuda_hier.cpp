@@ -452,11 +452,11 @@ std::unique_ptr<CudaHier> CudaHier::create(const c10::intrusive_ptr<c10d::Store>
       *h->res_, std::move(rail), topo.myNode, topo.rank, topo.size, plan.cudaChunkBytes,
       parseWireDtype(plan.wireDtype), cfg.stagedFused, store, std::move(hooks));
   Resources* r = h->res_.get();
-  h->rail_->connect(
-      plan.transport, cfg, c10::make_intrusive<c10d::PrefixStore>("fastcomm/cuda_hier", store), ctx,
-      [r, &cfg, &plan, device](StagedRail::Staging& s, bool deviceMemoryMoves) {
-        r->placeStaging(s, deviceMemoryMoves, cfg, plan.transport, device);
-      });
+  h->rail_->connect(plan.transport, cfg,
+                    c10::make_intrusive<c10d::PrefixStore>("fastcomm/cuda_hier", store), ctx,
+                    [r, &cfg, &plan, device](StagedRail::Staging& s, bool deviceMemoryMoves) {
+                      r->placeStaging(s, deviceMemoryMoves, cfg, plan.transport, device);
+                    });
   if (topo.rank == 0) FASTCOMM_LOG(Info, h->describe());
   return h;
 }
@@ -530,9 +530,7 @@ void CudaHier::allreduce(const at::Tensor& t, RedOp op, cudaStream_t s, const Op
               intra_, ctx.name);
   }
   // Device scratch from the caching allocator, on this stream.
-  const HierLayout l = HierLayout::make(S, topo_.numNodes(), plan_.cudaChunkBytes, esize);
-  at::Tensor scratch = at::empty({rail_->scratchBytes(l, esize, rail_->wireFor(dt, op))},
-                                 t.options().dtype(at::kByte));
+  at::Tensor scratch = at::empty({rail_->scratchBytes(S, dt, op)}, t.options().dtype(at::kByte));
   res_->stream = s;
   rail_->allreduce(shard, S, dt, op, static_cast<char*>(scratch.data_ptr()), ctx,
                    std::move(failWork));
@@ -571,10 +569,8 @@ void CudaHier::allreduceSegmented(const at::Tensor& t, RedOp op, cudaStream_t s,
   const int64_t segBytes = Sg * L * esize;
   auto segment = [&](int64_t g) { return base + g * segBytes; };
   auto shardOf = [&](int64_t g) { return segment(g) + topo_.localRank * Sg * esize; };
-  const HierLayout l = HierLayout::make(Sg, topo_.numNodes(), plan_.cudaChunkBytes, esize);
   // One scratch for all segments: their rail steps run in order on `s`.
-  at::Tensor scratch = at::empty({rail_->scratchBytes(l, esize, rail_->wireFor(dt, op))},
-                                 t.options().dtype(at::kByte));
+  at::Tensor scratch = at::empty({rail_->scratchBytes(Sg, dt, op)}, t.options().dtype(at::kByte));
   cudaStream_t side = res_->side;
   const std::vector<cudaEvent_t>& ev = res_->events;
   cudaEvent_t fork = ev[0], join = ev[1];
