@@ -29,16 +29,19 @@ struct Config {
   // (checked at init). host: tests pass on 4x H200 as 2x2 nodes; opt-in.
   bool cudaInterHost = false;
   // FASTCOMM_CUDA_CHUNK_BYTES: pipeline chunk of that CUDA path, per rank's
-  // shard; larger than the host chunk, since every chunk costs a few copies,
-  // kernel launches and stream waits.
+  // shard, in bytes on the wire (with a 16-bit wire a chunk holds twice the
+  // float32 elements: StagedRail::layoutFor); larger than the host chunk,
+  // since every chunk costs a few copies, kernel launches and stream waits.
   int64_t cudaChunkBytes = 4 << 20;
   // FASTCOMM_CUDA_SEGMENT_BYTES: 0 (default) runs that path's intra-node
   // reduce-scatter and all-gather on the whole tensor, before and after the
   // rail; N > 0 cuts the tensor into segments of about N bytes whose NCCL
   // steps run on a second stream, under the rail phase of the segment before
   // (reduce-scatter of segment g + 1 and all-gather of segment g - 1 overlap
-  // the network of segment g). Agreed through the multi-node plan. Not yet
-  // measured on GPUs, hence off.
+  // the network of segment g). Agreed through the multi-node plan. Off: on 4x
+  // H200 as 2 x 2 it ran slower at every size tried (16M, 64M: each segment
+  // pays the rail pipeline's fill and drain; benchmarks/results/
+  // 2026-11-22-4xH200-2x2-bf16-wire-chunks.md).
   int64_t cudaSegmentBytes = 0;
   // FASTCOMM_CUDA_HIER_MIN_BYTES: smaller CUDA all_reduces across nodes stay
   // on the flat NCCL communicator (latency, not bandwidth).
