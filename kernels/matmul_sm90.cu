@@ -99,8 +99,9 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
   // (benchmarks/results/2026-11-22-2xH200-matmul-rounds-racecheck.md),
   // linear + bias + gelu_tanh ran 1.00-1.03x tma2's speed at 4096^3, 8192^3
   // and 8192 x 11008 x 4096 and 0.99x at 8192 x {4096, 14336} x 4096
-  // (1.01-1.07x in the session before); the bare product (none / relu) keeps
-  // tma2 and its fourth stage.
+  // (1.01-1.07x in the session before; 1.01-1.035x on all five in the run of
+  // 2026-11-22-H200-matmul-auto-offload.md); the bare product (none / relu)
+  // keeps tma2 and its fourth stage.
   const bool act_math = p.act == Act::kGelu || p.act == Act::kGeluTanh || p.act == Act::kSilu;
   plan.epi_offload = plan.tma_store && plan.bn == 256 &&
                      (o.epi == WgmmaEpi::kOffload || (o.epi == WgmmaEpi::kAuto && act_math));
