@@ -96,7 +96,7 @@ step_sanitize() {
 # racecheck on the Hopper kernels, whose pipelines hand shared memory over
 # through mbarriers, beside a probe that asks whether the tool models such a
 # handover at all (scripts/racecheck_mbarrier_probe.cu: the same handover by
-# mbarrier and by named barrier).
+# mbarrier, by bar.arrive / bar.sync, and by __syncthreads as the control).
 step_racecheck() {
   echo "[gpu_ops_check] racecheck (mbarrier probe, Hopper variants) -> $OUT/ops_racecheck.log"
   local cs
