@@ -412,6 +412,8 @@ class Row:
     time_us_repeat_min: Optional[float] = None  # fastest repeat (slowest rank)
     time_us_repeat_max: Optional[float] = None  # slowest repeat (slowest rank)
     setting: Optional[str] = None  # merged sweeps: the peer setting this point comes from
+    # merged sweeps with --rounds: busbw of this point in each round (launch), in run order
+    rounds_busbw_gbps: Optional[list[Optional[float]]] = None
 
 
 def spread_pct(row: Row) -> Optional[float]:

@@ -32,6 +32,7 @@ import datetime
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -193,6 +194,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         type=float,
         help="seconds after which a launch is stopped (its process group killed)",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the whole list of launches this many times, one round after the other; each "
+        "point of a launch is then its round with the median busbw (the lower middle for an even "
+        "count; every round's busbw kept in rounds_busbw_gbps): shows the spread between "
+        "launches, which one launch per series cannot (default: %(default)s)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the launches, run nothing")
     p.add_argument(
         "--merge-only",
@@ -204,6 +214,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error("--sim-nodes must divide --nproc-per-node")
     if args.merge_only and not args.out_dir:
         p.error("--merge-only needs --out-dir")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     if args.peer == "fastcomm":
         p.error("--peer must be another backend than fastcomm")
     return args
@@ -304,6 +316,67 @@ def run_launch(launch: Launch, timeout: Optional[float]) -> None:
     print(f"### launch {launch.name}: exit {launch.returncode} in {launch.seconds} s", flush=True)
 
 
+def for_round(launch: Launch, r: int, rounds: int) -> Launch:
+    """The launch as run in round r (its own JSON file when there are several rounds)."""
+    if rounds == 1:
+        return launch
+    copy_ = copy.deepcopy(launch)
+    copy_.json = launch.json[: -len(".json")] + f".r{r}.json"
+    copy_.cmd[copy_.cmd.index("--json") + 1] = copy_.json
+    return copy_
+
+
+def combine_rounds(datasets: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One launch's results over its rounds: per point the round with the median busbw (the
+    lower middle for an even count; over the rounds that have the point); a point that any round
+    failed keeps that round's row. Every round's busbw goes into rounds_busbw_gbps."""
+    if len(datasets) == 1:
+        return datasets[0]
+    per_point: dict[tuple[str, str, int], list[Optional[dict[str, Any]]]] = {}
+    for k, data in enumerate(datasets):
+        for row in data["results"]:
+            key = (row["backend"], row["op"], row["size_bytes"])
+            per_point.setdefault(key, [None] * len(datasets))[k] = row
+    rows = []
+    for rounds in per_point.values():
+        measured = [r for r in rounds if r is not None and r["status"] == "ok" and r["busbw_gbps"]]
+        bad = [r for r in rounds if r is not None and r not in measured]
+        if bad:
+            row = dict(bad[0])
+        else:
+            pick = sorted(measured, key=lambda r: r["busbw_gbps"])[(len(measured) - 1) // 2]
+            wrong = [r["wrong"] for r in measured if r.get("wrong") is not None]
+            row = dict(pick, wrong=max(wrong) if wrong else None)
+        row["rounds_busbw_gbps"] = [r["busbw_gbps"] if r is not None else None for r in rounds]
+        rows.append(row)
+    merged = copy.deepcopy(datasets[0])
+    merged["results"] = rows
+    merged["meta"]["rounds"] = len(datasets)
+    return merged
+
+
+def rounds_table(merged: dict[str, Any]) -> str:
+    """Markdown: busbw of every series and size over the rounds (min / median / max)."""
+    lines = [
+        "",
+        f"busbw over {merged['meta']['sweep']['rounds']} rounds of launches (GB/s, min / "
+        "median / max; the tables above show the median round):",
+        "",
+        "| op | size (B) | series | rounds | min | median | max |",
+        "|---|---:|---|---|---:|---:|---:|",
+    ]
+    for row in merged["results"]:
+        values = [v for v in row.get("rounds_busbw_gbps") or [] if v is not None]
+        if not values:
+            continue
+        shown = ", ".join(f"{v:.3g}" for v in row["rounds_busbw_gbps"] if v is not None)
+        lines.append(
+            f"| {row['op']} | {row['size_bytes']} | {row['backend']} | {shown} | "
+            f"{min(values):.3g} | {statistics.median(values):.3g} | {max(values):.3g} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 # ----------------------------------------------------------------------------- merging
 
 
@@ -400,6 +473,7 @@ def merge(
                 "best_wins": wins,  # op -> setting -> number of sizes it won
                 "busbw_by_setting": table,  # op -> size (str) -> setting -> busbw (None: bad)
                 "launch_env": LAUNCH_ENV,
+                "rounds": args.rounds,
                 "launches": [
                     {
                         "name": la.name,
@@ -436,9 +510,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out_dir = args.out_dir or os.path.join(tempfile.gettempdir(), f"fastcomm-sweep-{stamp}")
     launches = plan_launches(args, out_dir)
     if args.dry_run:
-        for la in launches:
-            env = " ".join(f"{k}={v}" for k, v in (LAUNCH_ENV | la.env).items())
-            print(f"{env} {shlex.join(la.cmd)}")
+        for r in range(args.rounds):
+            for la in launches:
+                la = for_round(la, r, args.rounds)
+                env = " ".join(f"{k}={v}" for k, v in (LAUNCH_ENV | la.env).items())
+                print(f"{env} {shlex.join(la.cmd)}")
         return 0
     os.makedirs(out_dir, exist_ok=True)
     print(f"### {len(launches)} launches, results in {out_dir}", flush=True)
@@ -446,23 +522,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if dropped:
         print(f"### note: not passing {dropped} on: the sweep sets these itself", flush=True)
     if not args.merge_only:
-        for la in list(launches):
-            run_launch(la, args.launch_timeout)
-            alone_planned = any(x.role == "peer" and x.setting == DEFAULT_SETTING for x in launches)
-            if la.role == "main" and not alone_planned and not os.path.exists(la.json):
-                # fastcomm failed the whole launch: measure the peer's default on its own.
-                alone = plan_launches(args, out_dir, fallback=True)[-1]
-                print(f"### no result from {la.name}: adding {alone.name}", flush=True)
-                launches.insert(launches.index(la) + 1, alone)
-                run_launch(alone, args.launch_timeout)
-    elif (args.fastcomm and args.together) and not os.path.exists(launches[0].json):
+        for r in range(args.rounds):
+            if args.rounds > 1:
+                print(f"\n### round {r + 1} of {args.rounds}", flush=True)
+            for la in list(launches):
+                ran = for_round(la, r, args.rounds)
+                run_launch(ran, args.launch_timeout)
+                if ran is not la:  # the launch's record: its first failure, its total time
+                    la.returncode = ran.returncode if la.returncode in (0, None) else la.returncode
+                    la.seconds = (la.seconds or 0.0) + (ran.seconds or 0.0)
+                alone_planned = any(
+                    x.role == "peer" and x.setting == DEFAULT_SETTING for x in launches
+                )
+                if la.role == "main" and not alone_planned and not os.path.exists(ran.json):
+                    # fastcomm failed the whole launch: measure the peer's default on its own.
+                    alone = plan_launches(args, out_dir, fallback=True)[-1]
+                    print(f"### no result from {la.name}: adding {alone.name}", flush=True)
+                    launches.insert(launches.index(la) + 1, alone)
+                    run_launch(for_round(alone, r, args.rounds), args.launch_timeout)
+    elif (args.fastcomm and args.together) and not os.path.exists(
+        for_round(launches[0], 0, args.rounds).json
+    ):
         launches.insert(1, plan_launches(args, out_dir, fallback=True)[-1])
     loaded: dict[str, dict[str, Any]] = {}
     for la in launches:
-        if os.path.exists(la.json):
-            loaded[la.name] = bc.load_results([la.json])[0]
-        else:
-            print(f"### launch {la.name}: no result file {la.json}", file=sys.stderr)
+        files = [for_round(la, r, args.rounds).json for r in range(args.rounds)]
+        found = [f for f in files if os.path.exists(f)]
+        for f in files:
+            if f not in found:
+                print(f"### launch {la.name}: no result file {f}", file=sys.stderr)
+        if found:
+            loaded[la.name] = combine_rounds(bc.load_results(found))
     if not loaded:
         print("### nothing to merge", file=sys.stderr)
         return 1
@@ -471,6 +561,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(bc.render_markdown(merged), flush=True)
     outputs = argparse.Namespace(json=args.json, md=args.md, plot=args.plot, label=args.label)
     bc.write_outputs(merged, outputs)
+    if args.rounds > 1:
+        table = rounds_table(merged)
+        print(table, flush=True)
+        if args.md:
+            with open(args.md, "a") as f:
+                f.write(table)
     failed = [la.name for la in launches if la.returncode not in (0, None)]
     missing = [la.name for la in launches if la.name not in loaded]
     if failed or missing:

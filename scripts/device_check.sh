@@ -88,14 +88,16 @@ for stage in "${stages[@]}"; do
       ;;
     sweep)
       # all_reduce 1 MiB..1 GiB on 2x2 simulated nodes: fastcomm (fp32 and bf16
-      # wire) beside NCCL's socket transport at its default and best settings.
+      # wire) beside NCCL's socket transport at its default and best settings
+      # (SWEEP_ARGS="--rounds 3": every launch 3 times, the median round; ~80 s
+      # of wall time per round on 4x H200).
       say "multi-node all_reduce sweep, $NGPU GPUs as 2 nodes"
       timeout "${SWEEP_TIMEOUT:-480}" "$PY" benchmarks/run_multinode_sweep.py --nproc-per-node "$NGPU" --sim-nodes 2 \
         --device cuda --ops all_reduce --min-bytes 1M --max-bytes 1G --factor 4 --repeats 3 \
         --time-per-size 0.5 \
         --socket-settings 4x4 --buffsizes default,16777216 --wire-dtype bf16 --launch-timeout 150 \
         --out-dir /tmp/fastcomm_sweep --json "$OUT/sweep_2x2.json" --plot "$OUT/sweep_2x2.png" \
-        --md "$OUT/sweep_2x2.md" --label "4x H200 as 2x2 nodes, TCP loopback, all_reduce" \
+        --md "$OUT/sweep_2x2.md" --label "4x H200 as 2x2 nodes, TCP loopback, all_reduce" ${SWEEP_ARGS:-} \
         2>&1 | grep -v "^W1" | tail -n 40 | tee -a "$LOG"
       ;;
     stagedsweep)
