@@ -602,6 +602,30 @@ struct EpiFragment {
   }
 };
 
+// The consumer thread's part of output chunk c (columns 64 c.. of its
+// warpgroup's block) into the 64 x 64 chunk buffer at `chunk`: acc + bias,
+// each pair through `finish(v0, v1)` (an activation, relu or nothing; v1 is
+// the odd column), rounded to T. Shared by the lean TMA epilogue and the
+// offload epilogue's hand-over; the caller fences and synchronises.
+template <typename T, int BN, typename Finish>
+__device__ __forceinline__ void write_chunk(const float (&acc)[1][BN / 2],
+                                            const uint32_t (&bw)[BN / 8], int c, uint32_t chunk,
+                                            const EpiFragment& frag, const Finish& finish) {
+#pragma unroll
+  for (int jj = 0; jj < 8; ++jj) {
+    const int j = 8 * c + jj;
+    float b0, b1;
+    unpack_pair<T>(bw[j], b0, b1);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float v0 = acc[0][4 * j + 2 * h] + b0;
+      float v1 = acc[0][4 * j + 2 * h + 1] + b1;
+      finish(v0, v1);
+      st_shared_b32(frag.addr(chunk, jj, h), pack_pair<T>(v0, v1));
+    }
+  }
+}
+
 // The TMA-store epilogue in fewer instructions and barriers ("tma2"): the
 // bias comes from registers (prefetch_bias), the activations are the lean
 // ones (activate_lean), and each 64 x 64 chunk takes one named barrier
@@ -622,18 +646,10 @@ __device__ __forceinline__ void epilogue_tma_lean(const GemmArgs& p, const CUten
 #pragma unroll
   for (int c = 0; c < BN / 64; ++c) {
     const uint32_t buf = stage + static_cast<uint32_t>(c & 1) * kEpiChunkBytes;
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
-      const int j = 8 * c + jj;
-      float b0, b1;
-      unpack_pair<T>(bw[j], b0, b1);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float v0 = activate_lean<ACT, false>(acc[0][4 * j + 2 * h] + b0);
-        const float v1 = activate_lean<ACT, true>(acc[0][4 * j + 2 * h + 1] + b1);
-        st_shared_b32(frag.addr(buf, jj, h), pack_pair<T>(v0, v1));
-      }
-    }
+    write_chunk<T, BN>(acc, bw, c, buf, frag, [](float& v0, float& v1) {
+      v0 = activate_lean<ACT, false>(v0);
+      v1 = activate_lean<ACT, true>(v1);
+    });
     fence_proxy_async_smem();
     if (wtid == 0) bulk_wait_read<0>();
     named_barrier_sync(bar_id, 128);
@@ -721,23 +737,13 @@ __device__ __forceinline__ void epilogue_offload_write(const float (&acc)[1][BN 
   const EpiFragment frag(wtid);
 #pragma unroll
   for (int c = 0; c < BN / 64; ++c) {
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
-      const int j = 8 * c + jj;
-      float b0, b1;
-      unpack_pair<T>(bw[j], b0, b1);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float v0 = acc[0][4 * j + 2 * h] + b0;
-        float v1 = acc[0][4 * j + 2 * h + 1] + b1;
-        if constexpr (RELU) {
-          v0 = fmaxf(v0, 0.0f);
-          v1 = fmaxf(v1, 0.0f);
-        }
-        st_shared_b32(frag.addr(buf + static_cast<uint32_t>(c) * kEpiChunkBytes, jj, h),
-                      pack_pair<T>(v0, v1));
-      }
-    }
+    write_chunk<T, BN>(acc, bw, c, buf + static_cast<uint32_t>(c) * kEpiChunkBytes, frag,
+                       [](float& v0, float& v1) {
+                         if constexpr (RELU) {
+                           v0 = fmaxf(v0, 0.0f);
+                           v1 = fmaxf(v1, 0.0f);
+                         }
+                       });
   }
 }
 
