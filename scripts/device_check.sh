@@ -2,7 +2,7 @@
 # Runs on a lent GPU machine (torch preinstalled, no network), from the repo
 # root: builds the extension, runs the GPU tests and the benchmarks, and
 # leaves logs and JSON in $OUT (at most 8 files come back).
-#   scripts/device_check.sh build tests bench cpubench cpubench2x2 multinode sweep stagedsweep
+#   scripts/device_check.sh build tests bench cpubench cpubench2x2 multinode sweep spread stagedsweep
 #     stagedmodes stagedtests segments ibdevice killed capture hooks ddpbench ops
 #   (any subset, in order)
 set -uo pipefail
@@ -99,6 +99,42 @@ for stage in "${stages[@]}"; do
         --out-dir /tmp/fastcomm_sweep --json "$OUT/sweep_2x2.json" --plot "$OUT/sweep_2x2.png" \
         --md "$OUT/sweep_2x2.md" --label "4x H200 as 2x2 nodes, TCP loopback, all_reduce" ${SWEEP_ARGS:-} \
         2>&1 | grep -v "^W1" | tail -n 40 | tee -a "$LOG"
+      ;;
+    spread)
+      # Launch-to-launch spread of the multi-node all_reduce (256 MiB float32,
+      # 2 simulated nodes, fastcomm alone, the sweep's timing loop):
+      # SPREAD_LAUNCHES pairs of launches, one free and one with every rank
+      # pinned to its own slice of the physical cores (scripts/pin_local_rank.py).
+      # If the pinned launches are fast and steady where free ones are not,
+      # thread placement is what makes some official-sweep launches slow.
+      say "launch spread, free vs pinned ranks, $NGPU GPUs as 2 nodes"
+      lscpu | grep -E '^(CPU\(s\)|Thread|Core|Socket|NUMA node)' | tee -a "$LOG"
+      bench=(benchmarks/bench_collectives.py --device cuda --backends fastcomm --ops all_reduce
+        --sim-nodes 2 --min-bytes 256M --max-bytes 256M --repeats 3 --time-per-size 0.5)
+      for i in $(seq 1 "${SPREAD_LAUNCHES:-3}"); do
+        for mode in free pinned; do
+          if [[ $mode == pinned ]]; then
+            script=(scripts/pin_local_rank.py "$PY" "${bench[@]}")
+          else
+            script=("${bench[@]}")
+          fi
+          timeout 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
+            "${script[@]}" --json "/tmp/spread_${i}_${mode}.json" > "/tmp/spread_${i}_${mode}.log" 2>&1
+          "$PY" - "/tmp/spread_${i}_${mode}.json" "$mode" "$i" <<'PY' 2>&1 | tee -a "$LOG"
+import json, sys
+try:
+    rows = json.load(open(sys.argv[1]))["results"]
+    bw = [r["busbw_gbps"] for r in rows if r.get("backend") == "fastcomm"]
+    print(f"launch {sys.argv[3]} {sys.argv[2]:6s} busbw {' '.join(f'{b:.2f}' for b in bw)} GB/s")
+except Exception as e:  # a failed launch: say so, keep going
+    print(f"launch {sys.argv[3]} {sys.argv[2]:6s} FAILED ({e})")
+PY
+        done
+      done
+      "$PY" - "$OUT/spread.json" /tmp/spread_*.json <<'PY'
+import json, sys
+json.dump({p: json.load(open(p)) for p in sys.argv[2:]}, open(sys.argv[1], "w"), indent=1)
+PY
       ;;
     stagedsweep)
       # The staged CUDA all_reduce across 2 simulated nodes under transport

@@ -1,0 +1,81 @@
+"""The CPU-pinning probe of the multi-node benchmarks (scripts/pin_local_rank.py): local ranks
+get disjoint slices of whole physical cores that together cover every allowed CPU, and the
+command it execs runs under that mask."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "pin_local_rank.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("pin_local_rank", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize(
+    "ncores,smt,world", [(32, 2, 4), (8, 2, 3), (6, 1, 4), (2, 2, 4), (16, 4, 2)]
+)
+def test_slices_are_whole_cores_disjoint_and_complete(monkeypatch, ncores, smt, world):
+    pin = _load()
+    # Linux numbers SMT siblings one core-count apart (cpu c and c + ncores).
+    monkeypatch.setattr(pin, "core_of", lambda cpu: (0, cpu % ncores))
+    cpus = set(range(ncores * smt))
+    slices = [pin.slice_for(r, world, cpus) for r in range(world)]
+    if ncores >= world:
+        seen: set[int] = set()
+        for s in slices:
+            assert s, slices
+            assert not seen & set(s), slices
+            seen |= set(s)
+            # Whole cores: every CPU's siblings are in the same slice.
+            assert all((c % ncores) + k * ncores in s for c in s for k in range(smt))
+        assert seen == cpus
+        sizes = [len({c % ncores for c in s}) for s in slices]
+        assert max(sizes) - min(sizes) <= 1, sizes
+    else:
+        # More ranks than cores: nobody is left without CPUs.
+        assert all(set(s) for s in slices)
+
+
+def test_bad_local_rank_is_refused():
+    pin = _load()
+    with pytest.raises(ValueError, match="outside"):
+        pin.slice_for(2, 2, {0, 1})
+
+
+def test_compact_ranges():
+    pin = _load()
+    assert pin.compact([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert pin.compact([3]) == "3"
+    assert pin.compact([]) == ""
+
+
+def test_execs_the_command_under_the_mask():
+    allowed = sorted(os.sched_getaffinity(0))
+    env = dict(os.environ, LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            sys.executable,
+            "-c",
+            "import os; print(sorted(os.sched_getaffinity(0)))",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    assert out.stdout.strip() == str(allowed)
+    assert "local rank 0 of 1" in out.stderr
