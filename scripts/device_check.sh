@@ -103,23 +103,29 @@ for stage in "${stages[@]}"; do
     spread)
       # Launch-to-launch spread of the multi-node all_reduce (256 MiB float32,
       # 2 simulated nodes, fastcomm alone, the sweep's timing loop):
-      # SPREAD_LAUNCHES pairs of launches, one free and one with every rank
-      # pinned to its own slice of the physical cores (scripts/pin_local_rank.py).
-      # If the pinned launches are fast and steady where free ones are not,
-      # thread placement is what makes some official-sweep launches slow.
-      say "launch spread, free vs pinned ranks, $NGPU GPUs as 2 nodes"
+      # SPREAD_LAUNCHES rounds of three launches: free; every rank's whole
+      # process pinned to its own slice of the physical cores
+      # (scripts/pin_local_rank.py); only fastcomm's threads pinned to the same
+      # slice (FASTCOMM_CPU_AFFINITY=local). If pinned launches are fast and
+      # steady where free ones are not, thread placement is what makes some
+      # official-sweep launches slow.
+      say "launch spread, free vs pinned ranks vs FASTCOMM_CPU_AFFINITY=local, $NGPU GPUs as 2 nodes"
       lscpu | grep -E '^(CPU\(s\)|Thread|Core|Socket|NUMA node)' | tee -a "$LOG"
+      rm -f /tmp/spread_*
       bench=(benchmarks/bench_collectives.py --device cuda --backends fastcomm --ops all_reduce
         --sim-nodes 2 --min-bytes 256M --max-bytes 256M --repeats 3 --time-per-size 0.5)
       for i in $(seq 1 "${SPREAD_LAUNCHES:-3}"); do
-        for mode in free pinned; do
+        for mode in free pinned threads; do
           if [[ $mode == pinned ]]; then
             script=(scripts/pin_local_rank.py "$PY" "${bench[@]}")
           else
             script=("${bench[@]}")
           fi
-          timeout 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
-            "${script[@]}" --json "/tmp/spread_${i}_${mode}.json" > "/tmp/spread_${i}_${mode}.log" 2>&1
+          affinity=none
+          [[ $mode == threads ]] && affinity=local
+          FASTCOMM_CPU_AFFINITY=$affinity timeout 120 "$PY" -m torch.distributed.run --standalone \
+            --nproc_per_node="$NGPU" "${script[@]}" --json "/tmp/spread_${i}_${mode}.json" \
+            > "/tmp/spread_${i}_${mode}.log" 2>&1
           "$PY" - "/tmp/spread_${i}_${mode}.json" "$mode" "$i" <<'PY' 2>&1 | tee -a "$LOG"
 import json, sys
 try:

@@ -2,6 +2,8 @@
 
 #include <pthread.h>
 
+#include "common/affinity.hpp"
+
 namespace fastcomm {
 
 SerialLane::SerialLane(std::string name) : name_(std::move(name)) {
@@ -27,6 +29,7 @@ void SerialLane::submit(std::function<void()> job) {
 
 void SerialLane::loop() {
   pthread_setname_np(pthread_self(), name_.substr(0, 15).c_str());
+  affinity::pinThisThread();
   while (true) {
     std::function<void()> job;
     {

@@ -56,6 +56,14 @@ bool flag(const char* name, bool dflt) {
   return !(s == "0" || s == "false" || s == "off" || s == "no");
 }
 
+// The launcher's LOCAL_RANK / LOCAL_WORLD_SIZE: torch's own variables, so a
+// value that is no non-negative integer is not ours to reject: -1 (unset).
+int launcherInt(const char* text) {
+  char* end = nullptr;
+  long v = std::strtol(text, &end, 10);
+  return (end != text && *end == '\0' && v >= 0 && v < (1 << 20)) ? static_cast<int>(v) : -1;
+}
+
 }  // namespace
 
 Config Config::fromEnv() {
@@ -86,6 +94,10 @@ Config Config::fromEnv() {
     c.oneShotBytes = parseBytes("FASTCOMM_SHM_ONESHOT_BYTES", v);
   if (const char* v = env("FASTCOMM_P2P_BYTES")) c.p2pBytes = parseBytes("FASTCOMM_P2P_BYTES", v);
   if (const char* v = env("FASTCOMM_SPIN_US")) c.spinMicros = parseBytes("FASTCOMM_SPIN_US", v);
+  if (const char* v = env("FASTCOMM_CPU_AFFINITY"))
+    c.cpuAffinity = oneOf("FASTCOMM_CPU_AFFINITY", v, {"none", "local"});
+  if (const char* v = env("LOCAL_RANK")) c.launcherLocalRank = launcherInt(v);
+  if (const char* v = env("LOCAL_WORLD_SIZE")) c.launcherLocalWorldSize = launcherInt(v);
   if (const char* v = env("FASTCOMM_TCP_SOCKETS"))
     c.tcpSocketsPerPeer = static_cast<int>(parseBytes("FASTCOMM_TCP_SOCKETS", v));
   if (const char* v = env("FASTCOMM_TCP_THREADS"))
@@ -131,7 +143,8 @@ std::string Config::describe() const {
   os << "host_id=" << (hostIdOverride.empty() ? "<auto>" : hostIdOverride)
      << " transport=" << transport << " wire_dtype=" << wireDtype << " chunk_bytes=" << chunkBytes
      << " oneshot_bytes=" << oneShotBytes << " p2p_bytes=" << p2pBytes << " spin_us=" << spinMicros
-     << " tcp_sockets=" << tcpSocketsPerPeer << " tcp_threads=" << tcpThreads
+     << " cpu_affinity=" << cpuAffinity << " tcp_sockets=" << tcpSocketsPerPeer
+     << " tcp_threads=" << tcpThreads
      << " socket_ifname=" << (socketIfname.empty() ? "<auto>" : socketIfname)
      << " ib_hca=" << (ibHca.empty() ? "<any>" : ibHca) << " ib_gid_index=" << ibGidIndex
      << " ib_qps_per_peer=" << ibQpsPerPeer << " ib_gdr=" << ibGdr << " ib_emulate=" << ibEmulate

@@ -70,6 +70,13 @@ struct Config {
   int64_t p2pBytes = 256 << 10;
   // FASTCOMM_SPIN_US: how long a wait spins before sleeping on a futex.
   int64_t spinMicros = -1;  // -1: chosen from the core count
+  // FASTCOMM_CPU_AFFINITY: none | local. local: fastcomm's busy threads
+  // (transport progress, the multi-node proxy, the lanes) run on this local
+  // rank's share of the host's physical cores (common/affinity.hpp), from the
+  // launcher's LOCAL_RANK / LOCAL_WORLD_SIZE. Off by default until measured.
+  std::string cpuAffinity = "none";
+  int launcherLocalRank = -1;       // LOCAL_RANK, -1 when unset
+  int launcherLocalWorldSize = -1;  // LOCAL_WORLD_SIZE, -1 when unset
   // FASTCOMM_CHECK=1: verify shapes/dtypes agree across ranks per collective.
   bool check = false;
   // FASTCOMM_BLOCKING_WAIT=1: work.wait() on CUDA blocks the host until the

@@ -1,11 +1,13 @@
 #include "plans/staged_rail.hpp"
 
+#include <pthread.h>
 #include <sys/prctl.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <algorithm>
 #include <sstream>
 
+#include "common/affinity.hpp"
 #include "common/logging.hpp"
 #include "common/timeline.hpp"
 
@@ -409,6 +411,8 @@ void StagedRail::enqueueFromStream(void* hostOp) {
 }
 
 void StagedRail::proxyLoop() {
+  pthread_setname_np(pthread_self(), kThread);  // the name its timeline rows carry
+  affinity::pinThisThread();
   // Precise short naps: the default 50 us timer slack would stretch every
   // poll interval.
   prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);

@@ -1,6 +1,7 @@
 #include "inter/ib/ib_transport.hpp"
 
 #include <poll.h>
+#include <pthread.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -18,6 +19,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "common/affinity.hpp"
 #include "common/logging.hpp"
 #include "common/store_util.hpp"
 #include "inter/ib/device.hpp"
@@ -1104,6 +1106,8 @@ void Engine::timers() {
 }
 
 void Engine::run() {
+  pthread_setname_np(pthread_self(), "fc-ib");
+  affinity::pinThisThread();
   std::vector<Completion> wcs(64);
   auto nextTimer = Clock::now() + kTimerPeriod;
   while (!stop_.load(std::memory_order_acquire)) {

@@ -2,6 +2,7 @@
 
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <pthread.h>
 #include <poll.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
@@ -22,6 +23,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "common/affinity.hpp"
 #include "common/logging.hpp"
 #include "common/store_util.hpp"
 #include "inter/notifier.hpp"
@@ -493,6 +495,8 @@ class TcpConnection : public Connection {
 
 void Worker::run() {
   tlsWorker_ = this;
+  pthread_setname_np(pthread_self(), ("fc-tcp" + std::to_string(id_)).substr(0, 15).c_str());
+  affinity::pinThisThread();
   constexpr int kMaxEvents = 64;
   epoll_event evs[kMaxEvents];
   while (!stop_.load(std::memory_order_acquire)) {
