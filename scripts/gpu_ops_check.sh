@@ -12,8 +12,9 @@
 #   bench_matmul.json   all benchmark numbers, device, torch version, command
 #   bench_matmul.png    TFLOP/s per shape and method
 #   roofline.png        each kernel under the measured bandwidth / matmul ceilings
+#   bench_matmul_{fp16,fp32}.{log,json}  step bench-dtypes: the same comparisons in float16 / float32
 #
-# Usage: scripts/gpu_ops_check.sh [all|tests|smoke|sanitize|racecheck|bench|bench-quick]
+# Usage: scripts/gpu_ops_check.sh [all|tests|smoke|sanitize|racecheck|bench|bench-quick|bench-dtypes]
 #   (each step fits in a few minutes; run them as separate commands if the
 #   machine limits the length of one command)
 # Env: PYTHON (default python3), OUT, BENCH_VARIANTS (default: the "hopper" set of
@@ -136,6 +137,27 @@ step_bench() {
   return $rc
 }
 
+# float16 and float32 beside bf16's numbers: auto against cuBLAS, addmm_activation and the
+# unfused pair, alternating rounds (no torch.compile baseline: bf16's run has it). float32
+# runs the CUDA-core kernel (cuBLAS: SGEMM without TF32, torch's default), so smaller shapes.
+step_bench_dtypes() {
+  local rc=0 dt sizes llm
+  for dt in fp16 fp32; do
+    sizes="1024,2048,4096,8192"
+    llm="8192x4096x4096,8192x11008x4096,8192x14336x4096"
+    if [ "$dt" = fp32 ]; then
+      sizes="1024,2048,4096"
+      llm="8192x4096x4096"
+    fi
+    echo "[gpu_ops_check] benchmark $dt -> $OUT/bench_matmul_$dt.{log,json}"
+    "$PY" benchmarks/bench_matmul.py --dtype "$dt" --variants auto --sizes "$sizes" --llm "$llm" \
+      --rounds 3 --no-compile ${BENCH_ARGS:-} --json "$OUT/bench_matmul_$dt.json" \
+      > "$OUT/bench_matmul_$dt.log" 2>&1 || rc=1
+    tail -n 40 "$OUT/bench_matmul_$dt.log"
+  done
+  return $rc
+}
+
 case "$STEP" in
   tests) step_tests || status=1 ;;
   smoke) step_smoke || status=1 ;;
@@ -143,6 +165,7 @@ case "$STEP" in
   racecheck) step_racecheck || status=1 ;;
   bench) step_bench || status=1 ;;
   bench-quick) step_bench --quick || status=1 ;;
+  bench-dtypes) step_bench_dtypes || status=1 ;;
   all)
     step_tests || status=1
     step_smoke || status=1
@@ -150,7 +173,7 @@ case "$STEP" in
     step_bench || status=1
     ;;
   *)
-    echo "usage: $0 [all|tests|smoke|sanitize|racecheck|bench|bench-quick]" >&2
+    echo "usage: $0 [all|tests|smoke|sanitize|racecheck|bench|bench-quick|bench-dtypes]" >&2
     exit 2
     ;;
 esac
