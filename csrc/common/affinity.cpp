@@ -119,10 +119,5 @@ void pinThisThread() {
   }
 }
 
-std::string sliceText() {
-  std::lock_guard<std::mutex> lock(gMu);
-  return compactList(gSlice);
-}
-
 }  // namespace affinity
 }  // namespace fastcomm

@@ -3,12 +3,14 @@
 // process's share of the host's physical cores instead of wherever the
 // scheduler puts them.
 //
-// Why: on one host, the ranks' ~10 busy threads each (8 tcp progress threads,
-// the proxy, NCCL's) outnumber the physical cores; where two land on SMT
-// siblings or migrate, a whole launch can run slower (the multi-node sweep's
-// launch-to-launch spread, benchmarks/results/2026-11-22-4xH200-2x2-session8.md).
-// NCCL binds its threads to the GPU's NUMA node; on a one-node host that is
-// every CPU, so fastcomm splits the cores between the local ranks instead.
+// Why (a hypothesis under test, hence off by default): on one host the ranks'
+// ~10 busy threads each (8 tcp progress threads, the proxy, NCCL's) can
+// outnumber the physical cores; where two share SMT siblings or migrate, a
+// whole launch may run slower, which would explain the multi-node sweep's
+// launch-to-launch spread (benchmarks/results/2026-11-22-4xH200-2x2-session8.md;
+// scripts/device_check.sh `spread` measures it). NCCL binds its threads to the
+// GPU's NUMA node; on a one-node host that is every CPU, so this splits the
+// cores between the local ranks instead.
 //
 // The slice: the CPUs this process may run on (sched_getaffinity at set-up),
 // grouped into physical cores (sysfs package and core ids, SMT siblings kept
@@ -46,9 +48,6 @@ void configure(const Config& cfg);
 
 // Pins the calling thread to the slice, if one was chosen; else nothing.
 void pinThisThread();
-
-// The chosen slice as "0-7,32-39", empty when none.
-std::string sliceText();
 
 // "0,1,2,5" -> "0-2,5".
 std::string compactList(const std::vector<int>& cpus);
