@@ -64,6 +64,17 @@ def gloo_skip(reason: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(is_gloo(), reason=f"gloo: {reason}")
 
 
+def load_script(name: str) -> Any:
+    """scripts/<name>.py as a module (the scripts are no package), for tests of their functions."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+    spec = importlib.util.spec_from_file_location(name, os.path.join(path, f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def free_port() -> int:
     """A TCP port that is free on 127.0.0.1 right now, chosen below the kernel's ephemeral
     range: a port from bind(0) is ephemeral, and the many connections the tests open draw

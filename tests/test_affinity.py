@@ -5,7 +5,6 @@ main thread keeps its mask; without the setting nothing is pinned."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 from typing import Any
@@ -14,18 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _harness import is_gloo, run_ranks
+from _harness import is_gloo, load_script, run_ranks
 
 pytestmark = pytest.mark.skipif(is_gloo(), reason="fastcomm's own threads")
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "pin_local_rank.py"
-
-
-def _probe() -> Any:
-    spec = importlib.util.spec_from_file_location("pin_local_rank", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.parametrize(
@@ -34,7 +24,7 @@ def _probe() -> Any:
 def test_slice_matches_the_probe_script(monkeypatch, ncores: int, smt: int, world: int) -> None:
     from torchext import _C
 
-    pin = _probe()
+    pin = load_script("pin_local_rank")
     # Siblings one core-count apart, as Linux numbers them; two packages when there are
     # enough cores, to check that (package, core) and not core alone tells cores apart.
     packages = 2 if ncores >= 4 else 1
@@ -62,7 +52,7 @@ def test_slice_matches_the_probe_script(monkeypatch, ncores: int, smt: int, worl
 def test_slice_on_this_host_matches_the_probe_script() -> None:
     from torchext import _C
 
-    pin = _probe()
+    pin = load_script("pin_local_rank")
     allowed = sorted(os.sched_getaffinity(0))
     for world in (1, 2, 3, 4):
         for r in range(world):
@@ -113,7 +103,7 @@ def affinity_fn(rank: int, ws: int) -> dict[str, Any]:
 
 @pytest.mark.parametrize("setting", ["local", "none"])
 def test_fastcomm_threads_run_on_their_slice(setting: str) -> None:
-    pin = _probe()
+    pin = load_script("pin_local_rank")
     env = lambda rank: {  # noqa: E731
         "FASTCOMM_HOST_ID": f"simnode{rank}",
         "FASTCOMM_CPU_AFFINITY": setting,

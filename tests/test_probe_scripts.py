@@ -4,7 +4,6 @@ command it execs runs under that mask."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -12,21 +11,16 @@ from pathlib import Path
 
 import pytest
 
+from _harness import load_script
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "pin_local_rank.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("pin_local_rank", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.parametrize(
     "ncores,smt,world", [(32, 2, 4), (8, 2, 3), (6, 1, 4), (2, 2, 4), (16, 4, 2)]
 )
 def test_slices_are_whole_cores_disjoint_and_complete(monkeypatch, ncores, smt, world):
-    pin = _load()
+    pin = load_script("pin_local_rank")
     # Linux numbers SMT siblings one core-count apart (cpu c and c + ncores).
     monkeypatch.setattr(pin, "core_of", lambda cpu: (0, cpu % ncores))
     cpus = set(range(ncores * smt))
@@ -48,13 +42,13 @@ def test_slices_are_whole_cores_disjoint_and_complete(monkeypatch, ncores, smt, 
 
 
 def test_bad_local_rank_is_refused():
-    pin = _load()
+    pin = load_script("pin_local_rank")
     with pytest.raises(ValueError, match="outside"):
         pin.slice_for(2, 2, {0, 1})
 
 
 def test_compact_ranges():
-    pin = _load()
+    pin = load_script("pin_local_rank")
     assert pin.compact([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
     assert pin.compact([3]) == "3"
     assert pin.compact([]) == ""
