@@ -193,6 +193,9 @@ class Variant:
         "auto": {},
         "mma": {"IMPL": "mma"},
         "simt": {"IMPL": "simt"},
+        # The CUDA-core kernel's 128x128 tiling at every size (auto takes it
+        # only once its tiles fill the GPU).
+        "simt_wide": {"IMPL": "simt", "TILE": "large"},
         "wgmma": _HOPPER,
         "coop": {**_HOPPER, "SCHED": "coop", "TILE": "large", "EPI": "direct", "CLUSTER": "1"},
         "coop_c2": {**_HOPPER, "SCHED": "coop", "TILE": "large", "EPI": "direct", "CLUSTER": "2"},

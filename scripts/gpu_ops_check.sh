@@ -73,7 +73,7 @@ step_sanitize() {
   echo "[gpu_ops_check] compute-sanitizer -> $OUT/ops_sanitizer.log"
   local cs
   cs="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
-  local rc=0 variants="simt,mma"
+  local rc=0 variants="simt,simt_wide,mma"
   if is_sm90; then variants="$variants,coop,coop_tma,coop_c2,pingpong,pingpong_c2"; fi
   {
     echo "== $cs"
@@ -84,10 +84,12 @@ step_sanitize() {
         "$PY" scripts/matmul_smoke.py --quick --variants "$v" 2>&1 | tail -n 40
       [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
     done
-    echo "== racecheck variant mma (shared-memory hazards)"
-    "$cs" --tool racecheck --error-exitcode 9 --print-limit 20 \
-      "$PY" scripts/matmul_smoke.py --quick --variants mma 2>&1 | tail -n 20
-    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    for v in mma simt_wide; do
+      echo "== racecheck variant $v (shared-memory hazards)"
+      "$cs" --tool racecheck --error-exitcode 9 --print-limit 20 \
+        "$PY" scripts/matmul_smoke.py --quick --variants "$v" 2>&1 | tail -n 20
+      [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    done
     echo "== sanitizer steps exit status: $rc"
   } > "$OUT/ops_sanitizer.log" 2>&1
   grep -E "^== |ERROR SUMMARY|variants OK|RACECHECK SUMMARY" "$OUT/ops_sanitizer.log" | tail -n 30

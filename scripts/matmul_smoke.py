@@ -61,20 +61,31 @@ def poison() -> None:
     del bufs
 
 
-def check(dtypes: list[torch.dtype], shapes: list[tuple[int, int, int]]) -> float:
-    """Worst error / tolerance of both ops over shapes, layouts and activations."""
+def check(dtypes: list[torch.dtype], shapes: list[tuple[int, int, int]]) -> tuple[float, list[str]]:
+    """Worst error / tolerance of both ops over shapes, layouts and activations, and a line
+    per case over tolerance (dtype, shape, layout or activation, the kernel that ran it)."""
     worst = 0.0
+    failures: list[str] = []
+
+    def record(ratio: float, what: str, a: torch.Tensor, b: torch.Tensor, act: str) -> None:
+        nonlocal worst
+        worst = max(worst, ratio)
+        if not ratio < 1:
+            kernel = torch.ops.fastcomm._kernel_name(a, b, act)
+            failures.append(f"{what}: error / tolerance {ratio:.3f} [{kernel}]")
+
     for dt in dtypes:
         for m, n, k in shapes:
             a = torch.randn(m, k, device="cuda").to(dt)
             at = torch.randn(k, m, device="cuda").to(dt).t()
             b = torch.randn(k, n, device="cuda").to(dt)
             bt = torch.randn(n, k, device="cuda").to(dt).t()
-            for aa in (a, at):
-                for bb in (b, bt):
+            for name_a, aa in (("a", a), ("a^T", at)):
+                for name_b, bb in (("b", b), ("b^T", bt)):
                     poison()
                     out = torch.ops.fastcomm.matmul(aa, bb)
-                    worst = max(worst, rel_err(out, aa.double() @ bb.double()) / TOL[dt])
+                    ratio = rel_err(out, aa.double() @ bb.double()) / TOL[dt]
+                    record(ratio, f"{dt} {m}x{n}x{k} matmul {name_a} @ {name_b}", aa, bb, "none")
             w, bias = bt.t(), torch.randn(n, device="cuda").to(dt)
             pre = a.double() @ w.double().t() + bias.double()
             for act in ACTS:
@@ -87,9 +98,10 @@ def check(dtypes: list[torch.dtype], shapes: list[tuple[int, int, int]]) -> floa
                     "silu": F.silu(pre),
                     "gelu_tanh": F.gelu(pre, approximate="tanh"),
                 }[act]
-                worst = max(worst, rel_err(y, ref) / TOL[dt])
+                ratio = rel_err(y, ref) / TOL[dt]
+                record(ratio, f"{dt} {m}x{n}x{k} linear {act}", a, w.t(), act)
     torch.cuda.synchronize()
-    return worst
+    return worst, failures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.variants:
         names = [v for v in args.variants.split(",") if v]
     else:
-        names = ["auto", "simt"] + (["mma"] if cc[0] >= 8 else [])
+        names = ["auto", "simt", "simt_wide"] + (["mma"] if cc[0] >= 8 else [])
         if cc == (9, 0):
             names += [v for v in Variant.ENV if v not in names and v != "wgmma"] + list(EXTRAS)
     shapes = SMALL if args.quick else SMALL + LARGE
@@ -120,19 +132,21 @@ def main(argv: list[str] | None = None) -> int:
         with Variant(base):
             os.environ.update(extra)
             dtypes = [torch.float16, torch.bfloat16]
-            if base in ("auto", "simt"):
+            if base in ("auto", "simt", "simt_wide"):
                 dtypes.append(torch.float32)
             try:
                 probe = torch.empty(4096, 4096, device="cuda", dtype=torch.bfloat16)
                 kernel = torch.ops.fastcomm._kernel_name(probe, probe)
                 t0 = time.perf_counter()
-                worst = check(dtypes, shapes)
+                worst, failures = check(dtypes, shapes)
                 status = "OK" if worst < 1 else "FAIL"
                 msg = f"worst error / tolerance {worst:.3f}  ({time.perf_counter() - t0:.1f} s)"
             except RuntimeError as e:
-                status, kernel, msg = "FAIL", "-", f"raised {str(e)[:200]}"
+                status, kernel, msg, failures = "FAIL", "-", f"raised {str(e)[:200]}", []
         failed += status != "OK"
         print(f"{name:22s} {status:4s} {msg}  [{kernel} at 4096^2]", flush=True)
+        for line in failures:
+            print(f"    {line}", flush=True)
     print(f"matmul_smoke: {len(names) - failed}/{len(names)} variants OK")
     return 1 if failed else 0
 

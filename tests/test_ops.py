@@ -117,6 +117,30 @@ def test_linear_matches_float64(device, dtype, act, with_bias):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu"])
+def test_activation_negative_tail_elementwise(device, dtype, act):
+    """Every output of the smooth activations close to float64, element by element, down the
+    negative tail (x = -1 .. -5), where 1 + erf(x / sqrt 2) and 1 + tanh(u) cancel: computed
+    that way, float32 gelu(-3) is off by ~4e-5 relative and gelu_tanh(-5) by ~100%."""
+    x = -torch.linspace(1.0, 5.0, 161, dtype=torch.float64)
+    # K = 1 and weight 1: the pre-activation is the input exactly.
+    x_in = x.to(dtype).reshape(-1, 1).to(device)
+    w = torch.ones(1, 1, dtype=dtype, device=device)
+    y = ops.linear(x_in, w, None, act).double().cpu().reshape(-1)
+    v = x_in.double().cpu().reshape(-1)
+    # Tail-accurate float64 references (F.gelu's 1 + erf cancels in float64 as well).
+    if act == "gelu":
+        ref = 0.5 * v * torch.special.erfc(-v / math.sqrt(2.0))
+    elif act == "gelu_tanh":
+        ref = v * torch.sigmoid(2.0 * math.sqrt(2.0 / math.pi) * (v + 0.044715 * v**3))
+    else:
+        ref = v * torch.sigmoid(v)
+    rel = ((y - ref).abs() / ref.abs()).max().item()
+    assert rel < RTOL[dtype], (act, rel)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_batched_and_1d_inputs(device, dtype):
     a = _rand(2, 3, 9, 20, dtype=dtype, device=device)
@@ -429,8 +453,15 @@ def test_cuda_kernel_paths(monkeypatch, impl, tile, dtype):
 
 @pytest.mark.cuda(1)
 @_skip_no_cuda
+@pytest.mark.parametrize("tile", ["auto", "large", "small"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_cuda_fp32_fp64_paths(monkeypatch, dtype):
+def test_cuda_fp32_fp64_paths(monkeypatch, tile, dtype):
+    """The CUDA-core kernel in both tilings (double always takes the 64x64 one)."""
+    monkeypatch.setenv("FASTCOMM_MATMUL_TILE", tile)
+    probe = torch.empty(300, 520, device="cuda", dtype=dtype)
+    name = torch.ops.fastcomm._kernel_name(probe, probe.t())
+    wide = tile == "large" and dtype == torch.float32
+    assert name == ("simt 128x128" if wide else "simt 64x64"), (tile, dtype, name)
     _check_all_layouts("cuda", dtype, SHAPES + CUDA_SHAPES[:2])
 
 
@@ -577,7 +608,9 @@ def test_cuda_default_dispatch(monkeypatch):
     elif _cuda_cc()[0] >= 8:
         assert name_big.startswith("mma ") and name_small.startswith("mma "), (name_big, name_small)
     f32 = torch.empty(64, 64, device="cuda")
-    assert torch.ops.fastcomm._kernel_name(f32, f32).startswith("simt"), "float32 path"
+    assert torch.ops.fastcomm._kernel_name(f32, f32) == "simt 64x64", "float32, small"
+    f32 = torch.empty(4096, 4096, device="cuda")
+    assert torch.ops.fastcomm._kernel_name(f32, f32) == "simt 128x128", "float32, fills the GPU"
     a = _rand(2048, 1024, dtype=bf, device="cuda")
     w = _rand(3072, 1024, dtype=bf, device="cuda")
     b = _rand(3072, dtype=bf, device="cuda")

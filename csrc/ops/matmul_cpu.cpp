@@ -38,10 +38,14 @@ inline Acc apply_activation(Acc v, Activation act) {
     case Activation::kRelu:
       return v > Acc(0) ? v : Acc(0);
     case Activation::kGelu:
-      return Acc(0.5) * v * (Acc(1) + std::erf(v * Acc(0.70710678118654752440)));
+      // erfc(-x / sqrt 2) == 1 + erf(x / sqrt 2) without the latter's
+      // cancellation for negative x (kernels/matmul_device.cuh, activate).
+      return Acc(0.5) * v * std::erfc(v * Acc(-0.70710678118654752440));
     case Activation::kGeluTanh: {
+      // (1 + tanh(u)) / 2 == 1 / (1 + exp(-2u)): no cancellation for
+      // negative v; exp overflow there gives v / inf = -0, the limit.
       const Acc inner = Acc(0.79788456080286535588) * (v + Acc(0.044715) * v * v * v);
-      return Acc(0.5) * v * (Acc(1) + std::tanh(inner));
+      return v / (Acc(1) + std::exp(Acc(-2) * inner));
     }
     case Activation::kSilu:
       return v / (Acc(1) + std::exp(-v));

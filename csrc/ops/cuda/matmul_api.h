@@ -40,7 +40,9 @@ struct GemmArgs {
 enum class Tile : int { kAuto = 0, kLarge = 1, kSmall = 2 };
 
 // Generic tiled kernel (CUDA cores, any strides, any dtype, any arch).
-cudaError_t launch_gemm_simt(const GemmArgs& args, cudaStream_t stream);
+cudaError_t launch_gemm_simt(const GemmArgs& args, int num_sms, Tile tile, cudaStream_t stream);
+// Its tile choice: true for 128 x 128, false for 64 x 64 (always for double).
+bool gemm_simt_large_tile(const GemmArgs& args, int num_sms, Tile tile);
 
 // Tensor-core kernel with mma.sync (sm_80+), float16 / bfloat16 only.
 // Requirements (the caller copies operands that miss them):

@@ -166,14 +166,15 @@ void fill_ab(kc::GemmArgs& args, const Operand& a, const Operand& b) {
 }
 
 // The CUDA-core kernel reads A and B through their strides, any layout.
-cudaError_t launch_simt(kc::GemmArgs& args, const GemmProblem& p, cudaStream_t stream) {
+cudaError_t launch_simt(kc::GemmArgs& args, const GemmProblem& p, int num_sms, kc::Tile tile,
+                        cudaStream_t stream) {
   args.a = p.A.const_data_ptr();
   args.sam = p.A.stride(0);
   args.sak = p.A.stride(1);
   args.b = p.B.const_data_ptr();
   args.sbk = p.B.stride(0);
   args.sbn = p.B.stride(1);
-  return kc::launch_gemm_simt(args, stream);
+  return kc::launch_gemm_simt(args, num_sms, tile, stream);
 }
 
 // The problem's sizes and types as the kernels see them; operand pointers
@@ -246,7 +247,7 @@ at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias
       break;
     }
     case Path::kSimt:
-      err = launch_simt(args, p, stream);
+      err = launch_simt(args, p, prop->multiProcessorCount, to_tile(cfg.tile), stream);
       break;
   }
   C10_CUDA_CHECK(err);
@@ -279,7 +280,9 @@ std::string kernel_name_cuda(const at::Tensor& a, const at::Tensor& b,
     case Path::kSimt:
       break;
   }
-  return "simt 64x64";
+  return kc::gemm_simt_large_tile(args, prop->multiProcessorCount, to_tile(cfg.tile))
+             ? "simt 128x128"
+             : "simt 64x64";
 }
 
 at::Tensor matmul_cuda(const at::Tensor& a, const at::Tensor& b) {
