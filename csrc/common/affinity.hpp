@@ -3,12 +3,13 @@
 // process's share of the host's physical cores instead of wherever the
 // scheduler puts them.
 //
-// Why (a hypothesis under test, hence off by default): on one host the ranks'
-// ~10 busy threads each (8 tcp progress threads, the proxy, NCCL's) can
-// outnumber the physical cores; where two share SMT siblings or migrate, a
-// whole launch may run slower, which would explain the multi-node sweep's
-// launch-to-launch spread (benchmarks/results/2026-11-22-4xH200-2x2-session8.md;
-// scripts/device_check.sh `spread` measures it). NCCL binds its threads to the
+// Why: on one host the ranks' ~10 busy threads each (8 tcp progress threads,
+// the proxy, NCCL's) can outnumber the physical cores; where two share SMT
+// siblings or migrate, a whole launch may run slower. Off by default: it was
+// the suspect for the multi-node sweep's launch-to-launch spread, and the
+// measurement (scripts/device_check.sh `spread`,
+// benchmarks/results/2026-11-22-4xH200-2x2-session9.md) cleared it: slow
+// launches were slow pinned or not. NCCL binds its threads to the
 // GPU's NUMA node; on a one-node host that is every CPU, so this splits the
 // cores between the local ranks instead.
 //
