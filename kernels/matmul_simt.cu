@@ -27,6 +27,21 @@ namespace {
 
 using namespace detail;
 
+// This block's output tile: grouped order, 8 tile rows at a time, so that
+// neighbouring blocks share operand panels in L2.
+template <int BM, int BN>
+__device__ __forceinline__ void block_tile_origin(int M, int N, int& m0, int& n0) {
+  int tm, tn;
+  grouped_tile<8>(blockIdx.x, (M + BM - 1) / BM, (N + BN - 1) / BN, tm, tn);
+  m0 = tm * BM;
+  n0 = tn * BN;
+}
+
+// Whether consecutive threads should walk A along M (else along K) and B
+// along N (else along K): the operand's unit-stride dimension.
+__device__ __forceinline__ bool m_is_fast(const GemmArgs& p) { return p.sam == 1 && p.sak != 1; }
+__device__ __forceinline__ bool n_is_fast(const GemmArgs& p) { return !(p.sbk == 1 && p.sbn != 1); }
+
 // Thread output (i, j) is C[row0 + i * TY][col0 + j * TX].
 template <typename T, typename Acc, Act ACT, int TM, int TN, int TX, int TY>
 __device__ __forceinline__ void simt_epilogue(const GemmArgs& p, const Acc (&acc)[TM][TN], int row0,
@@ -66,14 +81,11 @@ __global__ void __launch_bounds__((BM / TM) * (BN / TN)) gemm_simt_kernel(const 
   const int tid = threadIdx.x;
   const int tx = tid % TX, ty = tid / TX;
 
-  const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
-  int tm, tn;
-  grouped_tile<8>(blockIdx.x, tiles_m, tiles_n, tm, tn);
-  const int m0 = tm * BM, n0 = tn * BN;
+  int m0, n0;
+  block_tile_origin<BM, BN>(M, N, m0, n0);
 
   // Consecutive threads walk the operand's unit-stride dimension.
-  const bool a_m_fast = p.sam == 1 && p.sak != 1;
-  const bool b_n_fast = !(p.sbk == 1 && p.sbn != 1);
+  const bool a_m_fast = m_is_fast(p), b_n_fast = n_is_fast(p);
 
   Acc ra[A_PER], rb[B_PER];
   auto a_index = [&](int i, int& mm, int& kk) {
@@ -205,17 +217,14 @@ __global__ void __launch_bounds__(256, 2) gemm_simt_wide_kernel(const GemmArgs p
   const int tx = (warp % 2) * 8 + lane % 8;  // 0..15
   const int ty = (warp / 2) * 4 + lane / 8;  // 0..15
 
-  const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
-  int tm, tn;
-  grouped_tile<8>(blockIdx.x, tiles_m, tiles_n, tm, tn);
-  const int m0 = tm * BM, n0 = tn * BN;
+  int m0, n0;
+  block_tile_origin<BM, BN>(M, N, m0, n0);
 
   // Consecutive threads walk the operand's unit-stride dimension. A thread's
   // A_PER elements of a slice are one step apart (32 rows, or 2 k), so one
   // pointer and one step per operand address them: fewer registers than an
   // address per element, which keeps the kernel at two blocks per SM.
-  const bool a_m_fast = p.sam == 1 && p.sak != 1;
-  const bool b_n_fast = !(p.sbk == 1 && p.sbn != 1);
+  const bool a_m_fast = m_is_fast(p), b_n_fast = n_is_fast(p);
   const int a_mm = a_m_fast ? tid % BM : tid / BK, a_kk = a_m_fast ? tid / BM : tid % BK;
   const int a_dm = a_m_fast ? 0 : THREADS / BK, a_dk = a_m_fast ? THREADS / BM : 0;
   const int b_nn = b_n_fast ? tid % BN : tid / BK, b_kk = b_n_fast ? tid / BN : tid % BK;
