@@ -103,37 +103,47 @@ for stage in "${stages[@]}"; do
     spread)
       # Launch-to-launch spread of the multi-node all_reduce (256 MiB float32,
       # 2 simulated nodes, fastcomm alone, the sweep's timing loop):
-      # SPREAD_LAUNCHES rounds of three launches: free; every rank's whole
-      # process pinned to its own slice of the physical cores
-      # (scripts/pin_local_rank.py); only fastcomm's threads pinned to the same
-      # slice (FASTCOMM_CPU_AFFINITY=local). If pinned launches are fast and
-      # steady where free ones are not, thread placement is what makes some
-      # official-sweep launches slow.
-      say "launch spread, free vs pinned ranks vs FASTCOMM_CPU_AFFINITY=local, $NGPU GPUs as 2 nodes"
-      lscpu | grep -E '^(CPU\(s\)|Thread|Core|Socket|NUMA node)' | tee -a "$LOG"
+      # SPREAD_LAUNCHES rounds of the SPREAD_MODES launches, one after the other:
+      #   free     the CUDA all_reduce as the sweep runs it
+      #   pinned   every rank's whole process pinned to its own slice of the
+      #            physical cores (scripts/pin_local_rank.py)
+      #   threads  only fastcomm's threads pinned (FASTCOMM_CPU_AFFINITY=local)
+      #   cpu      the same all_reduce of CPU tensors: the TCP loopback path
+      #            without GPUs or staging
+      #   membw    the host's copy bandwidth (scripts/host_membw.py)
+      # Session 9 ran free / pinned / threads: a slow round was slow in all
+      # three (benchmarks/results/2026-11-22-4xH200-2x2-session9.md). If cpu
+      # and membw fall in the rounds where free does, the host's memory (shared
+      # with other tenants) is what varies.
+      say "launch spread (${SPREAD_MODES:-free cpu membw}), $NGPU GPUs as 2 nodes"
+      lscpu | grep -E '^(CPU\(s\)|Thread|Core|Socket|NUMA node|Model name|L3)' | tee -a "$LOG"
       rm -f /tmp/spread_*
-      bench=(benchmarks/bench_collectives.py --device cuda --backends fastcomm --ops all_reduce
+      bench=(benchmarks/bench_collectives.py --backends fastcomm --ops all_reduce
         --sim-nodes 2 --min-bytes 256M --max-bytes 256M --repeats 3 --time-per-size 0.5)
       for i in $(seq 1 "${SPREAD_LAUNCHES:-3}"); do
-        for mode in free pinned threads; do
-          if [[ $mode == pinned ]]; then
-            script=(scripts/pin_local_rank.py "$PY" "${bench[@]}")
-          else
-            script=("${bench[@]}")
-          fi
+        for mode in ${SPREAD_MODES:-free cpu membw}; do
+          json="/tmp/spread_${i}_${mode}.json"
           affinity=none
-          [[ $mode == threads ]] && affinity=local
-          FASTCOMM_CPU_AFFINITY=$affinity timeout 120 "$PY" -m torch.distributed.run --standalone \
-            --nproc_per_node="$NGPU" "${script[@]}" --json "/tmp/spread_${i}_${mode}.json" \
+          case $mode in
+            free) cmd=(-m torch.distributed.run --standalone --nproc_per_node="$NGPU" "${bench[@]}" --device cuda) ;;
+            pinned) cmd=(-m torch.distributed.run --standalone --nproc_per_node="$NGPU"
+              scripts/pin_local_rank.py "$PY" "${bench[@]}" --device cuda) ;;
+            threads) affinity=local
+              cmd=(-m torch.distributed.run --standalone --nproc_per_node="$NGPU" "${bench[@]}" --device cuda) ;;
+            cpu) cmd=(-m torch.distributed.run --standalone --nproc_per_node="$NGPU" "${bench[@]}" --device cpu) ;;
+            membw) cmd=(scripts/host_membw.py --mib 1024 --threads 16) ;;
+            *) echo "spread: unknown mode $mode" | tee -a "$LOG"; continue ;;
+          esac
+          FASTCOMM_CPU_AFFINITY=$affinity OMP_NUM_THREADS=1 timeout 120 "$PY" "${cmd[@]}" --json "$json" \
             > "/tmp/spread_${i}_${mode}.log" 2>&1
-          "$PY" - "/tmp/spread_${i}_${mode}.json" "$mode" "$i" <<'PY' 2>&1 | tee -a "$LOG"
+          "$PY" - "$json" "$mode" "$i" <<'PY' 2>&1 | tee -a "$LOG"
 import json, sys
 try:
     rows = json.load(open(sys.argv[1]))["results"]
-    bw = [r["busbw_gbps"] for r in rows if r.get("backend") == "fastcomm"]
-    print(f"launch {sys.argv[3]} {sys.argv[2]:6s} busbw {' '.join(f'{b:.2f}' for b in bw)} GB/s")
+    bw = [r["busbw_gbps"] for r in rows if r.get("backend") in ("fastcomm", "host-copy")]
+    print(f"launch {sys.argv[3]} {sys.argv[2]:7s} {' '.join(f'{b:.2f}' for b in bw)} GB/s")
 except Exception as e:  # a failed launch: say so, keep going
-    print(f"launch {sys.argv[3]} {sys.argv[2]:6s} FAILED ({e})")
+    print(f"launch {sys.argv[3]} {sys.argv[2]:7s} FAILED ({e})")
 PY
         done
       done

@@ -1,9 +1,11 @@
-"""The CPU-pinning probe of the multi-node benchmarks (scripts/pin_local_rank.py): local ranks
-get disjoint slices of whole physical cores that together cover every allowed CPU, and the
-command it execs runs under that mask."""
+"""The probes beside the multi-node benchmarks. The CPU-pinning one (scripts/pin_local_rank.py):
+local ranks get disjoint slices of whole physical cores that together cover every allowed CPU,
+and the command it execs runs under that mask. The host-memory one (scripts/host_membw.py):
+writes the benchmarks' JSON shape, with one positive rate per timed copy."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -73,3 +75,19 @@ def test_execs_the_command_under_the_mask():
     )
     assert out.stdout.strip() == str(allowed)
     assert "local rank 0 of 1" in out.stderr
+
+
+def test_host_membw_writes_benchmark_json(tmp_path):
+    membw = load_script("host_membw")
+    out = tmp_path / "membw.json"
+    assert membw.main(["--mib", "8", "--threads", "1", "--iters", "3", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["backend"] == "host-copy" and row["bytes"] == 8 << 20
+    assert len(row["samples_gbps"]) == 3 and all(r > 0 for r in row["samples_gbps"])
+    assert min(row["samples_gbps"]) <= row["busbw_gbps"] <= max(row["samples_gbps"])
+
+
+def test_host_membw_rejects_nonpositive_arguments():
+    membw = load_script("host_membw")
+    with pytest.raises(SystemExit):
+        membw.main(["--iters", "0"])
