@@ -1,7 +1,5 @@
 #include "backend/lane.hpp"
 
-#include <pthread.h>
-
 #include "common/affinity.hpp"
 
 namespace fastcomm {
@@ -28,8 +26,7 @@ void SerialLane::submit(std::function<void()> job) {
 }
 
 void SerialLane::loop() {
-  pthread_setname_np(pthread_self(), name_.substr(0, 15).c_str());
-  affinity::pinThisThread();
+  affinity::enterBusyThread(name_);
   while (true) {
     std::function<void()> job;
     {

@@ -119,5 +119,10 @@ void pinThisThread() {
   }
 }
 
+void enterBusyThread(const std::string& name) {
+  pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
+  pinThisThread();
+}
+
 }  // namespace affinity
 }  // namespace fastcomm

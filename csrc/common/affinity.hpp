@@ -50,6 +50,11 @@ void configure(const Config& cfg);
 // Pins the calling thread to the slice, if one was chosen; else nothing.
 void pinThisThread();
 
+// The first lines of each of fastcomm's busy threads: names the calling
+// thread (its first 15 characters, the kernel's limit; shown by top, gdb and
+// the timeline) and pins it (pinThisThread).
+void enterBusyThread(const std::string& name);
+
 // "0,1,2,5" -> "0-2,5".
 std::string compactList(const std::vector<int>& cpus);
 

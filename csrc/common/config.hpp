@@ -73,7 +73,8 @@ struct Config {
   // FASTCOMM_CPU_AFFINITY: none | local. local: fastcomm's busy threads
   // (transport progress, the multi-node proxy, the lanes) run on this local
   // rank's share of the host's physical cores (common/affinity.hpp), from the
-  // launcher's LOCAL_RANK / LOCAL_WORLD_SIZE. Off by default until measured.
+  // launcher's LOCAL_RANK / LOCAL_WORLD_SIZE. Off by default: measured, it
+  // did not steady the multi-node launches (common/affinity.hpp says more).
   std::string cpuAffinity = "none";
   int launcherLocalRank = -1;       // LOCAL_RANK, -1 when unset
   int launcherLocalWorldSize = -1;  // LOCAL_WORLD_SIZE, -1 when unset

@@ -1,6 +1,5 @@
 #include "plans/staged_rail.hpp"
 
-#include <pthread.h>
 #include <sys/prctl.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
@@ -411,8 +410,7 @@ void StagedRail::enqueueFromStream(void* hostOp) {
 }
 
 void StagedRail::proxyLoop() {
-  pthread_setname_np(pthread_self(), kThread);  // the name its timeline rows carry
-  affinity::pinThisThread();
+  affinity::enterBusyThread(kThread);  // the name its timeline rows carry
   // Precise short naps: the default 50 us timer slack would stretch every
   // poll interval.
   prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);

@@ -1,7 +1,6 @@
 #include "inter/ib/ib_transport.hpp"
 
 #include <poll.h>
-#include <pthread.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -1106,8 +1105,7 @@ void Engine::timers() {
 }
 
 void Engine::run() {
-  pthread_setname_np(pthread_self(), "fc-ib");
-  affinity::pinThisThread();
+  affinity::enterBusyThread("fc-ib");
   std::vector<Completion> wcs(64);
   auto nextTimer = Clock::now() + kTimerPeriod;
   while (!stop_.load(std::memory_order_acquire)) {

@@ -2,7 +2,6 @@
 
 #include <netinet/in.h>
 #include <netinet/tcp.h>
-#include <pthread.h>
 #include <poll.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
@@ -495,8 +494,7 @@ class TcpConnection : public Connection {
 
 void Worker::run() {
   tlsWorker_ = this;
-  pthread_setname_np(pthread_self(), ("fc-tcp" + std::to_string(id_)).substr(0, 15).c_str());
-  affinity::pinThisThread();
+  affinity::enterBusyThread("fc-tcp" + std::to_string(id_));
   constexpr int kMaxEvents = 64;
   epoll_event evs[kMaxEvents];
   while (!stop_.load(std::memory_order_acquire)) {
