@@ -154,16 +154,24 @@ PY
       ;;
     stagedsweep)
       # The staged CUDA all_reduce across 2 simulated nodes under transport
-      # settings (FASTCOMM_TCP_SOCKETS x FASTCOMM_TCP_THREADS, chunk bytes):
-      # wall time and the proxy's phases per setting (STAGED_CONFIGS overrides).
+      # settings SOCKETSxTHREADS:CHUNK[:WINDOW[:LAG]] (FASTCOMM_TCP_SOCKETS,
+      # FASTCOMM_TCP_THREADS, FASTCOMM_CUDA_CHUNK_BYTES, FASTCOMM_CUDA_WINDOW,
+      # FASTCOMM_CUDA_LAG; left out: fastcomm's defaults): wall time and the
+      # proxy's phases per setting (STAGED_CONFIGS overrides).
       say "staged all_reduce settings sweep, $NGPU GPUs as 2 nodes"
       for cfg in ${STAGED_CONFIGS:-4x2:4M 8x4:4M 16x4:4M 8x4:8M 8x4:16M 16x8:8M}; do
-        socks=${cfg%%x*}; rest=${cfg#*x}; threads=${rest%%:*}; chunk=${cfg#*:}
-        echo "--- sockets $socks threads $threads chunk $chunk" | tee -a "$LOG"
-        FASTCOMM_TCP_SOCKETS=$socks FASTCOMM_TCP_THREADS=$threads FASTCOMM_CUDA_CHUNK_BYTES=$chunk \
-          timeout 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
-          benchmarks/trace_staged_allreduce.py --sim-nodes 2 --sizes 16M,256M --iters 7 \
-          ${STAGED_ARGS:-} --json "$OUT/staged_${socks}x${threads}_${chunk}.json" 2>&1 \
+        IFS=: read -r st chunk window lag <<< "$cfg"
+        socks=${st%%x*}; threads=${st#*x}
+        sched=(); label=w${window:-default}_lag${lag:-default}
+        [[ -n $window ]] && sched+=(FASTCOMM_CUDA_WINDOW="$window")
+        [[ -n $lag ]] && sched+=(FASTCOMM_CUDA_LAG="$lag")
+        wire=$(echo "${STAGED_ARGS:-}" | grep -o 'bf16\|fp16' || echo f32)
+        echo "--- sockets $socks threads $threads chunk $chunk $label ($wire)" | tee -a "$LOG"
+        env "${sched[@]}" FASTCOMM_TCP_SOCKETS=$socks FASTCOMM_TCP_THREADS=$threads \
+          FASTCOMM_CUDA_CHUNK_BYTES=$chunk timeout 120 "$PY" -m torch.distributed.run --standalone \
+          --nproc_per_node="$NGPU" benchmarks/trace_staged_allreduce.py --sim-nodes 2 --sizes 16M,256M \
+          --iters 7 ${STAGED_ARGS:-} \
+          --json "$OUT/staged_${socks}x${threads}_${chunk}_${label}_${wire}.json" 2>&1 \
           | grep "B  median" | tee -a "$LOG"
       done
       ;;

@@ -108,6 +108,26 @@ def test_every_dtype_and_op_many_chunks() -> None:
     run_ranks(4, matrix_fn, numels, env=env, timeout_s=600)
 
 
+def test_window_follows_rank_zero() -> None:
+    """FASTCOMM_CUDA_WINDOW (chunks in flight) set differently per rank: rank 0's choice (the
+    fewest slots the schedule allows, 3) holds everywhere, a FASTCOMM_CUDA_LAG set for a larger
+    window is cut to fit it, and every dtype x op stays right with many more chunks than
+    slots."""
+    numels = dict.fromkeys(DTYPES, 70_001)
+
+    def env(rank: int) -> dict[str, str]:
+        return nodes_env(
+            [0, 0, 1, 1],
+            FASTCOMM_TIMELINE="1",
+            FASTCOMM_CUDA_HIER_MIN_BYTES="0",
+            FASTCOMM_CUDA_CHUNK_BYTES="16K",
+            FASTCOMM_CUDA_WINDOW="3" if rank == 0 else "16",
+            FASTCOMM_CUDA_LAG="1" if rank == 0 else "9",
+        )(rank)
+
+    run_ranks(4, matrix_fn, numels, env=env, timeout_s=600)
+
+
 def test_every_dtype_and_op_default_settings() -> None:
     """The default threshold (1 MiB) and chunk (4 MiB): sizes just above the threshold."""
     numels = {

@@ -205,9 +205,38 @@ def test_choices_follow_rank_zero() -> None:
         e = {"FASTCOMM_HOST_ID": f"simnode{rank // 2}"}
         if rank % 2:
             e.update(FASTCOMM_WIRE_DTYPE="bf16", FASTCOMM_CHUNK_BYTES="64K")
+            e.update(
+                FASTCOMM_CUDA_WINDOW="16", FASTCOMM_CUDA_LAG="9", FASTCOMM_CUDA_CHUNK_BYTES="1M"
+            )
         return e
 
     run_ranks(4, agree_fn, env=env)
+
+
+def bad_setting_fn(rank: int, ws: int, name: str, value: str) -> dict[str, Any]:
+    os.environ[name] = value
+    with pytest.raises(Exception) as info:
+        dist.init_process_group(BACKEND, rank=rank, world_size=ws)
+    text = str(info.value)
+    assert f"{name}={value}" in text, text
+    return {"error": text}
+
+
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("FASTCOMM_CUDA_WINDOW", "2"),
+        ("FASTCOMM_CUDA_WINDOW", "33"),
+        ("FASTCOMM_CUDA_LAG", "0"),
+        ("FASTCOMM_CUDA_LAG", "6"),  # not below the default window
+        ("FASTCOMM_WIRE_DTYPE", "fp8"),
+    ],
+)
+def test_bad_setting_is_refused_at_init(name: str, value: str) -> None:
+    """A setting out of its range fails init_process_group with an error naming it, before
+    any communication."""
+    out = run_ranks(1, bad_setting_fn, name, value, init=False)
+    assert name in out[0]["error"]
 
 
 def _task_count() -> int:

@@ -109,6 +109,20 @@ def test_staged_rail_correctness(ws: int, kernels: str) -> None:
     run_ranks(ws, correctness_fn, kernels, init=False, timeout_s=400)
 
 
+def _check_wire_rounding(
+    chk: Checker, t: torch.Tensor, inputs: list[torch.Tensor], op: str, eps: float, what: str
+) -> torch.Tensor:
+    """A float32 SUM/AVG over a 16-bit wire (unit roundoff `eps`) is within a few roundings of
+    the float64 reference, scaled by the sum of magnitudes. Returns the error."""
+    exact = torch.stack([x.double() for x in inputs]).sum(0)
+    scale = torch.stack([x.double().abs() for x in inputs]).sum(0)
+    if op == "AVG":
+        exact, scale = exact / len(inputs), scale / len(inputs)
+    err = (t.double() - exact).abs()
+    chk.true(bool((err <= 4 * eps * scale + 1e-30).all()), f"{what}: error {err.max():.3g}")
+    return err
+
+
 def wire_fn(rank: int, ws: int, wire: str, kernels: str) -> dict[str, Any]:
     store = _store(rank, ws)
     chk = Checker(f"rank {rank}")
@@ -120,12 +134,7 @@ def wire_fn(rank: int, ws: int, wire: str, kernels: str) -> dict[str, Any]:
         inputs = [gen(f"wire/{op}", r, (n,), torch.float32, "SUM") for r in range(ws)]
         t = inputs[rank].clone()
         ep.wait(ep.issue(t, op))
-        exact = torch.stack([x.double() for x in inputs]).sum(0)
-        scale = torch.stack([x.double().abs() for x in inputs]).sum(0)
-        if op == "AVG":
-            exact, scale = exact / ws, scale / ws
-        err = (t.double() - exact).abs()
-        chk.true(bool((err <= 4 * eps * scale + 1e-30).all()), f"{op}: error {err.max():.3g}")
+        err = _check_wire_rounding(chk, t, inputs, op, eps, op)
         chk.true(bool((err > 0).any()), f"{op}: no rounding: the wire dtype is not in use")
         results[op] = t
     ints = [gen("wire/int", r, (5000,), torch.int32, "SUM") for r in range(ws)]
@@ -151,6 +160,60 @@ def test_staged_rail_wire_dtype(wire: str, kernels: str) -> None:
     """float32 SUM/AVG over a 16-bit wire: within its rounding of the float64 reference and
     bit-identical on every rank; integers exact."""
     run_ranks(3, wire_fn, wire, kernels, init=False, timeout_s=300)
+
+
+def window_fn(rank: int, ws: int, window: int, lag: int) -> dict[str, Any]:
+    store = _store(rank, ws)
+    chk = Checker(f"rank {rank}")
+    endpoints = {
+        wire: _endpoint(store, f"window-{window}-{lag}-{wire}", rank, ws, chunk_bytes=4096,
+                        window=window, lag=lag, wire=wire)
+        for wire in ("none", "bf16")
+    }  # fmt: skip
+    cases = [
+        ("none", torch.float32, "SUM", 40_009),
+        ("none", torch.int64, "MAX", 20_011),
+        ("none", torch.bfloat16, "AVG", 70_001),
+        ("bf16", torch.float32, "SUM", 60_013),
+        ("none", torch.uint8, "MIN", 5),
+        ("none", torch.float64, "PRODUCT", 9_001),
+    ]
+    # all in flight at once: more chunks than slots, slots reused across ops
+    issued = []
+    for i, (wire, dt, op, n) in enumerate(cases):
+        inputs = [gen(f"window/{i}", r, (n,), dt, op) for r in range(ws)]
+        t = inputs[rank].clone()
+        issued.append((endpoints[wire].issue(t, op), t, inputs))
+    for (wire, dt, op, n), (ticket, t, inputs) in zip(cases, issued):
+        endpoints[wire].wait(ticket)
+        what = f"window {window}, lag {lag}: {wire} wire, {dt} {op} of {n}"
+        if wire == "none":
+            chk.reduced(t, inputs, op, what)
+        else:
+            _check_wire_rounding(chk, t, inputs, op, 2.0**-8, what)
+    for wire, ep in endpoints.items():
+        chk.true(ep.flags_at_rest() == "", f"window {window} ({wire}): flags at rest")
+        ep.close()
+    _done(store, f"window-{window}", rank, ws)
+    chk.raise_if_failed()
+    return {}
+
+
+@pytest.mark.parametrize("window,lag", [(3, 1), (3, 2), (16, 2), (16, 15)])
+def test_staged_rail_window(window: int, lag: int) -> None:
+    """The fewest chunk slots the schedule allows (3) and many (16, FASTCOMM_CUDA_WINDOW), with
+    the all-gather steps right behind the reductions (lag 1) or as late as the window allows
+    (FASTCOMM_CUDA_LAG): ops of many chunks, all in flight, equal to the references; every flag
+    at rest after."""
+    run_ranks(2, window_fn, window, lag, init=False, timeout_s=240)
+
+
+def test_staged_rail_window_out_of_range() -> None:
+    from torchext import _C
+
+    for window in (2, 33):
+        with pytest.raises(RuntimeError, match="window must be from 3 to 32"):
+            _C._StagedRailEndpoint(dist.HashStore(), "x", 0, 2, chunk_bytes=4096, window=window)
 
 
 def fused_vs_copy_fn(rank: int, ws: int) -> dict[str, Any]:

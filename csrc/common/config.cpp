@@ -77,6 +77,24 @@ Config Config::fromEnv() {
     c.chunkBytes = parseBytes("FASTCOMM_CHUNK_BYTES", v);
   if (const char* v = env("FASTCOMM_CUDA_CHUNK_BYTES"))
     c.cudaChunkBytes = parseBytes("FASTCOMM_CUDA_CHUNK_BYTES", v);
+  if (const char* v = env("FASTCOMM_CUDA_WINDOW")) {
+    const int64_t w = parseBytes("FASTCOMM_CUDA_WINDOW", v);
+    if (w < kCudaWindowMin || w > kCudaWindowMax) {
+      throw std::invalid_argument(std::string("fastcomm: FASTCOMM_CUDA_WINDOW=") + v +
+                                  " is not a chunk count from " + std::to_string(kCudaWindowMin) +
+                                  " to " + std::to_string(kCudaWindowMax));
+    }
+    c.cudaWindow = w;
+  }
+  if (const char* v = env("FASTCOMM_CUDA_LAG")) {
+    const int64_t lag = parseBytes("FASTCOMM_CUDA_LAG", v);
+    if (lag < 1 || lag >= c.cudaWindow) {
+      throw std::invalid_argument(std::string("fastcomm: FASTCOMM_CUDA_LAG=") + v +
+                                  " is not from 1 to FASTCOMM_CUDA_WINDOW - 1 (" +
+                                  std::to_string(c.cudaWindow - 1) + ")");
+    }
+    c.cudaLag = lag;
+  }
   if (const char* v = env("FASTCOMM_CUDA_SEGMENT_BYTES"))
     c.cudaSegmentBytes = parseBytes("FASTCOMM_CUDA_SEGMENT_BYTES", v);
   if (const char* v = env("FASTCOMM_CUDA_HIER_MIN_BYTES"))
@@ -151,7 +169,8 @@ std::string Config::describe() const {
      << (ibEmuFail.empty() ? "" : " ib_emu_fail=" + ibEmuFail) << " check=" << check
      << " blocking_wait=" << blockingWait << " cuda_timing=" << cudaTiming
      << " cuda_hier=" << cudaHier << " cuda_inter=" << (cudaInterHost ? "host" : "nccl")
-     << " cuda_chunk_bytes=" << cudaChunkBytes << " cuda_segment_bytes=" << cudaSegmentBytes
+     << " cuda_chunk_bytes=" << cudaChunkBytes << " cuda_window=" << cudaWindow
+     << " cuda_lag=" << cudaLag << " cuda_segment_bytes=" << cudaSegmentBytes
      << " cuda_hier_min_bytes=" << cudaHierMinBytes
      << " staged_kernels=" << (stagedFused ? "fused" : "copy")
      << " staged_memory=" << (stagedHostOnly ? "host" : "auto");

@@ -8,6 +8,11 @@ namespace fastcomm {
 
 enum class LogLevel : int { Warn = 0, Info = 1, Debug = 2 };
 
+// Bounds of FASTCOMM_CUDA_WINDOW (the staged pipeline's schedule needs more
+// slots than its lag, plans/staged_rail.hpp).
+constexpr int64_t kCudaWindowMin = 3;
+constexpr int64_t kCudaWindowMax = 32;
+
 struct Config {
   // FASTCOMM_HOST_ID: overrides the host identity (one machine acts as several).
   std::string hostIdOverride;
@@ -33,6 +38,21 @@ struct Config {
   // float32 elements: StagedRail::layoutFor); larger than the host chunk,
   // since every chunk costs a few copies, kernel launches and stream waits.
   int64_t cudaChunkBytes = 4 << 20;
+  // FASTCOMM_CUDA_WINDOW: chunks of that path in flight per rank (slots of
+  // pinned staging: about 2 x chunk bytes each with 2 nodes), from
+  // kCudaWindowMin to kCudaWindowMax. Agreed through the multi-node plan.
+  // 6: on 4x H200 as 2 x 2 (TCP loopback) 4, 5, 10, 12 and 16 all ran slower
+  // at 256 MiB (16: -39%): more bytes in flight is more host memory touched
+  // per chunk, not more overlap (benchmarks/results/
+  // 2026-11-22-4xH200-2x2-session10.md).
+  int64_t cudaWindow = 6;
+  // FASTCOMM_CUDA_LAG: in that path's stream, the all-gather step of chunk k
+  // is issued after the reduction of chunk k + lag (from 1 to window - 1):
+  // how far the stream runs ahead of the all-gather arrivals. Local to each
+  // rank (only the order of its own device steps). 3: ahead of 2 by 3%
+  // (float32) and 6% (bf16 wire) at 256 MiB in alternating launches, 1 was
+  // 10-20% slower (same results file).
+  int64_t cudaLag = 3;
   // FASTCOMM_CUDA_SEGMENT_BYTES: 0 (default) runs that path's intra-node
   // reduce-scatter and all-gather on the whole tensor, before and after the
   // rail; N > 0 cuts the tensor into segments of about N bytes whose NCCL

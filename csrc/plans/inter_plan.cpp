@@ -68,7 +68,8 @@ std::string InterPlan::encode() const {
   std::ostringstream os;
   os << "transport=" << transport << ";wire=" << wireDtype << ";chunk=" << chunkBytes
      << ";cuda_hier=" << (cudaHier ? 1 : 0) << ";cuda_chunk=" << cudaChunkBytes
-     << ";cuda_min=" << cudaHierMinBytes << ";cuda_seg=" << cudaSegmentBytes;
+     << ";cuda_window=" << cudaWindow << ";cuda_min=" << cudaHierMinBytes
+     << ";cuda_seg=" << cudaSegmentBytes;
   return os.str();
 }
 
@@ -79,6 +80,7 @@ InterPlan InterPlan::decode(const std::string& text) {
   p.chunkBytes = number(text, "chunk");
   p.cudaHier = number(text, "cuda_hier") != 0;
   p.cudaChunkBytes = number(text, "cuda_chunk");
+  p.cudaWindow = number(text, "cuda_window");
   p.cudaHierMinBytes = number(text, "cuda_min");
   p.cudaSegmentBytes = number(text, "cuda_seg");
   return p;
@@ -101,6 +103,7 @@ InterPlan InterPlan::agree(const c10::intrusive_ptr<c10d::Store>& store, int ran
     mine.chunkBytes = cfg.chunkBytes;
     mine.cudaHier = cfg.cudaHier;
     mine.cudaChunkBytes = cfg.cudaChunkBytes;
+    mine.cudaWindow = cfg.cudaWindow;
     mine.cudaHierMinBytes = cfg.cudaHierMinBytes;
     mine.cudaSegmentBytes = cfg.cudaSegmentBytes;
     store->set(kKey, mine.encode());

@@ -21,6 +21,7 @@ struct InterPlan {
   int64_t chunkBytes = 0;        // host pipeline chunk
   bool cudaHier = true;          // CUDA all_reduce across nodes: staged pipeline
   int64_t cudaChunkBytes = 0;    // its pipeline chunk
+  int64_t cudaWindow = 0;        // its chunks in flight
   int64_t cudaHierMinBytes = 0;  // smaller all_reduces stay on the flat NCCL comm
   int64_t cudaSegmentBytes = 0;  // 0: whole-tensor intra-node steps; else segments
 

@@ -13,8 +13,6 @@
 namespace fastcomm {
 namespace {
 
-static_assert(kStagedLag < kStagedWindow, "the schedule needs kStagedLag < kStagedWindow");
-
 // Without progress for this long, the proxy sleeps between polls.
 constexpr auto kSpin = std::chrono::microseconds(100);
 constexpr auto kNap = std::chrono::microseconds(20);
@@ -81,11 +79,11 @@ struct StagedRail::HostOp {
 
 // ----------------------------------------------------------------------------- setup
 
-StagedRail::Staging StagedRail::stagingFor(int rails, int64_t chunkBytes) {
+StagedRail::Staging StagedRail::stagingFor(int rails, int64_t chunkBytes, int64_t window) {
   Staging s;
   s.pieceBytes = roundUp(HierLayout::pieceSlotBytes(rails, chunkBytes), 256);
   s.slotBytes = (3 * static_cast<int64_t>(rails - 1) + 1) * s.pieceBytes;
-  s.bytes = kStagedWindow * s.slotBytes;
+  s.bytes = window * s.slotBytes;
   return s;
 }
 
@@ -107,14 +105,18 @@ int64_t StagedRail::scratchBytes(int64_t shardElems, at::ScalarType dt, RedOp op
 }
 
 StagedRail::StagedRail(StagedDevice& device, std::vector<int> railRanks, int me, int groupRank,
-                       int groupSize, int64_t chunkBytes, WireDtype wire, bool fused,
-                       const c10::intrusive_ptr<c10d::Store>& store, Hooks hooks)
+                       int groupSize, int64_t chunkBytes, int64_t window, int64_t lag,
+                       WireDtype wire, bool fused, const c10::intrusive_ptr<c10d::Store>& store,
+                       Hooks hooks)
     : dev_(device),
       railRanks_(std::move(railRanks)),
       me_(me),
       groupRank_(groupRank),
       groupSize_(groupSize),
       chunkBytes_(chunkBytes),
+      window_(window),
+      // Rank 0's window may be smaller than this rank's: the lag must stay below it.
+      lag_(std::min(lag, window - 1)),
       wire_(wire),
       fused_(fused),
       store_(store),
@@ -124,9 +126,11 @@ StagedRail::StagedRail(StagedDevice& device, std::vector<int> railRanks, int me,
   const int rails = static_cast<int>(railRanks_.size());
   TORCH_CHECK(rails >= 2 && me_ >= 0 && me_ < rails && railRanks_[me_] == groupRank_,
               "fastcomm: internal: bad rail");
+  TORCH_CHECK(window_ >= kCudaWindowMin && window_ <= kCudaWindowMax && lag_ >= 1,
+              "fastcomm: internal: staged window ", window_, " or lag ", lag_, " out of range");
   for (int j = 0; j < rails - 1; ++j) peers_.push_back(railRanks_[peerNode(j, me_)]);
-  staging_ = stagingFor(rails, chunkBytes_);
-  for (int64_t w = 0; w < kStagedWindow; ++w) storeFlag(dev_.hostFlag(kFlagFree, w), 1);
+  staging_ = stagingFor(rails, chunkBytes_, window_);
+  for (int64_t w = 0; w < window_; ++w) storeFlag(dev_.hostFlag(kFlagFree, w), 1);
 }
 
 void StagedRail::connect(const std::string& transport, const Config& cfg,
@@ -351,23 +355,22 @@ void StagedRail::allreduce(char* shard, int64_t shardElems, at::ScalarType dt, R
     enqueue(std::move(desc));
   }
 
-  // The schedule (see the header): P of the first kStagedWindow chunks, then for
-  // each chunk t its reduction A(t), the all-gather copies B(t - kStagedLag) and
+  // The schedule (see the header): P of the first window_ chunks, then for
+  // each chunk t its reduction A(t), the all-gather copies B(t - lag_) and
   // the send copies P of the chunk that reuses B's slot.
   const int64_t n = l.chunks;
-  auto slotOf = [&](int64_t k) { return (first + k) % kStagedWindow; };
-  for (int64_t k = 0; k < std::min(kStagedWindow, n); ++k)
+  auto slotOf = [&](int64_t k) { return (first + k) % window_; };
+  for (int64_t k = 0; k < std::min(window_, n); ++k)
     issueP(l, k, slotOf(k), shard, esize, wire, dPack);
   for (int64_t t2 = 0; t2 < n; ++t2) {
     issueA(l, t2, slotOf(t2), shard, dt, op, wire, dRecv, dOut);
-    if (t2 >= kStagedLag) {
-      const int64_t b = t2 - kStagedLag;
+    if (t2 >= lag_) {
+      const int64_t b = t2 - lag_;
       issueB(l, b, slotOf(b), shard, esize, wire, dPack);
-      if (b + kStagedWindow < n)
-        issueP(l, b + kStagedWindow, slotOf(b + kStagedWindow), shard, esize, wire, dPack);
+      if (b + window_ < n) issueP(l, b + window_, slotOf(b + window_), shard, esize, wire, dPack);
     }
   }
-  for (int64_t b = std::max<int64_t>(0, n - kStagedLag); b < n; ++b)
+  for (int64_t b = std::max<int64_t>(0, n - lag_); b < n; ++b)
     issueB(l, b, slotOf(b), shard, esize, wire, dPack);
 }
 
@@ -464,7 +467,7 @@ void StagedRail::runOp(Op& op) {
   std::vector<ChunkState> cs;
   cs.reserve(n);
   for (int64_t k = 0; k < n; ++k) cs.emplace_back(peers);
-  auto slotOf = [&](int64_t k) { return (op.firstChunk + k) % kStagedWindow; };
+  auto slotOf = [&](int64_t k) { return (op.firstChunk + k) % window_; };
   // Cursors, each moving in chunk order: per connection, messages must be
   // posted in the order the peer posts the matching ones.
   int64_t rsRecvNext = 0, agRecvNext = 0, rsSendNext = 0, agSendNext = 0;
@@ -474,9 +477,8 @@ void StagedRail::runOp(Op& op) {
   auto lastProgress = opStart;
   // The device may stage chunk k once its slot's previous chunk freed it.
   auto stageStart = [&](int64_t k) {
-    return k < kStagedWindow || cs[k - kStagedWindow].tFreed == Clock::time_point{}
-               ? opStart
-               : cs[k - kStagedWindow].tFreed;
+    return k < window_ || cs[k - window_].tFreed == Clock::time_point{} ? opStart
+                                                                        : cs[k - window_].tFreed;
   };
   try {
     while (gatheredNext < n || freedNext < n) {
@@ -487,8 +489,7 @@ void StagedRail::runOp(Op& op) {
       }
       bool progressed = false;
       // Receives, as soon as the slot's buffers are no longer read by the device.
-      while (rsRecvNext < n &&
-             (rsRecvNext < kStagedWindow || cs[rsRecvNext - kStagedWindow].reduced)) {
+      while (rsRecvNext < n && (rsRecvNext < window_ || cs[rsRecvNext - window_].reduced)) {
         auto& c = cs[rsRecvNext];
         const int64_t w = slotOf(rsRecvNext), len = l.pieceLen(rsRecvNext, me_);
         for (; c.rsRecvPosted < peers; ++c.rsRecvPosted) {
@@ -503,8 +504,7 @@ void StagedRail::runOp(Op& op) {
         ++rsRecvNext;
         progressed = true;
       }
-      while (agRecvNext < n &&
-             (agRecvNext < kStagedWindow || cs[agRecvNext - kStagedWindow].gathered)) {
+      while (agRecvNext < n && (agRecvNext < window_ || cs[agRecvNext - window_].gathered)) {
         auto& c = cs[agRecvNext];
         const int64_t w = slotOf(agRecvNext);
         for (; c.agRecvPosted < peers; ++c.agRecvPosted) {
@@ -743,7 +743,7 @@ void StagedRail::failAll(std::exception_ptr e, Op* current) {
 }
 
 void StagedRail::releaseAllWaits() {
-  for (int64_t w = 0; w < kStagedWindow; ++w)
+  for (int64_t w = 0; w < window_; ++w)
     for (int kind : {kFlagFree, kFlagRsIn, kFlagAgIn}) storeFlag(dev_.hostFlag(kind, w), 1);
 }
 

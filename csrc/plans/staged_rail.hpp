@@ -50,9 +50,10 @@
 // meanwhile (a cudaMalloc, a lazily loaded kernel of the application) may
 // still hold those copies back; the emulation then fails the transfer after
 // a time limit instead of hanging. A real NIC's DMA is no CUDA work, so
-// there such calls only wait for the network. kStagedWindow chunk slots of staging, allocated once
-// by the owner (at connect(), once the transports say what memory they can
-// move), are reused across chunks and calls.
+// there such calls only wait for the network. `window` chunk slots of
+// staging (the chunks in flight, FASTCOMM_CUDA_WINDOW), allocated once by the
+// owner (at connect(), once the transports say what memory they can move),
+// are reused across chunks and calls.
 //
 // Failures (transport errors, timeouts) fail the op's work with an error
 // naming the collective, the peer and the timeout, and abort the group (a
@@ -84,7 +85,7 @@
 // host stream may still run one of theirs (src/enqueue.cc, persistentRefs);
 // fastcomm cannot see replays coming and always does once it captured.
 //
-// Slots: chunk k of an op uses slot (firstChunk + k) % kStagedWindow, and the
+// Slots: chunk k of an op uses slot (firstChunk + k) % window, and the
 // proxy and the device both take firstChunk from the same descriptor, so
 // they agree within an op whatever it is: a replay keeps the one fixed at
 // capture while eager ops in between move the counter on. Nothing about a
@@ -119,13 +120,6 @@
 #include "plans/hier_layout.hpp"
 
 namespace fastcomm {
-
-// Chunk slots of staging (and flags) in flight.
-constexpr int64_t kStagedWindow = 6;
-// B (the all-gather copies) of chunk k is issued after A (the reduction) of
-// chunk k + kStagedLag, so the stream does not sit waiting for the network
-// of a chunk it just reduced while later chunks' pieces already arrived.
-constexpr int64_t kStagedLag = 2;
 
 // Flags. Host -> device (the stream waits for 1, then resets to 0): a slot's
 // staging is free again; a chunk's reduce-scatter pieces arrived; its
@@ -229,7 +223,8 @@ class StagedRail {
     int64_t slotBytes = 0;   // one chunk slot: 3 (R-1) + 1 pieces
     bool device = false;
   };
-  static Staging stagingFor(int rails, int64_t chunkBytes);  // sizes (base null)
+  // Sizes (base null) of `window` chunk slots.
+  static Staging stagingFor(int rails, int64_t chunkBytes, int64_t window);
   // At connect(): sets `s.base` (s.bytes of it, 256-byte aligned) and
   // `s.device`; `deviceMemoryMoves` says whether both of the rail's
   // transports can move device memory (Transport::supportsDeviceMemory).
@@ -242,7 +237,7 @@ class StagedRail {
   // (itself at `me`). `groupSize` divides AVG results. `fused`: the device
   // steps of the fused form (see the header), else the copy form.
   StagedRail(StagedDevice& device, std::vector<int> railRanks, int me, int groupRank, int groupSize,
-             int64_t chunkBytes, WireDtype wire, bool fused,
+             int64_t chunkBytes, int64_t window, int64_t lag, WireDtype wire, bool fused,
              const c10::intrusive_ptr<c10d::Store>& store, Hooks hooks);
   ~StagedRail();
 
@@ -280,6 +275,7 @@ class StagedRail {
   int64_t stagingBytes() const { return staging_.bytes; }
   bool stagingOnDevice() const { return staging_.device; }
   bool fused() const { return fused_; }
+  int64_t lag() const { return lag_; }
   std::string transportName() const;
 
   // From the group's abort: closes the transports (requests in flight fail,
@@ -332,6 +328,11 @@ class StagedRail {
   std::vector<int> peers_;  // group rank of peer slot j (node peerNode(j, me_))
   int me_, groupRank_, groupSize_;
   int64_t chunkBytes_;
+  int64_t window_;  // chunk slots (of staging and flags) in flight
+  // B (the all-gather step) of chunk k is issued after A (the reduction) of
+  // chunk k + lag_, so the stream does not sit waiting for the network of a
+  // chunk it just reduced while later chunks' pieces already arrived.
+  int64_t lag_;
   WireDtype wire_;
   bool fused_;
   c10::intrusive_ptr<c10d::Store> store_;  // the group's (failure reasons)

@@ -52,7 +52,8 @@ class EmulatedDevice final : public StagedDevice {
  public:
   using Recording = std::vector<std::function<void()>>;
 
-  EmulatedDevice() : flags_(kStagedFlagKinds * kStagedWindow * 16, 0) {
+  explicit EmulatedDevice(int64_t window)
+      : window_(window), flags_(kStagedFlagKinds * window * 16, 0) {
     worker_ = std::thread([this] { loop(); });
   }
   ~EmulatedDevice() override { stop(); }
@@ -97,7 +98,7 @@ class EmulatedDevice final : public StagedDevice {
   }
 
   uint32_t* hostFlag(int kind, int64_t slot) override {
-    return &flags_[(kind * kStagedWindow + slot) * 16];
+    return &flags_[(kind * window_ + slot) * 16];
   }
   void waitFlag(int kind, int64_t slot) override {
     uint32_t* f = hostFlag(kind, slot);
@@ -238,7 +239,7 @@ class EmulatedDevice final : public StagedDevice {
     for (;;) {
       std::string bad;
       for (int kind = 0; kind < kStagedFlagKinds; ++kind)
-        for (int64_t w = 0; w < kStagedWindow; ++w) {
+        for (int64_t w = 0; w < window_; ++w) {
           const uint32_t v = loadFlag(hostFlag(kind, w));
           if (v != (kind == kFlagFree ? 1u : 0u))
             bad += " flag " + std::to_string(kind) + " of slot " + std::to_string(w) + " is " +
@@ -290,6 +291,7 @@ class EmulatedDevice final : public StagedDevice {
     }
   }
 
+  int64_t window_;
   std::vector<uint32_t> flags_;
   std::shared_ptr<Recording> recording_;  // while capturing (issuing thread)
   std::mutex mu_;
@@ -315,9 +317,13 @@ RedOp redOpOf(const std::string& name) {
 class StagedRailEndpoint {
  public:
   StagedRailEndpoint(const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix,
-                     int rank, int size, int64_t chunkBytes, const std::string& wire,
-                     const std::string& kernels, std::chrono::milliseconds timeout)
-      : timeout_(timeout), rails_(size), chunkBytes_(chunkBytes) {
+                     int rank, int size, int64_t chunkBytes, int64_t window, int64_t lag,
+                     const std::string& wire, const std::string& kernels,
+                     std::chrono::milliseconds timeout)
+      : timeout_(timeout), rails_(size), chunkBytes_(chunkBytes), dev_(window) {
+    TORCH_CHECK(window >= kCudaWindowMin && window <= kCudaWindowMax,
+                "fastcomm: staged rail test: window must be from ", kCudaWindowMin, " to ",
+                kCudaWindowMax);
     TORCH_CHECK(kernels == "fused" || kernels == "copy",
                 "fastcomm: staged rail test: kernels must be fused or copy, not ", kernels);
     auto group = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
@@ -328,7 +334,7 @@ class StagedRailEndpoint {
       // What the CUDA side's abort does to the rail.
       if (rail_) rail_->abort(why);
     };
-    rail_ = std::make_unique<StagedRail>(dev_, ranks, rank, rank, size, chunkBytes,
+    rail_ = std::make_unique<StagedRail>(dev_, ranks, rank, rank, size, chunkBytes, window, lag,
                                          parseWireDtype(wire), kernels == "fused", group, hooks);
     const Config cfg = Config::fromEnv();
     if (cfg.timeline) Timeline::setEnabled(true);  // as a process group would
@@ -495,15 +501,17 @@ class StagedRailEndpoint {
 void bindStagedRail(py::module_& m) {
   py::class_<StagedRailEndpoint>(m, "_StagedRailEndpoint")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix,
-                       int rank, int size, int64_t chunkBytes, const std::string& wire,
-                       const std::string& kernels, double timeoutS) {
+                       int rank, int size, int64_t chunkBytes, int64_t window, int64_t lag,
+                       const std::string& wire, const std::string& kernels, double timeoutS) {
              return std::make_unique<StagedRailEndpoint>(
-                 store, prefix, rank, size, chunkBytes, wire, kernels,
+                 store, prefix, rank, size, chunkBytes, window, lag, wire, kernels,
                  std::chrono::milliseconds(static_cast<int64_t>(timeoutS * 1000)));
            }),
            py::arg("store"), py::arg("prefix"), py::arg("rank"), py::arg("size"),
-           py::arg("chunk_bytes"), py::arg("wire") = "none", py::arg("kernels") = "fused",
-           py::arg("timeout_s") = 30.0, py::call_guard<py::gil_scoped_release>())
+           py::arg("chunk_bytes"), py::arg("window") = Config().cudaWindow,
+           py::arg("lag") = Config().cudaLag, py::arg("wire") = "none",
+           py::arg("kernels") = "fused", py::arg("timeout_s") = 30.0,
+           py::call_guard<py::gil_scoped_release>())
       .def("issue", &StagedRailEndpoint::issue, py::arg("tensor"), py::arg("op") = "SUM",
            py::call_guard<py::gil_scoped_release>())
       .def("wait", &StagedRailEndpoint::wait, py::arg("ticket"),

@@ -28,7 +28,8 @@ constexpr auto kDrainLimit = std::chrono::seconds(10);
 constexpr int64_t kMaxSegments = 16;
 
 constexpr int64_t kFlagStride = 16;  // uint32 words per flag: one 64-byte line each
-constexpr int64_t kProbe = kStagedFlagKinds * kStagedWindow;  // a spare flag for the probe
+// Flags are laid out for the largest window, whatever the plan's is.
+constexpr int64_t kProbe = kStagedFlagKinds * kCudaWindowMax;  // a spare flag for the probe
 
 void cudaCheck(cudaError_t e, const char* what) {
   if (e != cudaSuccess) {
@@ -157,13 +158,13 @@ struct CudaHier::Resources : StagedDevice {
   std::vector<cudaEvent_t> events;
 
   CUdeviceptr flagDev(int kind, int64_t slot) const {
-    return flagsDev +
-           static_cast<CUdeviceptr>((kind * kStagedWindow + slot) * kFlagStride * sizeof(uint32_t));
+    return flagsDev + static_cast<CUdeviceptr>((kind * kCudaWindowMax + slot) * kFlagStride *
+                                               sizeof(uint32_t));
   }
 
   // -- StagedDevice
   uint32_t* hostFlag(int kind, int64_t slot) override {
-    return flags + (kind * kStagedWindow + slot) * kFlagStride;
+    return flags + (kind * kCudaWindowMax + slot) * kFlagStride;
   }
   void waitFlag(int kind, int64_t slot) override {
     // Wait for 1, then put the flag back to 0 for its next use: the same
@@ -232,7 +233,8 @@ struct CudaHier::Resources : StagedDevice {
     cudaCheck(cudaLaunchHostFunc(stream, fn, arg), "cudaLaunchHostFunc");
   }
 
-  static std::unique_ptr<Resources> make(int rails, int64_t chunkBytes, bool segmented) {
+  static std::unique_ptr<Resources> make(int rails, int64_t chunkBytes, int64_t window,
+                                         bool segmented) {
     auto r = std::make_unique<Resources>();
     if (segmented) {
       // Before the vote, like the staging: a rank that cannot make them
@@ -269,7 +271,7 @@ struct CudaHier::Resources : StagedDevice {
 
     // Mapped, so kernels reach it (the fused steps); allocated before the
     // vote, so a rank that cannot get it keeps every rank on the flat path.
-    r->stagingBytes = StagedRail::stagingFor(rails, chunkBytes).bytes;
+    r->stagingBytes = StagedRail::stagingFor(rails, chunkBytes, window).bytes;
     cudaCheck(cudaHostAlloc(reinterpret_cast<void**>(&r->pinnedStaging), r->stagingBytes,
                             cudaHostAllocMapped | cudaHostAllocPortable),
               "cudaHostAlloc (staging)");
@@ -400,7 +402,7 @@ std::unique_ptr<CudaHier> CudaHier::create(const c10::intrusive_ptr<c10d::Store>
   std::unique_ptr<Resources> res;
   std::string problem;
   try {
-    res = Resources::make(topo.numNodes(), plan.cudaChunkBytes,
+    res = Resources::make(topo.numNodes(), plan.cudaChunkBytes, plan.cudaWindow,
                           plan.cudaSegmentBytes > 0 && topo.localSize > 1);
   } catch (const std::exception& e) {
     problem = errorText(e);
@@ -448,9 +450,10 @@ std::unique_ptr<CudaHier> CudaHier::create(const c10::intrusive_ptr<c10d::Store>
   }
   std::vector<int> rail;
   for (const auto& node : topo.nodeRanks) rail.push_back(node[topo.localRank]);
-  h->rail_ = std::make_unique<StagedRail>(
-      *h->res_, std::move(rail), topo.myNode, topo.rank, topo.size, plan.cudaChunkBytes,
-      parseWireDtype(plan.wireDtype), cfg.stagedFused, store, std::move(hooks));
+  h->rail_ = std::make_unique<StagedRail>(*h->res_, std::move(rail), topo.myNode, topo.rank,
+                                          topo.size, plan.cudaChunkBytes, plan.cudaWindow,
+                                          cfg.cudaLag, parseWireDtype(plan.wireDtype),
+                                          cfg.stagedFused, store, std::move(hooks));
   Resources* r = h->res_.get();
   h->rail_->connect(plan.transport, cfg,
                     c10::make_intrusive<c10d::PrefixStore>("fastcomm/cuda_hier", store), ctx,
@@ -478,7 +481,8 @@ std::string CudaHier::describe() const {
      << (topo_.localSize > 1 ? "NCCL reduce-scatter in the node, " : "") << topo_.numNodes() - 1
      << " rail peer(s) per rank over " << rail_->transportName() << " through "
      << (rail_->stagingOnDevice() ? "device" : "pinned host") << " staging, pipelined in chunks of "
-     << plan_.cudaChunkBytes << " B (window " << kStagedWindow << "), reduction on the GPU, "
+     << plan_.cudaChunkBytes << " B (window " << plan_.cudaWindow << ", lag " << rail_->lag()
+     << "), reduction on the GPU, "
      << (rail_->fused() ? "fused staging kernels" : "copy-engine staging copies")
      << (plan_.wireDtype != "none" ? ", float32 sums as " + plan_.wireDtype + " on the wire" : "")
      << (topo_.localSize > 1 ? ", NCCL all-gather in the node" : "")
