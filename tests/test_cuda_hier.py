@@ -109,10 +109,10 @@ def test_every_dtype_and_op_many_chunks() -> None:
 
 
 def test_window_follows_rank_zero() -> None:
-    """FASTCOMM_CUDA_WINDOW (chunks in flight) set differently per rank: rank 0's choice (the
-    fewest slots the schedule allows, 3) holds everywhere, a FASTCOMM_CUDA_LAG set for a larger
-    window is cut to fit it, and every dtype x op stays right with many more chunks than
-    slots."""
+    """FASTCOMM_CUDA_WINDOW (chunks in flight) and FASTCOMM_CUDA_LAG set differently per rank:
+    rank 0 the fewest slots the schedule allows (3, lag 1), the others 16 and 9 (the plan gives
+    them rank 0's window, their lag is cut to fit it). Every dtype x op stays right with many
+    more chunks than slots."""
     numels = dict.fromkeys(DTYPES, 70_001)
 
     def env(rank: int) -> dict[str, str]:
