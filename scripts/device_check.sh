@@ -108,20 +108,19 @@ for stage in "${stages[@]}"; do
       #   pinned   every rank's whole process pinned to its own slice of the
       #            physical cores (scripts/pin_local_rank.py)
       #   threads  only fastcomm's threads pinned (FASTCOMM_CPU_AFFINITY=local)
-      #   cpu      the same all_reduce of CPU tensors: the TCP loopback path
-      #            without GPUs or staging
+      #   cpu      the same all_reduce of CPU tensors (bound by its
+      #            single-threaded reductions, ~3.4 GB/s: no network probe)
       #   membw    the host's copy bandwidth (scripts/host_membw.py)
       # Session 9 ran free / pinned / threads: a slow round was slow in all
-      # three (benchmarks/results/2026-11-22-4xH200-2x2-session9.md). If cpu
-      # and membw fall in the rounds where free does, the host's memory (shared
-      # with other tenants) is what varies.
-      say "launch spread (${SPREAD_MODES:-free cpu membw}), $NGPU GPUs as 2 nodes"
+      # three; session 10 free / cpu / membw: membw did not move with free
+      # (benchmarks/results/2026-11-22-4xH200-2x2-session{9,10}.md).
+      say "launch spread (${SPREAD_MODES:-free membw}), $NGPU GPUs as 2 nodes"
       lscpu | grep -E '^(CPU\(s\)|Thread|Core|Socket|NUMA node|Model name|L3)' | tee -a "$LOG"
       rm -f /tmp/spread_*
       bench=(benchmarks/bench_collectives.py --backends fastcomm --ops all_reduce
         --sim-nodes 2 --min-bytes 256M --max-bytes 256M --repeats 3 --time-per-size 0.5)
       for i in $(seq 1 "${SPREAD_LAUNCHES:-3}"); do
-        for mode in ${SPREAD_MODES:-free cpu membw}; do
+        for mode in ${SPREAD_MODES:-free membw}; do
           json="/tmp/spread_${i}_${mode}.json"
           affinity=none
           case $mode in
@@ -167,11 +166,14 @@ PY
         [[ -n $lag ]] && sched+=(FASTCOMM_CUDA_LAG="$lag")
         wire=$(echo "${STAGED_ARGS:-}" | grep -o 'bf16\|fp16' || echo f32)
         echo "--- sockets $socks threads $threads chunk $chunk $label ($wire)" | tee -a "$LOG"
+        base="$OUT/staged_${socks}x${threads}_${chunk}_${label}_${wire}"
+        json="$base.json"; n=1
+        while [[ -e $json ]]; do n=$((n + 1)); json="${base}_$n.json"; done  # a repeated setting
         env "${sched[@]}" FASTCOMM_TCP_SOCKETS=$socks FASTCOMM_TCP_THREADS=$threads \
           FASTCOMM_CUDA_CHUNK_BYTES=$chunk timeout 120 "$PY" -m torch.distributed.run --standalone \
           --nproc_per_node="$NGPU" benchmarks/trace_staged_allreduce.py --sim-nodes 2 --sizes 16M,256M \
           --iters 7 ${STAGED_ARGS:-} \
-          --json "$OUT/staged_${socks}x${threads}_${chunk}_${label}_${wire}.json" 2>&1 \
+          --json "$json" 2>&1 \
           | grep "B  median" | tee -a "$LOG"
       done
       ;;
