@@ -27,6 +27,11 @@ namespace {
 
 using namespace detail;
 
+// Blocks of a launch with BM x BN output tiles (one block per tile).
+int64_t output_tiles(const GemmArgs& p, int bm, int bn) {
+  return ((p.M + bm - 1) / bm) * ((p.N + bn - 1) / bn);
+}
+
 // This block's output tile: grouped order, 8 tile rows at a time, so that
 // neighbouring blocks share operand panels in L2.
 template <int BM, int BN>
@@ -169,7 +174,7 @@ __global__ void __launch_bounds__((BM / TM) * (BN / TN)) gemm_simt_kernel(const 
 template <typename T, typename Acc>
 cudaError_t launch_simt(const GemmArgs& p, cudaStream_t stream) {
   constexpr int BM = 64, BN = 64, BK = 16, TM = 4, TN = 4;
-  const int64_t tiles = ((p.M + BM - 1) / BM) * ((p.N + BN - 1) / BN);
+  const int64_t tiles = output_tiles(p, BM, BN);
   if (tiles > INT_MAX) return cudaErrorInvalidValue;
   gemm_simt_kernel<T, Acc, BM, BN, BK, TM, TN>
       <<<static_cast<unsigned>(tiles), (BM / TM) * (BN / TN), 0, stream>>>(p);
@@ -294,7 +299,7 @@ __global__ void __launch_bounds__(256, 2) gemm_simt_wide_kernel(const GemmArgs p
 
 template <typename T>
 cudaError_t launch_simt_wide(const GemmArgs& p, cudaStream_t stream) {
-  const int64_t tiles = ((p.M + 127) / 128) * ((p.N + 127) / 128);
+  const int64_t tiles = output_tiles(p, 128, 128);
   if (tiles > INT_MAX) return cudaErrorInvalidValue;
   gemm_simt_wide_kernel<T><<<static_cast<unsigned>(tiles), 256, 0, stream>>>(p);
   return cudaGetLastError();
@@ -311,7 +316,7 @@ bool gemm_simt_large_tile(const GemmArgs& p, int num_sms, Tile tile) {
   // faster than 64x64 ones (H200, float32: 0.79x against 0.32x cuBLAS with
   // the GPU full), so fewer busy SMs still finish first (1024^3, 64 tiles on
   // 132 SMs: 0.48x against 0.41x for 256 small tiles).
-  const int64_t tiles_large = ((p.M + 127) / 128) * ((p.N + 127) / 128);
+  const int64_t tiles_large = output_tiles(p, 128, 128);
   return tiles_large * 5 >= static_cast<int64_t>(num_sms) * 2;
 }
 
