@@ -87,7 +87,7 @@ for stage in "${stages[@]}"; do
       tail -n 25 "$OUT/tests_multinode_cuda.log" | tee -a "$LOG"
       ;;
     sweep)
-      # all_reduce 1 MiB..1 GiB on 2x2 simulated nodes: fastcomm (fp32 and bf16
+      # all_reduce 1 MiB..1 GiB on 2 simulated nodes (2 x NGPU/2): fastcomm (fp32 and bf16
       # wire) beside NCCL's socket transport at its default and best settings
       # (SWEEP_ARGS="--rounds 3": every launch 3 times, the median round; ~80 s
       # of wall time per round on 4x H200).
@@ -96,8 +96,9 @@ for stage in "${stages[@]}"; do
         --device cuda --ops all_reduce --min-bytes 1M --max-bytes 1G --factor 4 --repeats 3 \
         --time-per-size 0.5 \
         --socket-settings 4x4 --buffsizes default,16777216 --wire-dtype bf16 --launch-timeout 150 \
-        --out-dir /tmp/fastcomm_sweep --json "$OUT/sweep_2x2.json" --plot "$OUT/sweep_2x2.png" \
-        --md "$OUT/sweep_2x2.md" --label "4x H200 as 2x2 nodes, TCP loopback, all_reduce" ${SWEEP_ARGS:-} \
+        --out-dir /tmp/fastcomm_sweep --json "$OUT/sweep_2x$((NGPU / 2)).json" \
+        --plot "$OUT/sweep_2x$((NGPU / 2)).png" --md "$OUT/sweep_2x$((NGPU / 2)).md" \
+        --label "${NGPU}x GPU as 2 nodes x $((NGPU / 2)), TCP loopback, all_reduce" ${SWEEP_ARGS:-} \
         2>&1 | grep -v "^W1" | tail -n 40 | tee -a "$LOG"
       ;;
     spread)
@@ -153,17 +154,19 @@ PY
       ;;
     stagedsweep)
       # The staged CUDA all_reduce across 2 simulated nodes under transport
-      # settings SOCKETSxTHREADS:CHUNK[:WINDOW[:LAG]] (FASTCOMM_TCP_SOCKETS,
+      # settings SOCKETSxTHREADS:CHUNK[:WINDOW[:LAG[:STREAMS]]] (FASTCOMM_TCP_SOCKETS,
       # FASTCOMM_TCP_THREADS, FASTCOMM_CUDA_CHUNK_BYTES, FASTCOMM_CUDA_WINDOW,
-      # FASTCOMM_CUDA_LAG; left out: fastcomm's defaults): wall time and the
-      # proxy's phases per setting (STAGED_CONFIGS overrides).
+      # FASTCOMM_CUDA_LAG, FASTCOMM_CUDA_STREAMS; left out or empty: fastcomm's
+      # defaults): wall time and the proxy's phases per setting (STAGED_CONFIGS
+      # overrides).
       say "staged all_reduce settings sweep, $NGPU GPUs as 2 nodes"
       for cfg in ${STAGED_CONFIGS:-4x2:4M 8x4:4M 16x4:4M 8x4:8M 8x4:16M 16x8:8M}; do
-        IFS=: read -r st chunk window lag <<< "$cfg"
+        IFS=: read -r st chunk window lag streams <<< "$cfg"
         socks=${st%%x*}; threads=${st#*x}
-        sched=(); label=w${window:-default}_lag${lag:-default}
+        sched=(); label=w${window:-default}_lag${lag:-default}${streams:+_s$streams}
         [[ -n $window ]] && sched+=(FASTCOMM_CUDA_WINDOW="$window")
         [[ -n $lag ]] && sched+=(FASTCOMM_CUDA_LAG="$lag")
+        [[ -n $streams ]] && sched+=(FASTCOMM_CUDA_STREAMS="$streams")
         wire=$(echo "${STAGED_ARGS:-}" | grep -o 'bf16\|fp16' || echo f32)
         echo "--- sockets $socks threads $threads chunk $chunk $label ($wire)" | tee -a "$LOG"
         base="$OUT/staged_${socks}x${threads}_${chunk}_${label}_${wire}"

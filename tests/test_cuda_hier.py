@@ -2,8 +2,9 @@
 (FASTCOMM_HOST_ID), intra-node NCCL reduce-scatter -> rail exchange over fastcomm's transport
 through pinned staging -> intra-node NCCL all-gather.
 
-Every test needs 4 GPUs (one per rank) and is skipped without them. The path's use is proven
-by its proxy's timeline events (FASTCOMM_TIMELINE=1), so a silent fallback to the flat NCCL
+Every test needs 4 GPUs (one per rank) and is skipped without them, but the 2x1 cases of
+test_three_streams and test_killed_peer_fails_everyone_clearly (2 GPUs as 2 nodes of 1). The
+path's use is proven by its proxy's timeline events (FASTCOMM_TIMELINE=1), so a silent fallback to the flat NCCL
 communicator fails the tests. References come from fresh random data every rank regenerates
 (tests/_harness.py gen), computed in float64 / int64.
 
@@ -128,20 +129,23 @@ def test_window_follows_rank_zero() -> None:
     run_ranks(4, matrix_fn, numels, env=env, timeout_s=600)
 
 
+# Element counts just above the default threshold (1 MiB) of the staged path.
+JUST_ABOVE_THRESHOLD = {
+    "float32": (1 << 18) + 5,
+    "float64": (1 << 17) + 3,
+    "float16": (1 << 19) + 7,
+    "bfloat16": (1 << 19) + 7,
+    "int8": (1 << 20) + 9,
+    "uint8": (1 << 20) + 9,
+    "int32": (1 << 18) + 5,
+    "int64": (1 << 17) + 3,
+}
+
+
 def test_every_dtype_and_op_default_settings() -> None:
     """The default threshold (1 MiB) and chunk (4 MiB): sizes just above the threshold."""
-    numels = {
-        "float32": (1 << 18) + 5,
-        "float64": (1 << 17) + 3,
-        "float16": (1 << 19) + 7,
-        "bfloat16": (1 << 19) + 7,
-        "int8": (1 << 20) + 9,
-        "uint8": (1 << 20) + 9,
-        "int32": (1 << 18) + 5,
-        "int64": (1 << 17) + 3,
-    }
     env = nodes_env([0, 0, 1, 1], FASTCOMM_TIMELINE="1")
-    run_ranks(4, matrix_fn, numels, env=env, timeout_s=600)
+    run_ranks(4, matrix_fn, JUST_ABOVE_THRESHOLD, env=env, timeout_s=600)
 
 
 def layouts_fn(rank: int, ws: int) -> dict[str, Any]:
@@ -440,6 +444,37 @@ def test_graph_capture_and_replay() -> None:
     run_ranks(4, capture_fn, env=env, timeout_s=300)
 
 
+def three_streams_fn(rank: int, ws: int, numels: dict[str, int]) -> dict[str, Any]:
+    capture_fn(rank, ws)  # first: it checks the path's first use under capture
+    matrix_fn(rank, ws, numels)
+    semantics_fn(rank, ws)
+    return {}
+
+
+@pytest.mark.parametrize(
+    "nodes",
+    [
+        pytest.param([0, 1], marks=pytest.mark.cuda(world_size=2), id="2x1"),
+        pytest.param([0, 0, 1, 1], id="2x2"),
+    ],
+)
+def test_three_streams(nodes: list[int]) -> None:
+    """FASTCOMM_CUDA_STREAMS=3 (the fused steps of each kind on a stream of their own) with
+    the fewest slots (3) and small chunks: captured ops (one stream) replayed between eager
+    ones (three), every dtype x op, async ops in flight with flat collectives between them,
+    back-to-back ops; all equal to the references."""
+    env = nodes_env(
+        nodes,
+        FASTCOMM_TIMELINE="1",
+        FASTCOMM_CUDA_STREAMS="3",
+        FASTCOMM_CUDA_WINDOW="3",
+        FASTCOMM_CUDA_LAG="1",
+        FASTCOMM_CUDA_CHUNK_BYTES="64K",
+    )
+    # above the default threshold: capture_fn needs small ones on the flat path
+    run_ranks(len(nodes), three_streams_fn, JUST_ABOVE_THRESHOLD, env=env, timeout_s=600)
+
+
 # ----------------------------------------------------------------------------- failures
 
 
@@ -488,21 +523,32 @@ def killed_fn(rank: int, ws: int) -> dict[str, Any]:
     return out
 
 
-def test_killed_peer_fails_everyone_clearly() -> None:
-    """Rank 1 (node 0) dies after the path was set up: ranks 0 (its node), 2 and 3 (the other
-    node, one of them its rail peer) raise within timeout + 10 s naming all_reduce, rank [1]
-    and the timeout; destroy_process_group() returns."""
+@pytest.mark.parametrize(
+    "nodes,streams",
+    [
+        pytest.param([0, 0, 1, 1], "1", id="2x2"),
+        pytest.param([0, 0, 1, 1], "3", id="2x2-3streams"),
+        pytest.param([0, 1], "3", marks=pytest.mark.cuda(world_size=2), id="2x1-3streams"),
+    ],
+)
+def test_killed_peer_fails_everyone_clearly(nodes: list[int], streams: str) -> None:
+    """Rank 1 dies after the path was set up: the others (2x2: rank 0 on its node, 2 and 3 on
+    the other node, one of them its rail peer; 2x1: its rail peer) raise within timeout + 10 s
+    naming all_reduce, rank [1] and the timeout; destroy_process_group() returns. With the
+    device steps on one stream and on three (FASTCOMM_CUDA_STREAMS: every lane released)."""
+    ws = len(nodes)
     res = run_ranks(
-        4,
+        ws,
         killed_fn,
         init=False,
         expect_fail={1: 17},
         timeout_s=180,
-        env=nodes_env([0, 0, 1, 1], FASTCOMM_BLOCKING_WAIT="1"),
+        env=nodes_env(nodes, FASTCOMM_BLOCKING_WAIT="1", FASTCOMM_CUDA_STREAMS=streams),
     )
     assert isinstance(res[1], RankFailure)
-    for r in (0, 2, 3):
-        assert "message" in res[r], res[r]
+    for r in range(ws):
+        if r != 1:
+            assert "message" in res[r], res[r]
 
 
 def _tasks() -> int:

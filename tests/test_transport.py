@@ -42,6 +42,8 @@ CONFIGS: dict[str, list[dict[str, str] | None]] = {
         None,
         {"FASTCOMM_TCP_SOCKETS": "1", "FASTCOMM_TCP_THREADS": "1"},
         {"FASTCOMM_TCP_SOCKETS": "8", "FASTCOMM_TCP_THREADS": "4"},
+        # small kernel buffers: messages up to 64 MiB in many short socket writes and reads
+        {"FASTCOMM_TCP_SOCKETS": "2", "FASTCOMM_TCP_SOCKET_BUFFER": "64K"},
     ],
     "ib": [None, {"FASTCOMM_IB_QPS_PER_PEER": "1"}, {"FASTCOMM_IB_QPS_PER_PEER": "4"}],
 }
@@ -408,9 +410,10 @@ def _never_connects(rank: int, world: int, name: str, timeout_s: float) -> float
 
 @pytest.mark.parametrize("name", TRANSPORTS)
 def test_two_ranks(name: str) -> None:
-    """All sizes both ways in three configurations (tcp: 1/4/8 sockets and 1/2/4 threads;
-    ib: 1/2/4 queue pairs), many small messages in order, the in-flight limit, a late
-    receiver, a size mismatch, close() and leaks."""
+    """All sizes both ways in several configurations (tcp: the defaults, 1 socket and thread,
+    8 sockets on 4 threads, 2 sockets with 64 KiB kernel buffers; ib: 1/2/4 queue pairs),
+    many small messages in order, the in-flight limit, a late receiver, a size mismatch,
+    close() and leaks."""
     run_ranks(2, _two_rank_suite, name, init=False, timeout_s=120, env=TRANSPORT_ENV[name])
 
 

@@ -95,6 +95,8 @@ Config Config::fromEnv() {
     }
     c.cudaLag = lag;
   }
+  if (const char* v = env("FASTCOMM_CUDA_STREAMS"))
+    c.cudaStreams = std::stoi(oneOf("FASTCOMM_CUDA_STREAMS", v, {"1", "3"}));
   if (const char* v = env("FASTCOMM_CUDA_SEGMENT_BYTES"))
     c.cudaSegmentBytes = parseBytes("FASTCOMM_CUDA_SEGMENT_BYTES", v);
   if (const char* v = env("FASTCOMM_CUDA_HIER_MIN_BYTES"))
@@ -120,6 +122,13 @@ Config Config::fromEnv() {
     c.tcpSocketsPerPeer = static_cast<int>(parseBytes("FASTCOMM_TCP_SOCKETS", v));
   if (const char* v = env("FASTCOMM_TCP_THREADS"))
     c.tcpThreads = static_cast<int>(parseBytes("FASTCOMM_TCP_THREADS", v));
+  if (const char* v = env("FASTCOMM_TCP_SOCKET_BUFFER")) {
+    c.tcpSocketBufferBytes = parseBytes("FASTCOMM_TCP_SOCKET_BUFFER", v);
+    if (c.tcpSocketBufferBytes < 0 || c.tcpSocketBufferBytes > (1 << 30)) {
+      throw std::invalid_argument(std::string("fastcomm: FASTCOMM_TCP_SOCKET_BUFFER=") + v +
+                                  " is not from 0 to 1G");
+    }
+  }
   if (const char* v = env("FASTCOMM_SOCKET_IFNAME")) c.socketIfname = v;
   if (const char* v = env("FASTCOMM_IB_HCA")) c.ibHca = v;
   if (const char* v = env("FASTCOMM_IB_GID_INDEX")) {
@@ -162,7 +171,7 @@ std::string Config::describe() const {
      << " transport=" << transport << " wire_dtype=" << wireDtype << " chunk_bytes=" << chunkBytes
      << " oneshot_bytes=" << oneShotBytes << " p2p_bytes=" << p2pBytes << " spin_us=" << spinMicros
      << " cpu_affinity=" << cpuAffinity << " tcp_sockets=" << tcpSocketsPerPeer
-     << " tcp_threads=" << tcpThreads
+     << " tcp_threads=" << tcpThreads << " tcp_socket_buffer=" << tcpSocketBufferBytes
      << " socket_ifname=" << (socketIfname.empty() ? "<auto>" : socketIfname)
      << " ib_hca=" << (ibHca.empty() ? "<any>" : ibHca) << " ib_gid_index=" << ibGidIndex
      << " ib_qps_per_peer=" << ibQpsPerPeer << " ib_gdr=" << ibGdr << " ib_emulate=" << ibEmulate
@@ -170,8 +179,8 @@ std::string Config::describe() const {
      << " blocking_wait=" << blockingWait << " cuda_timing=" << cudaTiming
      << " cuda_hier=" << cudaHier << " cuda_inter=" << (cudaInterHost ? "host" : "nccl")
      << " cuda_chunk_bytes=" << cudaChunkBytes << " cuda_window=" << cudaWindow
-     << " cuda_lag=" << cudaLag << " cuda_segment_bytes=" << cudaSegmentBytes
-     << " cuda_hier_min_bytes=" << cudaHierMinBytes
+     << " cuda_lag=" << cudaLag << " cuda_streams=" << cudaStreams
+     << " cuda_segment_bytes=" << cudaSegmentBytes << " cuda_hier_min_bytes=" << cudaHierMinBytes
      << " staged_kernels=" << (stagedFused ? "fused" : "copy")
      << " staged_memory=" << (stagedHostOnly ? "host" : "auto");
   return os.str();

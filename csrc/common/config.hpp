@@ -53,6 +53,16 @@ struct Config {
   // (float32) and 6% (bf16 wire) at 256 MiB in alternating launches, 1 was
   // 10-20% slower (same results file).
   int64_t cudaLag = 3;
+  // FASTCOMM_CUDA_STREAMS: 1 | 3. That path's fused device steps all on the
+  // op's stream (1), or on three streams, one per kind of step (3: pack,
+  // reduce, gather; plans/staged_rail.hpp, "Streams"), so a step waiting for
+  // the network holds back only later steps of its kind. Eager ops only (a
+  // captured op keeps one stream). Local to each rank. 3: on 2x H200 as
+  // 2 x 1 (TCP loopback) faster in each of 5 alternating launches at 256 MiB
+  // (median +13% float32, +13% bf16 wire) and at 4-64 MiB (+8-18%); the
+  // proxy saw the staging step of a chunk take 180 us instead of 570 from
+  // its slot's release (benchmarks/results/2026-11-22-2xH200-2x1-streams-s11.md).
+  int cudaStreams = 3;
   // FASTCOMM_CUDA_SEGMENT_BYTES: 0 (default) runs that path's intra-node
   // reduce-scatter and all-gather on the whole tensor, before and after the
   // rail; N > 0 cuts the tensor into segments of about N bytes whose NCCL
@@ -117,6 +127,11 @@ struct Config {
   // socket of the peer; benchmarks/results/2026-11-22-4xH200-2x2-sweep-fused.md).
   int tcpSocketsPerPeer = 8;
   int tcpThreads = 8;
+  // FASTCOMM_TCP_SOCKET_BUFFER: SO_SNDBUF and SO_RCVBUF of every socket of the
+  // tcp transport, in bytes (the kernel doubles it, man 7 socket); 0 leaves
+  // the kernel's autotuning (tcp_wmem / tcp_rmem). Smaller buffers bound how
+  // much data sits in the kernel per socket.
+  int64_t tcpSocketBufferBytes = 0;
   // FASTCOMM_SOCKET_IFNAME: interface (or prefix) whose address the tcp
   // transport listens on; empty picks one automatically.
   std::string socketIfname;

@@ -23,6 +23,15 @@ constexpr auto kReasonWait = std::chrono::seconds(2);
 
 constexpr const char* kThread = "fc-cuda-proxy";
 
+// Small ops: at least this many chunks, of at least kMinChunkBytes. On 2x
+// H200 as 2 x 1 (TCP loopback, 3 streams), 1 MiB ran in 0.45-0.51 ms in 256
+// KiB chunks against 0.97-1.01 ms in one, 2 MiB in 0.57 ms (512 KiB chunks)
+// against 0.84-0.89, while 16 MiB was fastest in 4 chunks of 4 MiB (1.8-2.0
+// ms; 2.1-2.5 ms in 16 of 1 MiB): every chunk costs the proxy and the stream
+// a fixed share (benchmarks/results/2026-11-22-2xH200-2x1-streams-s11.md).
+constexpr int64_t kSmallOpChunks = 4;
+constexpr int64_t kMinChunkBytes = 256 << 10;
+
 int64_t roundUp(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 uint32_t loadFlag(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
@@ -88,9 +97,14 @@ StagedRail::Staging StagedRail::stagingFor(int rails, int64_t chunkBytes, int64_
 }
 
 HierLayout StagedRail::layoutFor(int64_t shardElems, at::ScalarType dt, RedOp op) const {
-  const int64_t esize = static_cast<int64_t>(c10::elementSize(dt));
-  return HierLayout::make(shardElems, static_cast<int>(railRanks_.size()), chunkBytes_,
-                          wireFor(dt, op) ? 2 : esize);
+  const int64_t wsize = wireFor(dt, op) ? 2 : static_cast<int64_t>(c10::elementSize(dt));
+  // A small op in one chunk runs its steps one after the other (stage, send,
+  // reduce, send, place): cut it into kSmallOpChunks chunks, down to
+  // kMinChunkBytes, so they overlap. The same on every rank (the shard and
+  // the agreed chunk size decide it).
+  const int64_t chunk = std::clamp((shardElems + kSmallOpChunks - 1) / kSmallOpChunks * wsize,
+                                   std::min(kMinChunkBytes, chunkBytes_), chunkBytes_);
+  return HierLayout::make(shardElems, static_cast<int>(railRanks_.size()), chunk, wsize);
 }
 
 int64_t StagedRail::scratchBytes(int64_t shardElems, at::ScalarType dt, RedOp op) const {
@@ -105,7 +119,7 @@ int64_t StagedRail::scratchBytes(int64_t shardElems, at::ScalarType dt, RedOp op
 }
 
 StagedRail::StagedRail(StagedDevice& device, std::vector<int> railRanks, int me, int groupRank,
-                       int groupSize, int64_t chunkBytes, int64_t window, int64_t lag,
+                       int groupSize, int64_t chunkBytes, int64_t window, int64_t lag, int streams,
                        WireDtype wire, bool fused, const c10::intrusive_ptr<c10d::Store>& store,
                        Hooks hooks)
     : dev_(device),
@@ -117,6 +131,7 @@ StagedRail::StagedRail(StagedDevice& device, std::vector<int> railRanks, int me,
       window_(window),
       // Rank 0's window may be smaller than this rank's: the lag must stay below it.
       lag_(std::min(lag, window - 1)),
+      streams_(streams),
       wire_(wire),
       fused_(fused),
       store_(store),
@@ -128,6 +143,8 @@ StagedRail::StagedRail(StagedDevice& device, std::vector<int> railRanks, int me,
               "fastcomm: internal: bad rail");
   TORCH_CHECK(window_ >= kCudaWindowMin && window_ <= kCudaWindowMax && lag_ >= 1,
               "fastcomm: internal: staged window ", window_, " or lag ", lag_, " out of range");
+  TORCH_CHECK(streams_ == 1 || streams_ == 3, "fastcomm: internal: staged streams ", streams_,
+              " is not 1 or 3");
   for (int j = 0; j < rails - 1; ++j) peers_.push_back(railRanks_[peerNode(j, me_)]);
   staging_ = stagingFor(rails, chunkBytes_, window_);
   for (int64_t w = 0; w < window_; ++w) storeFlag(dev_.hostFlag(kFlagFree, w), 1);
@@ -357,21 +374,38 @@ void StagedRail::allreduce(char* shard, int64_t shardElems, at::ScalarType dt, R
 
   // The schedule (see the header): P of the first window_ chunks, then for
   // each chunk t its reduction A(t), the all-gather copies B(t - lag_) and
-  // the send copies P of the chunk that reuses B's slot.
+  // the send copies P of the chunk that reuses B's slot. With lanes, each
+  // step goes to its own, in this same order.
+  const bool lanes = streams_ == 3 && fused_ && !capture;
+  auto lane = [&](int which) {
+    if (lanes) dev_.useLane(which);
+  };
   const int64_t n = l.chunks;
   auto slotOf = [&](int64_t k) { return (first + k) % window_; };
-  for (int64_t k = 0; k < std::min(window_, n); ++k)
+  auto P = [&](int64_t k) {
+    lane(kLaneP);
     issueP(l, k, slotOf(k), shard, esize, wire, dPack);
+  };
+  auto A = [&](int64_t k) {
+    lane(kLaneA);
+    issueA(l, k, slotOf(k), shard, dt, op, wire, dRecv, dOut);
+  };
+  auto B = [&](int64_t k) {
+    lane(kLaneB);
+    issueB(l, k, slotOf(k), shard, esize, wire, dPack);
+  };
+  if (lanes) dev_.forkLanes();
+  for (int64_t k = 0; k < std::min(window_, n); ++k) P(k);
   for (int64_t t2 = 0; t2 < n; ++t2) {
-    issueA(l, t2, slotOf(t2), shard, dt, op, wire, dRecv, dOut);
+    A(t2);
     if (t2 >= lag_) {
       const int64_t b = t2 - lag_;
-      issueB(l, b, slotOf(b), shard, esize, wire, dPack);
-      if (b + window_ < n) issueP(l, b + window_, slotOf(b + window_), shard, esize, wire, dPack);
+      B(b);
+      if (b + window_ < n) P(b + window_);
     }
   }
-  for (int64_t b = std::max<int64_t>(0, n - lag_); b < n; ++b)
-    issueB(l, b, slotOf(b), shard, esize, wire, dPack);
+  for (int64_t b = std::max<int64_t>(0, n - lag_); b < n; ++b) B(b);
+  if (lanes) dev_.joinLanes();
 }
 
 // ----------------------------------------------------------------------------- proxy
@@ -545,7 +579,12 @@ void StagedRail::runOp(Op& op) {
         progressed = true;
       }
       // Every peer's copy of this rank's piece arrived: let the device reduce.
-      while (rsArrNext < n && rsArrNext < rsRecvNext && allDone(cs[rsArrNext].rsRecv)) {
+      // Not before the slot's previous chunk was sent: the reduction writes
+      // the slot's all-gather send piece (on one stream, P's kFlagFree wait
+      // already held it back until then; with lanes this is the guard).
+      while (rsArrNext < n && rsArrNext < rsRecvNext &&
+             (rsArrNext < window_ || cs[rsArrNext - window_].freed) &&
+             allDone(cs[rsArrNext].rsRecv)) {
         auto& c = cs[rsArrNext];
         c.rsArrived = true;
         c.tRsArrived = Clock::now();

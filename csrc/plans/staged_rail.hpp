@@ -28,6 +28,27 @@
 //          operations, 2 more with a wire dtype.
 // On one in-order stream every operation waits for all those before it, so
 // fewer operations per chunk block each other less.
+//
+// Streams (StagedRail's `streams`, FASTCOMM_CUDA_STREAMS): 1 puts every step
+// on the op's stream; 3 puts the fused steps on three lanes (P, A, B: each in
+// chunk order on a stream of its own, forked from the op's stream and joined
+// back at its end), so a step waiting for the network holds back only its
+// own kind: P(k + W) no longer waits behind the all-gather arrival of chunk
+// k - lag, nor B(k) behind the reduce-scatter arrival of chunk k + lag. The
+// order of the data is kept by the flags alone: A(k) and B(k) touch
+// disjoint parts of the chunk (this rank's piece, the peers' pieces); B(k)
+// overwrites the pieces P(k) read only after the peers' reduced pieces
+// arrived, which they sent after receiving what P(k) staged; and A(k) writes
+// the slot's all-gather send piece, which the proxy protects by releasing
+// A(k)'s wait (kFlagRsIn) only once the slot's previous chunk was sent
+// (freed), which on one stream P(k)'s kFlagFree wait before it did. Deadlock
+// freedom where streams share a hardware queue: the steps are still issued
+// in the one order above, so each queue runs a subsequence of it, and every
+// wait depends only on steps earlier in that order (what makes one stream
+// safe); the earliest unfinished step is then always at the head of its
+// queue. A CUDA graph replays its nodes in an order of its own choosing, so
+// captured ops (and the copy form, whose P and B share device scratch) keep
+// one stream.
 // The caller's thread issues all device work of an op at once, in one
 // stream, in a fixed order in which P of later chunks comes before A/B of
 // earlier ones, so the copies of one chunk, the network of another and the
@@ -186,7 +207,18 @@ class StagedDevice {
   // every replay). It must not call CUDA; `arg` must stay valid as long as
   // the call may run.
   virtual void hostCall(void (*fn)(void*), void* arg) = 0;
+
+  // Lanes (StagedRail's `streams` = 3): the fused steps P, A and B of an op
+  // each on a stream of their own. forkLanes(): lanes A and B start after
+  // everything issued so far (on the op's stream, which is lane P);
+  // useLane(): later operations go to that lane; joinLanes(): the op's
+  // stream waits for lanes A and B, and later operations go to it again.
+  virtual void forkLanes() = 0;
+  virtual void useLane(int lane) = 0;
+  virtual void joinLanes() = 0;
 };
+
+enum StagedLane : int { kLaneP = 0, kLaneA, kLaneB, kStagedLanes };
 
 class StagedRail {
  public:
@@ -235,10 +267,11 @@ class StagedRail {
 
   // `railRanks[n]` is the group rank of this rank's rail member on node n
   // (itself at `me`). `groupSize` divides AVG results. `fused`: the device
-  // steps of the fused form (see the header), else the copy form.
+  // steps of the fused form (see the header), else the copy form. `streams`:
+  // 1, or 3 for the lanes of the fused steps (see the header).
   StagedRail(StagedDevice& device, std::vector<int> railRanks, int me, int groupRank, int groupSize,
-             int64_t chunkBytes, int64_t window, int64_t lag, WireDtype wire, bool fused,
-             const c10::intrusive_ptr<c10d::Store>& store, Hooks hooks);
+             int64_t chunkBytes, int64_t window, int64_t lag, int streams, WireDtype wire,
+             bool fused, const c10::intrusive_ptr<c10d::Store>& store, Hooks hooks);
   ~StagedRail();
 
   // Connects to the rail peers with two transports (reduce-scatter and
@@ -267,7 +300,9 @@ class StagedRail {
   // proxy's posts and flags, the device's waits) are paid per wire chunk: on
   // 4x H200 as 2 x 2 at 256 MiB with bf16 on the wire, 8 MiB float32 chunks
   // (4 MiB on the wire) ran 55.8 GB/s busbw against ~44-46 with 4 MiB ones
-  // (benchmarks/results/2026-11-22-4xH200-2x2-bf16-wire-chunks.md).
+  // (benchmarks/results/2026-11-22-4xH200-2x2-bf16-wire-chunks.md). Small
+  // ops take smaller chunks (at least 4, of at least 256 KiB; the .cpp says
+  // why), so their steps overlap too.
   HierLayout layoutFor(int64_t shardElems, at::ScalarType dt, RedOp op) const;
   bool failed() const { return failed_.load(); }
   // Whether an op was captured (a graph may replay it until stop()).
@@ -276,6 +311,7 @@ class StagedRail {
   bool stagingOnDevice() const { return staging_.device; }
   bool fused() const { return fused_; }
   int64_t lag() const { return lag_; }
+  int streams() const { return streams_; }
   std::string transportName() const;
 
   // From the group's abort: closes the transports (requests in flight fail,
@@ -333,6 +369,7 @@ class StagedRail {
   // chunk k + lag_, so the stream does not sit waiting for the network of a
   // chunk it just reduced while later chunks' pieces already arrived.
   int64_t lag_;
+  int streams_;  // 1, or 3: the lanes (see the header)
   WireDtype wire_;
   bool fused_;
   c10::intrusive_ptr<c10d::Store> store_;  // the group's (failure reasons)

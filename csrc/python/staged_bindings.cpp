@@ -1,9 +1,10 @@
 // Test-only: the rail phase of the CUDA multi-node all_reduce
 // (plans/staged_rail.hpp) on the CPU. An emulated device runs the device
-// operations in issue order on one thread, its waits polling host flags as
-// cuStreamWaitValue32 polls them on a GPU, so the proxy, the schedule, the
-// flag protocol, the transports and the failure handling are the very code
-// the GPU runs, checked without one (tests/test_staged_rail.py).
+// operations in issue order on one thread per lane (one stream, or three
+// with `streams` = 3), its waits polling host flags as cuStreamWaitValue32
+// polls them on a GPU, so the proxy, the schedule, the flag protocol, the
+// transports and the failure handling are the very code the GPU runs,
+// checked without one (tests/test_staged_rail.py).
 #include "python/staged_bindings.hpp"
 
 #include <pybind11/stl.h>
@@ -54,7 +55,7 @@ class EmulatedDevice final : public StagedDevice {
 
   explicit EmulatedDevice(int64_t window)
       : window_(window), flags_(kStagedFlagKinds * window * 16, 0) {
-    worker_ = std::thread([this] { loop(); });
+    for (int i = 0; i < kStagedLanes; ++i) lanes_[i].worker = std::thread([this, i] { loop(i); });
   }
   ~EmulatedDevice() override { stop(); }
 
@@ -75,7 +76,9 @@ class EmulatedDevice final : public StagedDevice {
   void replay(const Recording& r) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      queue_.insert(queue_.end(), r.begin(), r.end());
+      Lane& p = lanes_[kLaneP];
+      p.queue.insert(p.queue.end(), r.begin(), r.end());
+      p.issued += static_cast<int64_t>(r.size());
     }
     cv_.notify_all();
   }
@@ -85,7 +88,10 @@ class EmulatedDevice final : public StagedDevice {
   // True once nothing is queued or running (bounded wait).
   bool drain(std::chrono::milliseconds limit) {
     std::unique_lock<std::mutex> lock(mu_);
-    return cv_.wait_for(lock, limit, [&] { return queue_.empty() && !busy_; });
+    return cv_.wait_for(lock, limit, [&] {
+      return std::all_of(lanes_, lanes_ + kStagedLanes,
+                         [](const Lane& l) { return l.queue.empty() && !l.busy; });
+    });
   }
   void stop() {
     {
@@ -94,7 +100,8 @@ class EmulatedDevice final : public StagedDevice {
       stop_ = true;
     }
     cv_.notify_all();
-    if (worker_.joinable()) worker_.join();
+    for (Lane& l : lanes_)
+      if (l.worker.joinable()) l.worker.join();
   }
 
   uint32_t* hostFlag(int kind, int64_t slot) override {
@@ -225,6 +232,18 @@ class EmulatedDevice final : public StagedDevice {
     });
   }
   bool capturing() override { return recording_ != nullptr; }
+  // A lane's operations run on a thread of its own; fork and join are
+  // operations that wait for the other lanes' counts of finished operations
+  // (what an event records).
+  void forkLanes() override {
+    const int64_t upTo = issuedOn(kLaneP);
+    for (int lane : {kLaneA, kLaneB}) enqueueOn(lane, waitForLane(kLaneP, upTo));
+  }
+  void useLane(int lane) override { current_ = lane; }
+  void joinLanes() override {
+    for (int lane : {kLaneA, kLaneB}) enqueueOn(kLaneP, waitForLane(lane, issuedOn(lane)));
+    current_ = kLaneP;
+  }
   void hostCall(void (*fn)(void*), void* arg) override {
     // In stream order on the device thread, as CUDA runs a host function
     // once the stream's earlier work is done (and holds the stream meanwhile).
@@ -257,49 +276,75 @@ class EmulatedDevice final : public StagedDevice {
   }
   void enqueue(std::function<void()> fn) {
     if (recording_) {
+      // The rail records on one stream (staged_rail.hpp, "Streams").
+      TORCH_CHECK(current_ == kLaneP, "fastcomm: staged rail test: a lane in a capture");
       recording_->push_back(std::move(fn));
       return;
     }
+    enqueueOn(current_, std::move(fn));
+  }
+  void enqueueOn(int lane, std::function<void()> fn) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(std::move(fn));
+      lanes_[lane].queue.push_back(std::move(fn));
+      ++lanes_[lane].issued;
     }
     cv_.notify_all();
   }
-  void loop() {
+  int64_t issuedOn(int lane) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return lanes_[lane].issued;
+  }
+  // An operation that waits until `lane` finished its first `count`.
+  std::function<void()> waitForLane(int lane, int64_t count) {
+    return [this, lane, count] {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || lanes_[lane].finished >= count; });
+      if (lanes_[lane].finished < count) throw Abandoned{};
+    };
+  }
+  void loop(int lane) {
+    Lane& me = lanes_[lane];
     for (;;) {
       std::function<void()> fn;
       {
         std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;
-        fn = std::move(queue_.front());
-        queue_.pop_front();
-        busy_ = true;
+        cv_.wait(lock, [&] { return stop_ || !me.queue.empty(); });
+        if (me.queue.empty()) return;
+        fn = std::move(me.queue.front());
+        me.queue.pop_front();
+        me.busy = true;
       }
       try {
         fn();
       } catch (const Abandoned&) {
         std::lock_guard<std::mutex> lock(mu_);
-        queue_.clear();  // stopped while waiting: what follows never runs
+        me.queue.clear();  // stopped while waiting: what follows never runs
       }
       {
         std::lock_guard<std::mutex> lock(mu_);
-        busy_ = false;
+        me.busy = false;
+        ++me.finished;
       }
       cv_.notify_all();
     }
   }
 
+  struct Lane {
+    std::deque<std::function<void()>> queue;
+    bool busy = false;
+    int64_t issued = 0, finished = 0;  // operations
+    std::thread worker;
+  };
+
   int64_t window_;
   std::vector<uint32_t> flags_;
   std::shared_ptr<Recording> recording_;  // while capturing (issuing thread)
+  int current_ = kLaneP;                  // where operations go (issuing thread)
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;
-  bool busy_ = false;
+  Lane lanes_[kStagedLanes];
   bool stop_ = false;
-  std::thread worker_;
 };
 
 RedOp redOpOf(const std::string& name) {
@@ -318,12 +363,13 @@ class StagedRailEndpoint {
  public:
   StagedRailEndpoint(const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix,
                      int rank, int size, int64_t chunkBytes, int64_t window, int64_t lag,
-                     const std::string& wire, const std::string& kernels,
+                     int streams, const std::string& wire, const std::string& kernels,
                      std::chrono::milliseconds timeout)
       : timeout_(timeout), rails_(size), chunkBytes_(chunkBytes), dev_(window) {
     TORCH_CHECK(window >= kCudaWindowMin && window <= kCudaWindowMax,
                 "fastcomm: staged rail test: window must be from ", kCudaWindowMin, " to ",
                 kCudaWindowMax);
+    TORCH_CHECK(streams == 1 || streams == 3, "fastcomm: staged rail test: streams must be 1 or 3");
     TORCH_CHECK(kernels == "fused" || kernels == "copy",
                 "fastcomm: staged rail test: kernels must be fused or copy, not ", kernels);
     auto group = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
@@ -335,7 +381,8 @@ class StagedRailEndpoint {
       if (rail_) rail_->abort(why);
     };
     rail_ = std::make_unique<StagedRail>(dev_, ranks, rank, rank, size, chunkBytes, window, lag,
-                                         parseWireDtype(wire), kernels == "fused", group, hooks);
+                                         streams, parseWireDtype(wire), kernels == "fused", group,
+                                         hooks);
     const Config cfg = Config::fromEnv();
     if (cfg.timeline) Timeline::setEnabled(true);  // as a process group would
     rail_->connect("tcp", cfg, c10::make_intrusive<c10d::PrefixStore>("rail", group),
@@ -502,15 +549,16 @@ void bindStagedRail(py::module_& m) {
   py::class_<StagedRailEndpoint>(m, "_StagedRailEndpoint")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix,
                        int rank, int size, int64_t chunkBytes, int64_t window, int64_t lag,
-                       const std::string& wire, const std::string& kernels, double timeoutS) {
+                       int streams, const std::string& wire, const std::string& kernels,
+                       double timeoutS) {
              return std::make_unique<StagedRailEndpoint>(
-                 store, prefix, rank, size, chunkBytes, window, lag, wire, kernels,
+                 store, prefix, rank, size, chunkBytes, window, lag, streams, wire, kernels,
                  std::chrono::milliseconds(static_cast<int64_t>(timeoutS * 1000)));
            }),
            py::arg("store"), py::arg("prefix"), py::arg("rank"), py::arg("size"),
            py::arg("chunk_bytes"), py::arg("window") = Config().cudaWindow,
-           py::arg("lag") = Config().cudaLag, py::arg("wire") = "none",
-           py::arg("kernels") = "fused", py::arg("timeout_s") = 30.0,
+           py::arg("lag") = Config().cudaLag, py::arg("streams") = Config().cudaStreams,
+           py::arg("wire") = "none", py::arg("kernels") = "fused", py::arg("timeout_s") = 30.0,
            py::call_guard<py::gil_scoped_release>())
       .def("issue", &StagedRailEndpoint::issue, py::arg("tensor"), py::arg("op") = "SUM",
            py::call_guard<py::gil_scoped_release>())

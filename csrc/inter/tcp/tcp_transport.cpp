@@ -786,6 +786,7 @@ class TcpTransport : public Transport {
   explicit TcpTransport(const Config& cfg)
       : sockets_(std::max(1, cfg.tcpSocketsPerPeer)),
         threads_(std::max(1, cfg.tcpThreads)),
+        bufferBytes_(static_cast<int>(cfg.tcpSocketBufferBytes)),
         notifier_(std::make_shared<Notifier>()) {
     spinMicros_ =
         cfg.spinMicros >= 0 ? cfg.spinMicros : (std::thread::hardware_concurrency() >= 8 ? 20 : 0);
@@ -856,6 +857,7 @@ class TcpTransport : public Transport {
 
   const int sockets_;
   const int threads_;
+  const int bufferBytes_;  // SO_SNDBUF / SO_RCVBUF, 0: the kernel's autotuning
   int64_t spinMicros_ = 0;
   std::shared_ptr<Notifier> notifier_;
   SockAddr listenAddr_;
@@ -909,6 +911,15 @@ std::vector<std::unique_ptr<Connection>> TcpTransport::connect(
       int one = 1;
       // Latency of small frames matters more than segment count.
       setsockopt(s->fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+      if (bufferBytes_ > 0) {
+        // Bounds the bytes each socket holds in the kernel. Set after the
+        // handshake: the window scale, negotiated from the kernel's limits
+        // (tcp_rmem), already covers any size allowed here.
+        for (int opt : {SO_SNDBUF, SO_RCVBUF}) {
+          if (setsockopt(s->fd.get(), SOL_SOCKET, opt, &bufferBytes_, sizeof bufferBytes_) != 0)
+            throwSys(opt == SO_SNDBUF ? "setsockopt(SO_SNDBUF)" : "setsockopt(SO_RCVBUF)");
+        }
+      }
       s->worker = workers_[static_cast<size_t>(g % nworkers)].get();
       s->worker->add(s.get());
       peer->socks().push_back(std::move(s));

@@ -109,7 +109,7 @@ uint32_t loadFlag(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIR
 // stream memory operations, mapped pinned flags, mapped pinned staging (the
 // rail may trade it for device memory at connect: placeStaging). It is also
 // the rail's device: every operation goes to `stream` (the group's comm
-// stream, set for each all_reduce).
+// stream, set for each all_reduce), or with lanes to the lane's stream.
 //
 // Memory ordering of the fused steps, whose kernels read and write the
 // staging directly (mapped pinned host memory, or device memory that the
@@ -147,10 +147,16 @@ struct CudaHier::Resources : StagedDevice {
   char* pinnedStaging = nullptr;  // mapped pinned, the same address on host and device
   char* deviceStaging = nullptr;  // cudaMalloc'd (placeStaging)
   int64_t stagingBytes = 0;
-  bool flushArrivals = false;  // CU_STREAM_WAIT_VALUE_FLUSH on the network-arrival waits
-  std::string stagingWhy;      // where the staging is, and why (describe())
-  bool leak = false;           // the GPU may still use the memory: never free
-  cudaStream_t stream = nullptr;
+  bool flushArrivals = false;     // CU_STREAM_WAIT_VALUE_FLUSH on the network-arrival waits
+  std::string stagingWhy;         // where the staging is, and why (describe())
+  bool leak = false;              // the GPU may still use the memory: never free
+  cudaStream_t stream = nullptr;  // the op's (lane P)
+  // Where operations go now: `stream`, or a lane's (FASTCOMM_CUDA_STREAMS=3).
+  cudaStream_t active = nullptr;
+  // Lanes A and B, and the events that fork them from `stream` and join
+  // them back (reused by every op, like the segments' events).
+  cudaStream_t laneA = nullptr, laneB = nullptr;
+  cudaEvent_t laneFork = nullptr, laneJoinA = nullptr, laneJoinB = nullptr;
   // Segmented all_reduces (FASTCOMM_CUDA_SEGMENT_BYTES): the stream of their
   // intra-node NCCL steps, and events reused by every call (a wait takes the
   // event's last record at the time it is issued, so re-recording is safe).
@@ -172,65 +178,80 @@ struct CudaHier::Resources : StagedDevice {
     const bool arrival = kind == kFlagRsIn || kind == kFlagAgIn;
     const unsigned int how =
         CU_STREAM_WAIT_VALUE_EQ | (flushArrivals && arrival ? CU_STREAM_WAIT_VALUE_FLUSH : 0);
-    cuCheck(waitValue(stream, flagDev(kind, slot), 1, how), "cuStreamWaitValue32");
-    cuCheck(writeValue(stream, flagDev(kind, slot), 0, CU_STREAM_WRITE_VALUE_DEFAULT),
+    cuCheck(waitValue(active, flagDev(kind, slot), 1, how), "cuStreamWaitValue32");
+    cuCheck(writeValue(active, flagDev(kind, slot), 0, CU_STREAM_WRITE_VALUE_DEFAULT),
             "cuStreamWriteValue32");
   }
   void setFlag(int kind, int64_t slot) override {
     // The default flags fence the stream's earlier copies before the write,
     // so the proxy sees their data once it sees the flag.
-    cuCheck(writeValue(stream, flagDev(kind, slot), 1, CU_STREAM_WRITE_VALUE_DEFAULT),
+    cuCheck(writeValue(active, flagDev(kind, slot), 1, CU_STREAM_WRITE_VALUE_DEFAULT),
             "cuStreamWriteValue32");
   }
   // The staging may be host or device memory: the copies let the runtime
   // tell (cudaMemcpyDefault, unified addressing).
   void copyToHost(void* dst, const void* src, int64_t bytes) override {
-    cudaCheck(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream), "copy to staging");
+    cudaCheck(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, active), "copy to staging");
   }
   void copyToDevice(void* dst, const void* src, int64_t bytes) override {
-    cudaCheck(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream), "copy from staging");
+    cudaCheck(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, active), "copy from staging");
   }
   void copyToDevice2D(void* dst, int64_t dpitch, const void* src, int64_t spitch, int64_t width,
                       int64_t rows) override {
-    cudaCheck(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, rows, cudaMemcpyDefault, stream),
+    cudaCheck(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, rows, cudaMemcpyDefault, active),
               "copy from staging");
   }
   void reduce(at::ScalarType dt, RedOp op, WireDtype wire, void* own, const void* recv,
               int64_t stride, int nPeers, int64_t n, int64_t divisor, void* wireOut) override {
     hierk::reduce(elemOf(dt), kernelOp(op), kernelWire(wire), own, recv, stride, nPeers, n, divisor,
-                  wireOut, stream);
+                  wireOut, active);
   }
   void pack(WireDtype wire, const float* chunk, void* out, const HierLayout& l, int64_t k,
             int me) override {
-    hierk::pack(kernelWire(wire), chunk, out, l, k, me, stream);
+    hierk::pack(kernelWire(wire), chunk, out, l, k, me, active);
   }
   void unpack(WireDtype wire, const void* in, float* chunk, const HierLayout& l, int64_t k,
               int me) override {
-    hierk::unpack(kernelWire(wire), in, chunk, l, k, me, stream);
+    hierk::unpack(kernelWire(wire), in, chunk, l, k, me, active);
   }
   void packToStaging(WireDtype wire, int64_t esize, const void* chunk, void* slots, int64_t pitch,
                      const HierLayout& l, int64_t k, int me) override {
-    hierk::packToStaging(kernelWire(wire), esize, chunk, slots, pitch, l, k, me, stream);
+    hierk::packToStaging(kernelWire(wire), esize, chunk, slots, pitch, l, k, me, active);
   }
   void reduceFromStaging(at::ScalarType dt, RedOp op, WireDtype wire, void* own, const void* recv,
                          int64_t pitch, int nPeers, int64_t n, int64_t divisor,
                          void* out) override {
     hierk::reduceFromStaging(elemOf(dt), kernelOp(op), kernelWire(wire), own, recv, pitch, nPeers,
-                             n, divisor, out, stream);
+                             n, divisor, out, active);
   }
   void gatherFromStaging(WireDtype wire, int64_t esize, const void* slots, int64_t pitch,
                          void* chunk, const HierLayout& l, int64_t k, int me) override {
-    hierk::gatherFromStaging(kernelWire(wire), esize, slots, pitch, chunk, l, k, me, stream);
+    hierk::gatherFromStaging(kernelWire(wire), esize, slots, pitch, chunk, l, k, me, active);
+  }
+  void forkLanes() override {
+    cudaCheck(cudaEventRecord(laneFork, stream), "cudaEventRecord");
+    cudaCheck(cudaStreamWaitEvent(laneA, laneFork, 0), "cudaStreamWaitEvent");
+    cudaCheck(cudaStreamWaitEvent(laneB, laneFork, 0), "cudaStreamWaitEvent");
+  }
+  void useLane(int lane) override {
+    active = lane == kLaneA ? laneA : (lane == kLaneB ? laneB : stream);
+  }
+  void joinLanes() override {
+    cudaCheck(cudaEventRecord(laneJoinA, laneA), "cudaEventRecord");
+    cudaCheck(cudaEventRecord(laneJoinB, laneB), "cudaEventRecord");
+    cudaCheck(cudaStreamWaitEvent(stream, laneJoinA, 0), "cudaStreamWaitEvent");
+    cudaCheck(cudaStreamWaitEvent(stream, laneJoinB, 0), "cudaStreamWaitEvent");
+    active = stream;
   }
   bool capturing() override {
     cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-    cudaCheck(cudaStreamIsCapturing(stream, &st), "cudaStreamIsCapturing");
+    cudaCheck(cudaStreamIsCapturing(active, &st), "cudaStreamIsCapturing");
     return st != cudaStreamCaptureStatusNone;
   }
   void hostCall(void (*fn)(void*), void* arg) override {
     // Under capture a host node: the graph runs it on every replay, on the
     // driver's host-function thread, before the nodes that follow it.
-    cudaCheck(cudaLaunchHostFunc(stream, fn, arg), "cudaLaunchHostFunc");
+    cudaCheck(cudaLaunchHostFunc(active, fn, arg), "cudaLaunchHostFunc");
   }
 
   static std::unique_ptr<Resources> make(int rails, int64_t chunkBytes, int64_t window,
@@ -244,6 +265,12 @@ struct CudaHier::Resources : StagedDevice {
       for (auto& e : r->events)
         cudaCheck(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
     }
+    // The lanes' streams, made for every rank: cheap, and FASTCOMM_CUDA_STREAMS
+    // is local.
+    cudaCheck(cudaStreamCreateWithFlags(&r->laneA, cudaStreamNonBlocking), "cudaStreamCreate");
+    cudaCheck(cudaStreamCreateWithFlags(&r->laneB, cudaStreamNonBlocking), "cudaStreamCreate");
+    for (cudaEvent_t* e : {&r->laneFork, &r->laneJoinA, &r->laneJoinB})
+      cudaCheck(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreate");
     cudaDriverEntryPointQueryResult q{};
     // Through the runtime, so fastcomm does not link libcuda itself; the
     // 12.0 ABI of both functions (their _v2 forms) is all we use.
@@ -377,6 +404,10 @@ struct CudaHier::Resources : StagedDevice {
     for (cudaEvent_t e : events)
       if (e != nullptr) cudaEventDestroy(e);
     if (side != nullptr) cudaStreamDestroy(side);
+    for (cudaEvent_t e : {laneFork, laneJoinA, laneJoinB})
+      if (e != nullptr) cudaEventDestroy(e);
+    for (cudaStream_t l : {laneA, laneB})
+      if (l != nullptr) cudaStreamDestroy(l);
     if (pinnedStaging != nullptr) cudaFreeHost(pinnedStaging);
     if (deviceStaging != nullptr) cudaFree(deviceStaging);
     if (flags != nullptr) cudaFreeHost(flags);
@@ -450,10 +481,10 @@ std::unique_ptr<CudaHier> CudaHier::create(const c10::intrusive_ptr<c10d::Store>
   }
   std::vector<int> rail;
   for (const auto& node : topo.nodeRanks) rail.push_back(node[topo.localRank]);
-  h->rail_ = std::make_unique<StagedRail>(*h->res_, std::move(rail), topo.myNode, topo.rank,
-                                          topo.size, plan.cudaChunkBytes, plan.cudaWindow,
-                                          cfg.cudaLag, parseWireDtype(plan.wireDtype),
-                                          cfg.stagedFused, store, std::move(hooks));
+  h->rail_ = std::make_unique<StagedRail>(
+      *h->res_, std::move(rail), topo.myNode, topo.rank, topo.size, plan.cudaChunkBytes,
+      plan.cudaWindow, cfg.cudaLag, cfg.cudaStreams, parseWireDtype(plan.wireDtype),
+      cfg.stagedFused, store, std::move(hooks));
   Resources* r = h->res_.get();
   h->rail_->connect(plan.transport, cfg,
                     c10::make_intrusive<c10d::PrefixStore>("fastcomm/cuda_hier", store), ctx,
@@ -484,6 +515,7 @@ std::string CudaHier::describe() const {
      << plan_.cudaChunkBytes << " B (window " << plan_.cudaWindow << ", lag " << rail_->lag()
      << "), reduction on the GPU, "
      << (rail_->fused() ? "fused staging kernels" : "copy-engine staging copies")
+     << (rail_->fused() && rail_->streams() == 3 ? " on 3 streams" : "")
      << (plan_.wireDtype != "none" ? ", float32 sums as " + plan_.wireDtype + " on the wire" : "")
      << (topo_.localSize > 1 ? ", NCCL all-gather in the node" : "")
      << (res_->side != nullptr
@@ -535,7 +567,7 @@ void CudaHier::allreduce(const at::Tensor& t, RedOp op, cudaStream_t s, const Op
   }
   // Device scratch from the caching allocator, on this stream.
   at::Tensor scratch = at::empty({rail_->scratchBytes(S, dt, op)}, t.options().dtype(at::kByte));
-  res_->stream = s;
+  res_->stream = res_->active = s;
   rail_->allreduce(shard, S, dt, op, static_cast<char*>(scratch.data_ptr()), ctx,
                    std::move(failWork));
   if (L > 1) {
@@ -594,7 +626,7 @@ void CudaHier::allreduceSegmented(const at::Tensor& t, RedOp op, cudaStream_t s,
   cudaCheck(cudaEventRecord(fork, s), "cudaEventRecord");  // the padding copy, earlier work
   cudaCheck(cudaStreamWaitEvent(side, fork, 0), "cudaStreamWaitEvent");
   rs(0);
-  res_->stream = s;
+  res_->stream = res_->active = s;
   for (int64_t g = 0; g < G; ++g) {
     cudaCheck(cudaStreamWaitEvent(s, rsDone(g), 0), "cudaStreamWaitEvent");
     rail_->allreduce(shardOf(g), Sg, dt, op, static_cast<char*>(scratch.data_ptr()), ctx, failWork);

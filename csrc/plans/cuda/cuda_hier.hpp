@@ -18,7 +18,10 @@
 // depends on GPU work issued later on another stream (which could deadlock
 // where CUDA maps several streams onto one hardware queue: the warning of
 // cuStreamWaitValue32). This is why there are no separate copy streams: the
-// device steps of one chunk still overlap the network of the others.
+// device steps of one chunk still overlap the network of the others. With
+// FASTCOMM_CUDA_STREAMS=3 the three kinds of fused step run on streams of
+// their own, issued in that same single order (plans/staged_rail.hpp,
+// "Streams", says why that stays deadlock-free).
 //
 // Failures abort the group (the CUDA collectives' abort: works fail, NCCL
 // communicators abort); the rail then keeps releasing the stream's waits, and
