@@ -245,13 +245,13 @@ struct CudaHier::Resources : StagedDevice {
   }
   bool capturing() override {
     cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-    cudaCheck(cudaStreamIsCapturing(active, &st), "cudaStreamIsCapturing");
+    cudaCheck(cudaStreamIsCapturing(stream, &st), "cudaStreamIsCapturing");
     return st != cudaStreamCaptureStatusNone;
   }
   void hostCall(void (*fn)(void*), void* arg) override {
     // Under capture a host node: the graph runs it on every replay, on the
     // driver's host-function thread, before the nodes that follow it.
-    cudaCheck(cudaLaunchHostFunc(active, fn, arg), "cudaLaunchHostFunc");
+    cudaCheck(cudaLaunchHostFunc(stream, fn, arg), "cudaLaunchHostFunc");
   }
 
   static std::unique_ptr<Resources> make(int rails, int64_t chunkBytes, int64_t window,
