@@ -177,7 +177,9 @@ def measure_mm_peak(dtype: torch.dtype, reps: int) -> float:
 
 class Variant:
     """Sets the FASTCOMM_MATMUL_* knobs of a kernel path while a fastcomm method runs
-    (all of them: knobs a variant does not name are reset to auto)."""
+    (all of them: knobs a variant does not name are reset to auto). A variant name
+    may end in ``@g<N>``: the same kernel with FASTCOMM_MATMUL_GROUP=N (rows or
+    columns of C per group of the Hopper tile order), e.g. ``auto@g4096``."""
 
     KNOBS: ClassVar[tuple[str, ...]] = (
         "IMPL",
@@ -186,6 +188,7 @@ class Variant:
         "CLUSTER",
         "EPI",
         "RASTER",
+        "GROUP",
         "WGMMA_MN",
     )
     _HOPPER: ClassVar[dict[str, str]] = {"IMPL": "wgmma"}
@@ -262,12 +265,15 @@ class Variant:
     }
 
     def __init__(self, name: str):
-        name = self.ALIASES.get(name, name)
-        if name not in self.ENV:
+        base, _, group = name.partition("@g")
+        base = self.ALIASES.get(base, base)
+        if base not in self.ENV or ("@g" in name and not group.isdigit()):
             raise ValueError(
-                f"unknown variant {name!r}; known: {sorted(self.ENV)} and sets {sorted(self.SETS)}"
+                f"unknown variant {name!r}; known: {sorted(self.ENV)} (each may end in "
+                f"@g<group>) and sets {sorted(self.SETS)}"
             )
-        self.name = name
+        self.name = f"{base}@g{group}" if group else base
+        self.env = {**self.ENV[base], **({"GROUP": group} if group else {})}
         self.saved: dict[str, Optional[str]] = {}
 
     @classmethod
@@ -280,7 +286,7 @@ class Variant:
         return out
 
     def __enter__(self):
-        env = self.ENV[self.name]
+        env = self.env
         for k in self.KNOBS:
             var = f"FASTCOMM_MATMUL_{k}"
             self.saved[var] = os.environ.get(var)

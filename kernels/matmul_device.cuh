@@ -327,15 +327,15 @@ __device__ __forceinline__ void epilogue_pair(const GemmArgs& p, int row, int co
 
 // ---- tile order --------------------------------------------------------------
 
-// Linear tile index -> (tile row, tile column), walking GROUP_M tile rows
+// Linear tile index -> (tile row, tile column), walking group_m tile rows
 // together so that concurrently running tiles share rows of A and columns of
 // B in L2.
-template <int GROUP_M>
-__device__ __forceinline__ void grouped_tile(int tile, int tiles_m, int tiles_n, int& tm, int& tn) {
-  const int per_group = GROUP_M * tiles_n;
+__device__ __forceinline__ void grouped_tile(int tile, int tiles_m, int tiles_n, int group_m,
+                                             int& tm, int& tn) {
+  const int per_group = group_m * tiles_n;
   const int group = tile / per_group;
-  const int first_m = group * GROUP_M;
-  const int rows = min(tiles_m - first_m, GROUP_M);
+  const int first_m = group * group_m;
+  const int rows = min(tiles_m - first_m, group_m);
   const int r = tile - group * per_group;
   tm = first_m + r % rows;
   tn = r / rows;

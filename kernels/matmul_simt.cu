@@ -37,7 +37,7 @@ int64_t output_tiles(const GemmArgs& p, int bm, int bn) {
 template <int BM, int BN>
 __device__ __forceinline__ void block_tile_origin(int M, int N, int& m0, int& n0) {
   int tm, tn;
-  grouped_tile<8>(blockIdx.x, (M + BM - 1) / BM, (N + BN - 1) / BN, tm, tn);
+  grouped_tile(blockIdx.x, (M + BM - 1) / BM, (N + BN - 1) / BN, 8, tm, tn);
   m0 = tm * BM;
   n0 = tn * BN;
 }

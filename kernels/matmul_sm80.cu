@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, (Cfg::THREADS == 256 ? 2 : 3))
 
   const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
   int tm, tn;
-  grouped_tile<8>(blockIdx.x, tiles_m, tiles_n, tm, tn);
+  grouped_tile(blockIdx.x, tiles_m, tiles_n, 8, tm, tn);
   const int m0 = tm * BM, n0 = tn * BN;
 
   auto load_stage = [&](int stage, int kb) {

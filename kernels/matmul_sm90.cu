@@ -33,6 +33,8 @@ constexpr double kEffPingpong = 0.87;
 // CTA pairs with B multicast: off by default until the benchmark shows them
 // ahead (the first version was 0.63-0.70x of cuBLAS; see docs/matmul.md).
 constexpr int kDefaultCluster = 1;
+// Rows (raster m) or columns (raster n) of C per group of the tile order.
+constexpr int kDefaultGroup = 2048;
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -105,12 +107,13 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
   const bool act_math = p.act == Act::kGelu || p.act == Act::kGeluTanh || p.act == Act::kSilu;
   plan.epi_offload = plan.tma_store && plan.bn == 256 &&
                      (o.epi == WgmmaEpi::kOffload || (o.epi == WgmmaEpi::kAuto && act_math));
+  plan.group = o.group == 0 ? kDefaultGroup : o.group;
   if (o.raster == Raster::kAuto) {
     // Bytes read from DRAM, if each group's panel stays in L2: rows-first
-    // groups (2048 rows of A) stream all of B once per group, columns-first
-    // groups (2048 columns of B) all of A once per group.
+    // groups (group rows of A) stream all of B once per group, columns-first
+    // groups (group columns of B) all of A once per group.
     const double a = static_cast<double>(p.M) * p.K, b = static_cast<double>(p.N) * p.K;
-    plan.raster_n = b + a * cdiv(p.N, 2048) < a + b * cdiv(p.M, 2048);
+    plan.raster_n = b + a * cdiv(p.N, plan.group) < a + b * cdiv(p.M, plan.group);
   } else {
     plan.raster_n = o.raster == Raster::kN;
   }
@@ -227,6 +230,7 @@ std::string describe_gemm_wgmma_sm90(const GemmArgs& p, int num_sms, const Wgmma
                             : " epi tma";
   }
   s += plan.raster_n ? " raster n" : " raster m";
+  if (plan.group != sm90::kDefaultGroup) s += " group " + std::to_string(plan.group);
   return s;
 }
 

@@ -50,6 +50,7 @@
 
 #include <cuda.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdio>
 #include <mutex>
@@ -130,6 +131,8 @@ struct Cfg {
 // Run-time options of one launch (by value, in the kernel parameters).
 struct KernelOpts {
   int raster_n = 0;  // tile order: groups of columns (1) or of rows (0)
+  // Tile columns (raster n) or units of CLUSTER tile rows (raster m) per group.
+  int group_tiles = 1;
   // Cooperative epilogue through TMA stores (tma_c is valid): 1 epilogue_tma,
   // 2 epilogue_tma_lean, 3 the offload epilogue (set for, and only for, the
   // kernels instantiated with OFFLOAD).
@@ -890,14 +893,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int first_unit = blockIdx.x / CLUSTER;
   const int unit_stride = gridDim.x / CLUSTER;
   const uint32_t rank = CLUSTER == 2 ? cluster_ctarank() : 0u;
-  // Tile order for L2 reuse: groups of 2048 rows (2048 / BM tile rows)
-  // walked column by column, or groups of 2048 columns walked row by row.
+  // Tile order for L2 reuse: groups of opts.group_tiles tile rows (units)
+  // walked column by column, or of tile columns walked row by row.
   auto unit_tile = [&](int unit, int& m0, int& n0) {
     int um, tn;
     if (opts.raster_n) {
-      grouped_tile<2048 / BN>(unit, tiles_n, units_m, tn, um);
+      grouped_tile(unit, tiles_n, units_m, opts.group_tiles, tn, um);
     } else {
-      grouped_tile<2048 / BM / CLUSTER>(unit, units_m, tiles_n, um, tn);
+      grouped_tile(unit, units_m, tiles_n, opts.group_tiles, um, tn);
     }
     m0 = (um * CLUSTER + static_cast<int>(rank)) * BM;
     n0 = tn * BN;
@@ -1168,6 +1171,7 @@ cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stre
   if (!ok_a || !ok_b) return cudaErrorInvalidValue;
   KernelOpts opts;
   opts.raster_n = plan.raster_n ? 1 : 0;
+  opts.group_tiles = std::max(1, plan.raster_n ? plan.group / BN : plan.group / (C::BM * CLUSTER));
   if constexpr (OFFLOAD) {
     opts.tma_store = 3;  // the dispatcher picks OFFLOAD only where C takes TMA stores
   } else {

@@ -35,6 +35,7 @@ struct Plan {
   // producer warpgroup, under the next tile's MMAs; cooperative 128 x 256 only)
   bool epi_offload = false;
   bool raster_n = false;  // walk tiles in groups of columns (true) or of rows (false)
+  int group = 2048;       // rows (raster m) or columns (raster n) of C per group
   int num_sms = 0;
 };
 

@@ -584,12 +584,35 @@ def test_cuda_wgmma_offload_fallback(monkeypatch):
 
 
 @pytest.mark.cuda(1)
+@pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("raster", ["m", "n"])
+@pytest.mark.parametrize("cluster", ["1", "2"])
+@pytest.mark.parametrize("group", ["512", "768", "65536"])
+def test_cuda_wgmma_tile_groups(monkeypatch, raster, cluster, group):
+    """FASTCOMM_MATMUL_GROUP: groups of 2 or 3 tile columns / units of tile rows (a unit
+    is 1 row, or 2 with a cluster), the last group partial on these shapes, and one group
+    of everything; every tile is computed exactly once (the output is poisoned first)."""
+    monkeypatch.setenv("FASTCOMM_MATMUL_IMPL", "wgmma")
+    monkeypatch.setenv("FASTCOMM_MATMUL_SCHED", "coop")
+    monkeypatch.setenv("FASTCOMM_MATMUL_TILE", "large")
+    monkeypatch.setenv("FASTCOMM_MATMUL_RASTER", raster)
+    monkeypatch.setenv("FASTCOMM_MATMUL_CLUSTER", cluster)
+    monkeypatch.setenv("FASTCOMM_MATMUL_GROUP", group)
+    probe = torch.empty(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    name = torch.ops.fastcomm._kernel_name(probe, probe)
+    assert f" raster {raster} group {group}" in name, name
+    # 9 x 5 and 3 x 9 tiles of 128 x 256
+    shapes = [(1100, 1200, 300), (300, 2200, 130)]
+    _check_all_layouts("cuda", torch.bfloat16, shapes, acts=("none", "gelu"))
+
+
+@pytest.mark.cuda(1)
 @_skip_no_cuda
 def test_cuda_default_dispatch(monkeypatch):
     """With no FASTCOMM_MATMUL_* settings: half types take the Hopper kernel on sm_90 for
     problems that fill the GPU and the mma.sync kernel for small ones (and on other
     sm_80+ GPUs); float32 the CUDA-core kernel. The default path's results are right."""
-    for k in ("IMPL", "TILE", "SCHED", "CLUSTER", "EPI", "RASTER", "WGMMA_MN"):
+    for k in ("IMPL", "TILE", "SCHED", "CLUSTER", "EPI", "RASTER", "GROUP", "WGMMA_MN"):
         monkeypatch.delenv(f"FASTCOMM_MATMUL_{k}", raising=False)
     bf = torch.bfloat16
     big = torch.empty(4096, 4096, device="cuda", dtype=bf)
@@ -629,6 +652,11 @@ def test_cuda_matmul_knob_errors(monkeypatch):
     monkeypatch.setenv("FASTCOMM_MATMUL_SCHED", "zigzag")
     with pytest.raises(RuntimeError, match="FASTCOMM_MATMUL_SCHED"):
         ops.matmul(a, a)
+    monkeypatch.delenv("FASTCOMM_MATMUL_SCHED")
+    for bad in ("128", "100000", "big"):
+        monkeypatch.setenv("FASTCOMM_MATMUL_GROUP", bad)
+        with pytest.raises(RuntimeError, match="FASTCOMM_MATMUL_GROUP"):
+            ops.matmul(a, a)
 
 
 def test_kernel_name_cpu():

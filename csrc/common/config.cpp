@@ -200,6 +200,14 @@ MatmulConfig MatmulConfig::fromEnv() {
     c.epi = oneOf("FASTCOMM_MATMUL_EPI", v, {"auto", "direct", "tma", "tma2", "offload"});
   if (const char* v = env("FASTCOMM_MATMUL_RASTER"))
     c.raster = oneOf("FASTCOMM_MATMUL_RASTER", v, {"auto", "m", "n"});
+  if (const char* v = env("FASTCOMM_MATMUL_GROUP")) {
+    const int64_t g = parseBytes("FASTCOMM_MATMUL_GROUP", v);
+    if (g != 0 && (g < 256 || g > 65536)) {
+      throw std::invalid_argument(std::string("fastcomm: FASTCOMM_MATMUL_GROUP=") + v +
+                                  " is not 0 (auto) or from 256 to 65536");
+    }
+    c.group = static_cast<int>(g);
+  }
   c.wgmmaMnMajor = flag("FASTCOMM_MATMUL_WGMMA_MN", true);
   return c;
 }
@@ -207,7 +215,8 @@ MatmulConfig MatmulConfig::fromEnv() {
 std::string MatmulConfig::describe() const {
   std::ostringstream os;
   os << "matmul impl=" << impl << " tile=" << tile << " sched=" << sched << " cluster=" << cluster
-     << " epi=" << epi << " raster=" << raster << " wgmma_mn=" << wgmmaMnMajor;
+     << " epi=" << epi << " raster=" << raster << " group=" << group
+     << " wgmma_mn=" << wgmmaMnMajor;
   return os.str();
 }
 

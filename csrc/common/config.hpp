@@ -184,6 +184,9 @@ struct MatmulConfig {
   std::string epi = "auto";
   // FASTCOMM_MATMUL_RASTER: auto | m | n (Hopper tile order: row or column groups).
   std::string raster = "auto";
+  // FASTCOMM_MATMUL_GROUP: rows (raster m) or columns (raster n) of C per
+  // group of the Hopper tile order, 256..65536; 0 = auto (2048).
+  int group = 0;
   // FASTCOMM_MATMUL_WGMMA_MN=0: copy M-/N-major operands to K-major before the
   // Hopper kernel instead of loading them transposed.
   bool wgmmaMnMajor = true;

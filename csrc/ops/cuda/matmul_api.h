@@ -89,6 +89,7 @@ struct WgmmaOptions {
   int cluster = 0;          // 0 (auto), 1, or 2: CTA pairs sharing B through TMA multicast
   WgmmaEpi epi = WgmmaEpi::kAuto;
   Raster raster = Raster::kAuto;
+  int group = 0;  // rows / columns of C per tile group; 0 (auto) = 2048
 };
 cudaError_t launch_gemm_wgmma_sm90(const GemmArgs& args, int num_sms, const WgmmaOptions& opts,
                                    cudaStream_t stream);

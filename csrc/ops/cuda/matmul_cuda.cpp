@@ -77,6 +77,7 @@ kc::WgmmaOptions wgmma_options(const MatmulConfig& c) {
   o.raster = c.raster == "m"   ? kc::Raster::kM
              : c.raster == "n" ? kc::Raster::kN
                                : kc::Raster::kAuto;
+  o.group = c.group;
   return o;
 }
 
