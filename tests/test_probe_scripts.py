@@ -91,3 +91,50 @@ def test_host_membw_rejects_nonpositive_arguments():
     membw = load_script("host_membw")
     with pytest.raises(SystemExit):
         membw.main(["--iters", "0"])
+
+
+def test_ncu_summary_raw_table(tmp_path):
+    # The shape of `ncu --csv --page raw` with matmul_ncu.py's kernel lines mixed in.
+    path = tmp_path / "ncu_raw.csv"
+    path.write_text(
+        "==PROF== Connected\n"
+        '"ID","Kernel Name","smsp__inst_executed.sum","smsp__inst_executed.avg","dram__bytes_read.sum"\n'
+        '"","","inst","inst","byte"\n'
+        '"0","gemm","1,690,000","32000","148000000"\n'
+        '"1","nvjet","26000000","49300","145000000"\n'
+        "# kernel 0: 4096x4096x4096 fc[auto]\n"
+        "# kernel 1: 4096x4096x4096 cublas\n"
+    )
+    table = load_script("ncu_summary").raw_table(str(path), ["smsp__inst_executed", "dram"])
+    lines = table.splitlines()
+    assert lines[2] == "| smsp__inst_executed.sum | 1.69e+06 | 2.6e+07 |"
+    assert lines[3] == "| dram__bytes_read.sum | 1.48e+08 | 1.45e+08 |"
+    assert not any(".avg" in ln for ln in lines)  # per-unit averages left out
+    assert lines[-2:] == ["0: 4096x4096x4096 fc[auto]", "1: 4096x4096x4096 cublas"]
+
+
+def test_ncu_summary_opcode_table(tmp_path):
+    # The shape of `ncu --page source --csv --print-source sass`: one block per kernel; the
+    # export repeats some kernels, which the table counts once.
+    block = (
+        '"Kernel Name","{name}"\n'
+        '"Address","Source","Instructions Executed"\n'
+        '"0x10","HGMMA.64x256x16.F32.BF16 R24, gdesc[UR8], R24","{h}"\n'
+        '"0x20","@!P0  BRA 0x10","{b}"\n'
+        '"0x30","@P1 HGMMA.64x256x16.F32.BF16 R24, gdesc[UR8], R24","{h}"\n'
+        '"0x40","","",\n'
+    )
+    path = tmp_path / "src.csv"
+    path.write_text(
+        block.format(name="ours", h=100, b=7)
+        + block.format(name="ours", h=100, b=7)
+        + block.format(name="cublas", h=50, b=1)
+    )
+    summary = load_script("ncu_summary")
+    names, counts = summary.opcode_counts(str(path))
+    assert names == ["ours", "cublas"]
+    assert [dict(c) for c in counts] == [{"HGMMA": 200, "BRA": 7}, {"HGMMA": 100, "BRA": 1}]
+    lines = summary.opcode_table(str(path), top=5).splitlines()
+    assert lines[0] == "| opcode | 0 | 1 |"
+    assert lines[3].startswith("| HGMMA |")
+    assert lines[-2:] == ["0: ours", "1: cublas"]
