@@ -377,28 +377,20 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[MS][N]) {
   }
 }
 
-// wgmma shared-memory matrix descriptor, 128-byte swizzle.
-//   bits  0-13: start address >> 4
-//   bits 16-29: leading-dimension byte offset >> 4
-//   bits 32-45: stride-dimension byte offset >> 4
-//   bits 62-63: swizzle mode (1 = 128B)
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) |
-         (static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16) |
-         (static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
-}
-
-// A descriptor as its two 32-bit halves (smem_desc's layout: `lo` = start
-// address and leading-dimension offset, `hi` = stride offset and swizzle), so
-// that the main loop moves it over stages and k16 steps with one 32-bit add
-// to `lo` (desc_advance) instead of rebuilding it per wgmma.
+// wgmma shared-memory matrix descriptor, 128-byte swizzle, kept as its two
+// 32-bit halves so that the main loop moves it over stages and k16 steps with
+// one 32-bit add to `lo` (desc_advance) instead of rebuilding it per wgmma:
+//   lo bits  0-13: start address >> 4
+//   lo bits 16-29: leading-dimension byte offset >> 4
+//   hi bits  0-13: stride-dimension byte offset >> 4
+//   hi bits 30-31: swizzle mode (1 = 128B)
 struct DescPair {
   uint32_t lo, hi;
 };
 
 __device__ __forceinline__ DescPair smem_desc_pair(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  const uint64_t d = smem_desc(addr, lbo, sbo);
-  return {static_cast<uint32_t>(d), static_cast<uint32_t>(d >> 32)};
+  return {((addr & 0x3FFFFu) >> 4) | (((lbo & 0x3FFFFu) >> 4) << 16),
+          ((sbo & 0x3FFFFu) >> 4) | (1u << 30)};
 }
 
 // `d` advanced by `bytes` (a multiple of 16). Only the 14-bit start-address
