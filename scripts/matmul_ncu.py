@@ -39,18 +39,31 @@ def method_call(
     w: torch.Tensor,
     bias: torch.Tensor,
     pre: torch.Tensor,
-) -> tuple[Callable[[], torch.Tensor], str | None]:
-    """The call that runs `method` on these inputs, and the bench_matmul variant it needs."""
+) -> tuple[Callable[[], torch.Tensor], str | None, Callable[[], str]]:
+    """The call that runs `method` on these inputs, the bench_matmul variant it needs, and its
+    label (for fastcomm's ops with the kernel they run, read under that variant's knobs)."""
     if method == "cublas":
-        return (lambda: torch.matmul(x, b)), None
+        return (lambda: torch.matmul(x, b)), None, lambda: method
     if method == "addmm_act":
-        return (lambda: torch._addmm_activation(bias, x, w.t(), use_gelu=True)), None
+        return (
+            (lambda: torch._addmm_activation(bias, x, w.t(), use_gelu=True)),
+            None,
+            lambda: method,
+        )
     if method == "unfused_gelu":
-        return (lambda: F.gelu(pre, approximate="tanh")), None
+        return (lambda: F.gelu(pre, approximate="tanh")), None, lambda: method
     if method.startswith("fc[") and method.endswith("]"):
-        return (lambda: torch.ops.fastcomm.matmul(x, b)), method[3:-1]
+        return (
+            (lambda: torch.ops.fastcomm.matmul(x, b)),
+            method[3:-1],
+            lambda: f"{method} = {kernel_name(x, b)}",
+        )
     if method.startswith("fcl[") and method.endswith("]"):
-        return (lambda: torch.ops.fastcomm.linear(x, w, bias, "gelu_tanh")), method[4:-1]
+        return (
+            (lambda: torch.ops.fastcomm.linear(x, w, bias, "gelu_tanh")),
+            method[4:-1],
+            lambda: f"{method} = {kernel_name(x, w.t(), 'gelu_tanh')}",
+        )
     raise SystemExit(f"unknown method {method!r}")
 
 
@@ -73,15 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
         pre = F.linear(x, w, bias)
         for method in args.methods.split(","):
-            fn, variant = method_call(method, x, b, w, bias, pre)
+            fn, variant, describe = method_call(method, x, b, w, bias, pre)
             with Variant(variant) if variant else contextlib.nullcontext():
-                label = method
-                if variant:
-                    label += " = " + (
-                        kernel_name(x, b)
-                        if method.startswith("fc[")
-                        else kernel_name(x, w.t(), "gelu_tanh")
-                    )
+                label = describe()
                 for _ in range(3):
                     fn()
                 torch.cuda.synchronize()
