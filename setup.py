@@ -76,7 +76,6 @@ def _sources(cuda: bool) -> list[str]:
         cpp = [s for s in cpp if f"{os.sep}cuda{os.sep}" not in s]
         return cpp
     cu = glob.glob(os.path.join("kernels", "**", "*.cu"), recursive=True)
-    cu += glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True)  # e.g. plans/cuda/kernels
     return cpp + sorted(cu)
 
 
@@ -132,7 +131,7 @@ def _extension():
     cxx = ["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-interference-size"]
     nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
     define_macros = [("TORCH_EXTENSION_NAME", "_C")]
-    include_dirs = [os.path.join(ROOT, "csrc")]
+    include_dirs = [os.path.join(ROOT, "csrc"), ROOT]  # "common/...", "kernels/..."
     library_dirs: list[str] = []
     libraries: list[str] = []
     extra_link = []

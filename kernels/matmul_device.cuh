@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "ops/cuda/matmul_api.h"
+#include "matmul_api.h"
 
 namespace fastcomm {
 namespace ops {

@@ -1,4 +1,4 @@
-"""Index arithmetic of the CUDA multi-node all_reduce (csrc/plans/hier_layout.hpp), checked on
+"""Index arithmetic of the CUDA multi-node all_reduce (csrc/kernels/staged_layout.hpp), checked on
 the CPU: chunks tile the shard, pieces tile each chunk, every rail member owns one piece per
 chunk, pieces are aligned and fit the staging slots, and the packed layout of the wire casts
 maps every element sent to a peer exactly once. The kernels and the proxy use these functions

@@ -1,5 +1,5 @@
 """The fused staging kernels of the CUDA multi-node all_reduce alone
-(csrc/plans/cuda/kernels/hier_kernels.cu: packToStaging, reduceFromStaging, gatherFromStaging,
+(kernels/staged_kernels.cu: packToStaging, reduceFromStaging, gatherFromStaging,
 reached through the test-only torchext._C._staged_pack / _staged_reduce / _staged_gather).
 
 Staging in pinned host memory and in device memory; every dtype and op, the 16-bit wire dtypes,

@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/lane.hpp"
+#include "common/lane.hpp"
 #include "backend/stats.hpp"
 #include "backend/work.hpp"
 #include "common/config.hpp"

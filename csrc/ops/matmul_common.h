@@ -18,7 +18,7 @@
 namespace fastcomm {
 namespace ops {
 
-// Keep in sync with fastcomm::ops::cuda::Act (csrc/ops/cuda/matmul_api.h) and
+// Keep in sync with fastcomm::ops::cuda::Act (kernels/matmul_api.h) and
 // the list in torchext/ops.py.
 enum class Activation : int { kNone = 0, kRelu = 1, kGelu = 2, kGeluTanh = 3, kSilu = 4 };
 

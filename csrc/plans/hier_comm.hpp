@@ -20,10 +20,10 @@
 #include <string>
 #include <vector>
 
-#include "backend/lane.hpp"
+#include "common/lane.hpp"
 #include "common/config.hpp"
 #include "common/host_comm.hpp"
-#include "inter/ring_comm.hpp"
+#include "plans/ring_comm.hpp"
 #include "inter/transport.hpp"
 #include "intra/shm/shm_comm.hpp"
 #include "topology/topology.hpp"

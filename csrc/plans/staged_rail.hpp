@@ -8,7 +8,7 @@
 // all-gather); tests run the same code on the CPU with an emulated device
 // (csrc/python/staged_bindings.cpp).
 //
-// Per chunk k (plans/hier_layout.hpp: each chunk of the shard is cut into one
+// Per chunk k (kernels/staged_layout.hpp: each chunk of the shard is cut into one
 // piece per rail member, piece p owned by the member on node p):
 //   P(k): the device stages the pieces the peers own in send slots (cast to
 //         the 16-bit wire dtype if asked);
@@ -136,9 +136,9 @@
 #include "common/config.hpp"
 #include "common/deadline.hpp"
 #include "common/reduce.hpp"
-#include "inter/ring_comm.hpp"
+#include "plans/ring_comm.hpp"
 #include "inter/transport.hpp"
-#include "plans/hier_layout.hpp"
+#include "kernels/staged_layout.hpp"
 
 namespace fastcomm {
 

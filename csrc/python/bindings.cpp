@@ -12,7 +12,7 @@
 #include "backend/process_group.hpp"
 #include "common/affinity.hpp"
 #include "common/timeline.hpp"
-#include "plans/hier_layout.hpp"
+#include "kernels/staged_layout.hpp"
 #include "python/staged_bindings.hpp"
 #include "python/transport_bindings.hpp"
 
@@ -20,7 +20,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <nccl.h>
 
-#include "plans/cuda/kernels/hier_kernels.hpp"
+#include "kernels/staged_kernels.hpp"
 #endif
 
 namespace py = pybind11;

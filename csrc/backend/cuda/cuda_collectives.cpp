@@ -13,7 +13,7 @@
 #include <sstream>
 #include <thread>
 
-#include "backend/cuda/nccl_utils.hpp"
+#include "intra/nccl/nccl_utils.hpp"
 #include "common/deadline.hpp"
 #include "common/logging.hpp"
 #include "plans/cuda/cuda_hier.hpp"

@@ -71,7 +71,7 @@ int dmaBufFd(void* p, size_t n, int device);
 //   after it, and no event can say so.
 // (The other half was on the issuing thread: the first launch of a kernel
 // behind those waits loaded it lazily, which may synchronize the context;
-// plans/cuda/kernels/hier_kernels.hpp, preload.) A hardware NIC's DMA is no
+// kernels/staged_kernels.hpp, preload.) A hardware NIC's DMA is no
 // CUDA work at all; the closest the emulation gets is to keep every copy an
 // ordinary, fully asynchronous stream operation that needs nothing else:
 // - device <-> a page-locked bounce buffer only ("For all other transfers,

@@ -28,7 +28,7 @@
 
 #include "common/config.hpp"
 #include "common/logging.hpp"
-#include "ops/cuda/matmul_api.h"
+#include "kernels/matmul_api.h"
 #include "ops/matmul_common.h"
 
 namespace fastcomm {

@@ -12,9 +12,9 @@
 #include <thread>
 #include <vector>
 
-#include "backend/cuda/nccl_utils.hpp"
+#include "intra/nccl/nccl_utils.hpp"
 #include "common/logging.hpp"
-#include "plans/cuda/kernels/hier_kernels.hpp"
+#include "kernels/staged_kernels.hpp"
 
 namespace fastcomm {
 namespace {
@@ -334,7 +334,7 @@ struct CudaHier::Resources : StagedDevice {
 
     // Every kernel of the path loaded now, not at its first launch: the
     // issue order puts launches behind the stream's waits on the network,
-    // and loading a kernel may synchronize the context (hier_kernels.hpp).
+    // and loading a kernel may synchronize the context (staged_kernels.hpp).
     hierk::preload();
     return r;
   }

@@ -10,7 +10,7 @@
 // after the reduce-scatter: by default one kernel per step that reads and
 // writes the staging in place (FASTCOMM_STAGED_KERNELS=fused; with `copy`,
 // cudaMemcpyAsync between the shard and the staging around the reduction and
-// wire-cast kernels; all in kernels/hier_kernels.cu), the staging allocated
+// wire-cast kernels; all in kernels/staged_kernels.cu), the staging allocated
 // once (FASTCOMM_STAGED_MEMORY), and the flags as stream memory operations on
 // mapped pinned memory (cuStreamWaitValue32 / cuStreamWriteValue32, through
 // cudaGetDriverEntryPoint, so fastcomm does not link libcuda). Only the proxy

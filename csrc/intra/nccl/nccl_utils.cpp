@@ -1,4 +1,4 @@
-#include "backend/cuda/nccl_utils.hpp"
+#include "intra/nccl/nccl_utils.hpp"
 
 #include <thread>
 

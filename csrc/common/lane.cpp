@@ -1,4 +1,4 @@
-#include "backend/lane.hpp"
+#include "common/lane.hpp"
 
 #include "common/affinity.hpp"
 

@@ -1,4 +1,4 @@
-#include "plans/cuda/kernels/hier_kernels.hpp"
+#include "staged_kernels.hpp"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

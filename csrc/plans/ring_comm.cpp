@@ -1,4 +1,4 @@
-#include "inter/ring_comm.hpp"
+#include "plans/ring_comm.hpp"
 
 #include <algorithm>
 #include <cstring>

@@ -9,7 +9,7 @@
 
 #include <cstdint>
 
-#include "plans/hier_layout.hpp"
+#include "staged_layout.hpp"
 
 namespace fastcomm {
 namespace hierk {
