@@ -69,11 +69,21 @@ def _nccl_paths() -> tuple[str, str]:
     )
 
 
+TESTING_DIR = os.path.join("csrc", "testing")
+
+
+def _want_testing() -> bool:
+    """torchext._testing: bindings only the tests and benchmarks use (scripts/test.sh)."""
+    return os.environ.get("FASTCOMM_BUILD_TESTING", "0") == "1"
+
+
 def _sources(cuda: bool) -> list[str]:
     cpp = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
+    cpp = [s for s in cpp if not s.startswith(TESTING_DIR + os.sep)]
     if not cuda:
-        # Files under a cuda/ folder use the CUDA runtime or NCCL.
-        cpp = [s for s in cpp if f"{os.sep}cuda{os.sep}" not in s]
+        # Files under a cuda/ or nccl/ folder use the CUDA runtime or NCCL.
+        cuda_only = (f"{os.sep}cuda{os.sep}", f"{os.sep}nccl{os.sep}")
+        cpp = [s for s in cpp if not any(d in s for d in cuda_only)]
         return cpp
     cu = glob.glob(os.path.join("kernels", "**", "*.cu"), recursive=True)
     return cpp + sorted(cu)
@@ -123,7 +133,7 @@ def _shared_libstdcxx() -> list[str]:
     return [f"-L{os.path.dirname(path)}", "-l:libstdc++.so.6"]
 
 
-def _extension():
+def _extensions() -> list:
     cuda = _want_cuda()
     # The language standard follows torch (C++17 for 2.11, C++20 for newer headers);
     # our sources are written to C++17.
@@ -155,16 +165,52 @@ def _extension():
     else:
         ext_cls = cpp_extension.CppExtension
         extra = {"cxx": cxx}
-    return ext_cls(
-        name="torchext._C",
-        sources=_sources(cuda),
-        include_dirs=include_dirs,
-        define_macros=define_macros,
-        library_dirs=library_dirs,
-        libraries=libraries,
-        extra_compile_args=extra,
-        extra_link_args=_shared_libstdcxx() + extra_link + ["-lrt", "-ldl"],
-    )
+    link = _shared_libstdcxx() + extra_link + ["-lrt", "-ldl"]
+    exts = [
+        ext_cls(
+            name="torchext._C",
+            sources=_sources(cuda),
+            include_dirs=include_dirs,
+            define_macros=define_macros,
+            library_dirs=library_dirs,
+            libraries=libraries,
+            extra_compile_args=extra,
+            extra_link_args=link,
+        )
+    ]
+    if _want_testing():
+        macros = [m for m in define_macros if m[0] != "TORCH_EXTENSION_NAME"]
+        exts.append(
+            ext_cls(
+                name="torchext._testing",
+                sources=sorted(glob.glob(os.path.join(TESTING_DIR, "*.cpp"))),
+                include_dirs=include_dirs,
+                define_macros=macros + [("TORCH_EXTENSION_NAME", "_testing")],
+                library_dirs=library_dirs,
+                libraries=libraries,
+                extra_compile_args=extra,
+                # Linked against _C (found beside it at run time) by BuildExt.
+                extra_link_args=link + ["-Wl,-rpath,$ORIGIN"],
+            )
+        )
+    return exts
+
+
+class BuildExt(cpp_extension.BuildExtension):
+    """Builds _C first, then links _testing against it (one copy of fastcomm's state)."""
+
+    def build_extensions(self) -> None:
+        self.extensions.sort(key=lambda e: e.name != "torchext._C")
+        super().build_extensions()
+
+    def build_extension(self, ext) -> None:
+        if ext.name == "torchext._testing":
+            core = self.get_ext_fullpath("torchext._C")
+            ext.extra_link_args = [
+                f"-L{os.path.dirname(os.path.abspath(core))}",
+                f"-l:{os.path.basename(core)}",
+            ] + list(ext.extra_link_args)
+        super().build_extension(ext)
 
 
 def _entry_points() -> dict[str, list[str]]:
@@ -185,6 +231,6 @@ def _entry_points() -> dict[str, list[str]]:
 
 setup(
     entry_points=_entry_points(),
-    ext_modules=[_extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    ext_modules=_extensions(),
+    cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},
 )

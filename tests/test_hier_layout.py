@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(is_gloo(), reason="fastcomm's own layout code")
 
 
 def _layout(shard: int, rails: int, chunk_bytes: int, esize: int, me: int) -> dict:
-    from torchext import _C
+    from torchext import _testing as _C
 
     return _C._hier_layout(shard, rails, chunk_bytes, esize, me, True)
 

@@ -128,7 +128,7 @@ def test_device_memory_registration_errors(monkeypatch: pytest.MonkeyPatch) -> N
     CUDA (CPU machines, CPU-only builds), memory that is not device memory, and tcp."""
     import torch
     import torch.distributed as dist
-    import torchext._C as C
+    import torchext._testing as C
 
     store = dist.HashStore()
     host = torch.zeros(4096, dtype=torch.uint8)
@@ -391,7 +391,7 @@ def test_device_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     """FASTCOMM_IB_HCA filters devices and ports (prefix, =exact, ^exclude, :port);
     FASTCOMM_IB_GID_INDEX must name a GID of the port."""
     import torch.distributed as dist
-    import torchext._C as C
+    import torchext._testing as C
 
     monkeypatch.setenv("FASTCOMM_IB_EMULATE", "1")
     cases = {
@@ -428,9 +428,10 @@ def test_extension_loads_without_rdma_core() -> None:
     """libibverbs is opened at run time: the extension neither links it nor leaves any
     ibv_* symbol to the dynamic linker, so it imports where rdma-core is absent; and
     without a device (or library) the ib probe answers with a reason instead of failing."""
-    import torchext._C as C
+    import torchext._C
+    import torchext._testing as C
 
-    so = C.__file__
+    so = torchext._C.__file__
     if shutil.which("readelf") is None or shutil.which("nm") is None:
         pytest.skip("binutils (readelf, nm) not installed")
     needed = subprocess.run(["readelf", "-d", so], capture_output=True, text=True, check=True)
@@ -445,7 +446,7 @@ def test_extension_loads_without_rdma_core() -> None:
         [
             sys.executable,
             "-c",
-            "import torchext._C as C; print(C._transport_usable('ib'))",
+            "import torchext._testing as C; print(C._transport_usable('ib'))",
         ],
         capture_output=True,
         text=True,

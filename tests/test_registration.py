@@ -126,3 +126,17 @@ def test_profiler_event() -> None:
     """An all_reduce under torch.profiler.profile() records an event named
     "<backend>:all_reduce" (fastcomm:all_reduce)."""
     run_ranks(2, profiler_fn, timeout_s=120)
+
+
+@needs_fastcomm
+def test_the_shipped_module_exposes_no_test_only_name() -> None:
+    """torchext._C (what `pip install .` installs) carries only the product: the
+    bindings tests use live in torchext._testing, which links against it."""
+    import torchext._C as core
+
+    public = {"ProcessGroupFastComm", "has_cuda", "nccl_version"}
+    private_product = {"_timeline"}  # torchext.timeline()'s source
+    names = {n for n in dir(core) if not n.startswith("__")}
+    assert public <= names, public - names
+    unexpected = names - public - private_product
+    assert not unexpected, f"torchext._C exposes names outside the product: {sorted(unexpected)}"

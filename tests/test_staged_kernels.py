@@ -1,6 +1,6 @@
 """The fused staging kernels of the CUDA multi-node all_reduce alone
 (kernels/staged_kernels.cu: packToStaging, reduceFromStaging, gatherFromStaging,
-reached through the test-only torchext._C._staged_pack / _staged_reduce / _staged_gather).
+reached through the torchext._testing._staged_pack / _staged_reduce / _staged_gather).
 
 Staging in pinned host memory and in device memory; every dtype and op, the 16-bit wire dtypes,
 AVG divisors; shards that start on a 16-byte boundary (vector path) and one element off it
@@ -35,7 +35,7 @@ SENTINEL = 0xAB
 
 
 def _pitch(rails: int, chunk: int) -> int:
-    from torchext import _C
+    from torchext import _testing as _C
 
     raw = _C._hier_layout(1, rails, chunk, 4)["piece_slot_bytes"]
     return (raw + 255) // 256 * 256
@@ -101,7 +101,7 @@ def _reference(own: torch.Tensor, peers: list[torch.Tensor], op: str, wire: str,
 
 
 def kernels_fn(rank: int, ws: int) -> dict[str, Any]:
-    from torchext import _C
+    from torchext import _testing as _C
 
     torch.cuda.set_device(0)
     chk = Checker("staged kernels")

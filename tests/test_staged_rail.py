@@ -1,7 +1,7 @@
 """The rail phase of the CUDA multi-node all_reduce (csrc/plans/staged_rail.*) on the CPU.
 
 The same proxy, schedule, flag protocol, staging layout and transports the GPU path runs, with
-an emulated device (torchext._C._StagedRailEndpoint: one thread runs the device operations in
+an emulated device (torchext._testing._StagedRailEndpoint: one thread runs the device operations in
 issue order, its waits polling host flags as cuStreamWaitValue32 does). Every rank is one node,
 so the rail is the whole group. Checks results against float64/int64 references on random
 data, many chunks with short and empty pieces, several ops in flight reusing the staging
@@ -50,7 +50,7 @@ def _store(rank: int, ws: int) -> Any:
 
 
 def _endpoint(store: Any, prefix: str, rank: int, ws: int, **kw: Any) -> Any:
-    from torchext import _C
+    from torchext import _testing as _C
 
     return _C._StagedRailEndpoint(store, prefix, rank, ws, **kw)
 
@@ -220,7 +220,7 @@ def test_staged_rail_window(window: int, lag: int, streams: int) -> None:
 
 
 def test_staged_rail_window_out_of_range() -> None:
-    from torchext import _C
+    from torchext import _testing as _C
 
     for window in (2, 33):
         with pytest.raises(RuntimeError, match="window must be from 3 to 32"):

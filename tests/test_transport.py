@@ -1,7 +1,7 @@
 """The inter-node transport (csrc/inter/transport.hpp), driven directly.
 
 Every implementation must pass the same suite: add its name to TRANSPORTS. Ranks talk
-through ``torchext._C._TransportEndpoint`` (a transport connected to every other rank;
+through ``torchext._testing._TransportEndpoint`` (a transport connected to every other rank;
 test-only bindings in csrc/python/transport_bindings.cpp), with a TCPStore of their own
 instead of a process group. Each spawned group runs many checks, since importing torch
 costs seconds per process.
@@ -92,7 +92,7 @@ def _payload(nbytes: int, *key: Any) -> Any:
 
 
 def _endpoint(store: Any, rank: int, world: int, name: str, config: Any = None, **kw: Any) -> Any:
-    import torchext._C as C
+    import torchext._testing as C
 
     config = config or {}
     saved = {var: os.environ.get(var) for var in config}
@@ -202,7 +202,7 @@ def _expect_error(chk: Checker, fn: Any, what: str, *needles: str) -> str:
 
 def _two_rank_suite(rank: int, world: int, name: str) -> None:
     import torch
-    import torchext._C as C
+    import torchext._testing as C
 
     chk = Checker(f"rank {rank}")
     store = _store(rank, world)
@@ -448,7 +448,7 @@ def test_peer_never_connects(name: str) -> None:
 
 def test_unknown_transport(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed as dist
-    import torchext._C as C
+    import torchext._testing as C
 
     store = dist.HashStore()
     with pytest.raises(ValueError, match="unknown transport 'nope'"):

@@ -5,7 +5,7 @@
 // polls them on a GPU, so the proxy, the schedule, the flag protocol, the
 // transports and the failure handling are the very code the GPU runs,
 // checked without one (tests/test_staged_rail.py).
-#include "python/staged_bindings.hpp"
+#include "testing/bindings.hpp"
 
 #include <pybind11/stl.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -545,6 +545,8 @@ class StagedRailEndpoint {
 
 }  // namespace
 
+namespace testing {
+
 void bindStagedRail(py::module_& m) {
   py::class_<StagedRailEndpoint>(m, "_StagedRailEndpoint")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix,
@@ -574,4 +576,5 @@ void bindStagedRail(py::module_& m) {
       .def("close", &StagedRailEndpoint::close, py::call_guard<py::gil_scoped_release>());
 }
 
+}  // namespace testing
 }  // namespace fastcomm

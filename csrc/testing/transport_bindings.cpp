@@ -1,7 +1,7 @@
-// torchext._C._TransportEndpoint: one transport connected to every other rank,
+// torchext._testing._TransportEndpoint: one transport connected to every other rank,
 // so that tests/test_transport.py can drive any transport (tcp, ib)
 // directly, below the process group. Private: not part of the public API.
-#include "python/transport_bindings.hpp"
+#include "testing/bindings.hpp"
 
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
@@ -190,6 +190,8 @@ struct Handle {
 
 }  // namespace
 
+namespace testing {
+
 void bindTransport(py::module_& m) {
   py::register_exception<TransportError>(m, "_TransportError", PyExc_RuntimeError);
   m.attr("_TRANSPORT_MAX_IN_FLIGHT") = transport::kMaxRequestsInFlight;
@@ -278,4 +280,5 @@ void bindTransport(py::module_& m) {
       .def_property_readonly("name", [](Endpoint& ep) { return ep.transport().name(); });
 }
 
+}  // namespace testing
 }  // namespace fastcomm
