@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Tables from the Nsight Compute output of scripts/matmul_ncu.sh (no torch needed).
+"""Tables from the Nsight Compute output of benchmarks/tools/matmul_ncu.sh (no torch needed).
 
 * ``raw FILE``: the ``--page raw --csv`` output of matmul_ncu.sh (``ncu_raw.csv``):
   one row per metric, one column per profiled kernel, in the order of the

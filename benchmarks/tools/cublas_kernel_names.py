@@ -9,7 +9,7 @@ Hopper kernel names carry the tile shape, cluster shape, stage count and
 schedule (cooperative / ping-pong), so this says what our own kernels are
 compared against. Usage on a GPU machine:
 
-    python3 scripts/cublas_kernel_names.py --shapes 4096x4096x4096,8192x4096x4096
+    python3 benchmarks/tools/cublas_kernel_names.py --shapes 4096x4096x4096,8192x4096x4096
 """
 
 from __future__ import annotations

@@ -8,11 +8,10 @@ bfloat16 (and float32 on the paths that take it), against a float64
 reference on fresh random data, outputs poisoned with NaN first. One line per
 variant: the kernel it ran, worst error over tolerance, OK / FAIL. Exit status
 1 when any variant fails. Runs in well under a minute on an H200; ``--quick``
-(small shapes only) is what scripts/gpu_ops_check.sh runs under
-compute-sanitizer.
+(small shapes only) fits under compute-sanitizer.
 
-    python scripts/matmul_smoke.py                      # all variants for this GPU
-    python scripts/matmul_smoke.py --variants coop,pingpong_c2 --quick
+    python benchmarks/tools/matmul_smoke.py                      # all variants for this GPU
+    python benchmarks/tools/matmul_smoke.py --variants coop,pingpong_c2 --quick
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_matmul import Variant
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.2e-2, torch.float32: 1e-5}

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """One call of each matmul method inside a CUDA profiler range, for Nsight Compute.
 
-Run under ``ncu --profile-from-start off`` (scripts/matmul_ncu.sh does): every
+Run under ``ncu --profile-from-start off`` (benchmarks/tools/matmul_ncu.sh does): every
 method is warmed up outside the range, then called once inside it, so ncu
 profiles exactly one kernel per method, in the order printed on stdout
 (``# kernel <i>: <shape> <method>``). The counters (instructions per pipe,
@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_matmul import Variant, kernel_name
 
 import torchext  # noqa: F401  (registers torch.ops.fastcomm)

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Nsight Compute counters of one call of each matmul method (scripts/matmul_ncu.py), on the
+# Nsight Compute counters of one call of each matmul method (benchmarks/tools/matmul_ncu.py), on the
 # GPU machine after the build: instructions per pipe, shared-memory wavefronts, L2 and DRAM
 # bytes. Clocks are left alone (--clock-control none). Metrics this ncu does not know are
 # dropped (listed in the log) instead of failing the run.
-#   OUT=... bash scripts/matmul_ncu.sh [matmul_ncu.py arguments]
+#   OUT=... bash benchmarks/tools/matmul_ncu.sh [matmul_ncu.py arguments]
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
@@ -47,7 +47,7 @@ done
 list=$(IFS=,; echo "${metrics[*]}")
 echo "ncu metrics: $list"
 "$NCU" --clock-control none --profile-from-start off --metrics "$list" --csv --page raw \
-  "$PY" scripts/matmul_ncu.py "$@" > "$OUT/ncu_raw.csv" 2> "$OUT/ncu_err.log"
+  "$PY" benchmarks/tools/matmul_ncu.py "$@" > "$OUT/ncu_raw.csv" 2> "$OUT/ncu_err.log"
 rc=$?
 grep "^# kernel" "$OUT/ncu_raw.csv"
 grep -c '^"' "$OUT/ncu_raw.csv" || true
