@@ -622,8 +622,9 @@ def _ratio_pairs(series: Sequence[str]) -> list[tuple[str, str]]:
 
 
 def summarize(rows: Sequence[Row], series: Sequence[str]) -> list[dict[str, Any]]:
-    """Per op and ratio pair: the smallest busbw ratio over BW_RANGE and the largest time
-    difference (ours minus peer, us; > 0: ours slower) below LATENCY_BELOW."""
+    """Per op and ratio pair: the smallest busbw ratio over the sizes measured within BW_RANGE
+    (their smallest and largest size recorded, so the summary names the range it covers) and
+    the largest time difference (ours minus peer, us; > 0: ours slower) below LATENCY_BELOW."""
     out = []
     for op in dict.fromkeys(r.op for r in rows):
         by_size: dict[int, dict[str, Row]] = {}
@@ -650,6 +651,8 @@ def summarize(rows: Sequence[Row], series: Sequence[str]) -> list[dict[str, Any]
                     "min_busbw_ratio_size": worst_bw and worst_bw[1],
                     "max_latency_diff_us": worst_lat and worst_lat[0],
                     "max_latency_diff_size": worst_lat and worst_lat[1],
+                    "busbw_size_min": min((sz for _, sz in bw), default=None),
+                    "busbw_size_max": max((sz for _, sz in bw), default=None),
                 }
             )
     return out
@@ -657,11 +660,13 @@ def summarize(rows: Sequence[Row], series: Sequence[str]) -> list[dict[str, Any]
 
 def summary_text(item: dict[str, Any]) -> str:
     """One summary line of `summarize`."""
-    lo, hi = format_size(BW_RANGE[0]), format_size(BW_RANGE[1])
     text = f"{item['series']} vs {item['peer']}: min busbw ratio "
     if item["min_busbw_ratio"] is None:
-        text += f"- (no size in {lo}..{hi})"
+        text += f"- (no size in {format_size(BW_RANGE[0])}..{format_size(BW_RANGE[1])})"
     else:
+        # The sizes actually compared (files written before these keys: the whole range).
+        lo = format_size(item.get("busbw_size_min") or BW_RANGE[0])
+        hi = format_size(item.get("busbw_size_max") or BW_RANGE[1])
         text += (
             f"{item['min_busbw_ratio']:.2f} at {format_size(item['min_busbw_ratio_size'])} "
             f"(over {lo}..{hi})"

@@ -233,7 +233,7 @@ class Variant:
         "pingpong_w": {**_HOPPER, "SCHED": "pingpong", "TILE": "large", "CLUSTER": "1"},
         "pingpong_w_c2": {**_HOPPER, "SCHED": "pingpong", "TILE": "large", "CLUSTER": "2"},
     }
-    # Names of earlier runs (benchmarks/results/2026-11-21-*): the same kernels.
+    # Another name of the same kernels, kept so that older result files re-plot.
     ALIASES: ClassVar[dict[str, str]] = {"wgmma_c2": "coop_c2"}
     # The sweep of docs/matmul.md: every Hopper variant, and the default.
     SETS: ClassVar[dict[str, list[str]]] = {
@@ -247,7 +247,7 @@ class Variant:
             "pingpong",
             "pingpong_c2",
         ],
-        # The fused-epilogue comparison (issue 5): the old TMA epilogue against
+        # The fused-epilogue comparison: the plain TMA epilogue against
         # the lean one and the offload one, ping-pong 128 x 128 against the
         # wide 64 x 256 form.
         "fused": [

@@ -4,7 +4,7 @@ NCCL reads its socket variables once per process, so every NCCL setting needs it
 launch of bench_collectives.py. This driver runs, one after the other, on one machine:
 
   1. fastcomm alone, then the peer (NCCL) alone at its default (with --together, one launch
-     running both side by side, as in earlier results);
+     running both side by side, interleaved);
   2. the peer alone, once per setting of a small sweep: NCCL_SOCKET_NTHREADS x
      NCCL_NSOCKS_PERTHREAD in --socket-settings, times NCCL_BUFFSIZE in --buffsizes;
   3. optionally fastcomm alone with --wire-dtype bf16|fp16;
@@ -296,7 +296,7 @@ def run_launch(launch: Launch, timeout: Optional[float]) -> None:
     if os.path.exists(launch.json):
         os.remove(launch.json)  # never merge a stale file
     start = time.monotonic()
-    # A session of its own, so a timeout can stop torchrun and all its ranks together.
+    # A process session of its own, so a timeout can stop torchrun and all its ranks together.
     proc = subprocess.Popen(launch.cmd, env=launch_env(launch), start_new_session=True)
     try:
         launch.returncode = proc.wait(timeout=timeout)

@@ -1,0 +1,154 @@
+#!/usr/bin/env python
+"""Correctness smoke run of every fastcomm matmul kernel variant on one GPU.
+
+For each variant (the FASTCOMM_MATMUL_* settings of benchmarks/bench_matmul.py's
+``Variant``, plus a few tile-order / operand-layout extras): both ops on odd
+and multi-tile shapes, every operand layout, every activation, float16 and
+bfloat16 (and float32 on the paths that take it), against a float64
+reference on fresh random data, outputs poisoned with NaN first. One line per
+variant: the kernel it ran, worst error over tolerance, OK / FAIL. Exit status
+1 when any variant fails. Runs in well under a minute on an H200; ``--quick``
+(small shapes only) fits under compute-sanitizer.
+
+    python benchmarks/tools/matmul_smoke.py                      # all variants for this GPU
+    python benchmarks/tools/matmul_smoke.py --variants coop,pingpong_c2 --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_matmul import Variant
+
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1.2e-2, torch.float32: 1e-5}
+ACTS = ("none", "relu", "gelu", "gelu_tanh", "silu")
+SMALL = [(1, 1, 1), (7, 13, 5), (33, 65, 17), (129, 200, 72), (130, 264, 136)]
+# Edges with TMA stores (N % 8 == 0), several tiles per CTA (ping-pong turns,
+# stage phases wrapping), long K.
+LARGE = [(300, 520, 1000), (1000, 1512, 700), (2304, 2304, 256), (257, 1024, 4096)]
+# Settings beyond the benchmark's variants: the other tile order, and the
+# copy-to-K-major fallback for transposed operands.
+EXTRAS = {
+    "coop_tma+raster_n": ("coop_tma", {"FASTCOMM_MATMUL_RASTER": "n"}),
+    "pingpong+raster_n": ("pingpong", {"FASTCOMM_MATMUL_RASTER": "n"}),
+    "pingpong_c2+raster_n": ("pingpong_c2", {"FASTCOMM_MATMUL_RASTER": "n"}),
+    "pingpong_w+raster_n": ("pingpong_w", {"FASTCOMM_MATMUL_RASTER": "n"}),
+    "coop_tma2+raster_n": ("coop_tma2", {"FASTCOMM_MATMUL_RASTER": "n"}),
+    "coop_off+raster_n": ("coop_off", {"FASTCOMM_MATMUL_RASTER": "n"}),
+    "pingpong_w+mn_copy": ("pingpong_w", {"FASTCOMM_MATMUL_WGMMA_MN": "0"}),
+    "coop+mn_copy": ("coop", {"FASTCOMM_MATMUL_WGMMA_MN": "0"}),
+}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out = out.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def poison() -> None:
+    """NaN-filled blocks in the caching allocator: an unwritten output shows as NaN."""
+    bufs = [torch.full((n,), float("nan"), device="cuda") for n in (1 << 12, 1 << 16, 1 << 22)]
+    del bufs
+
+
+def check(dtypes: list[torch.dtype], shapes: list[tuple[int, int, int]]) -> tuple[float, list[str]]:
+    """Worst error / tolerance of both ops over shapes, layouts and activations, and a line
+    per case over tolerance (dtype, shape, layout or activation, the kernel that ran it)."""
+    worst = 0.0
+    failures: list[str] = []
+
+    def record(ratio: float, what: str, a: torch.Tensor, b: torch.Tensor, act: str) -> None:
+        nonlocal worst
+        worst = max(worst, ratio)
+        if not ratio < 1:
+            kernel = torch.ops.fastcomm._kernel_name(a, b, act)
+            failures.append(f"{what}: error / tolerance {ratio:.3f} [{kernel}]")
+
+    for dt in dtypes:
+        for m, n, k in shapes:
+            a = torch.randn(m, k, device="cuda").to(dt)
+            at = torch.randn(k, m, device="cuda").to(dt).t()
+            b = torch.randn(k, n, device="cuda").to(dt)
+            bt = torch.randn(n, k, device="cuda").to(dt).t()
+            for name_a, aa in (("a", a), ("a^T", at)):
+                for name_b, bb in (("b", b), ("b^T", bt)):
+                    poison()
+                    out = torch.ops.fastcomm.matmul(aa, bb)
+                    ratio = rel_err(out, aa.double() @ bb.double()) / TOL[dt]
+                    record(ratio, f"{dt} {m}x{n}x{k} matmul {name_a} @ {name_b}", aa, bb, "none")
+            w, bias = bt.t(), torch.randn(n, device="cuda").to(dt)
+            pre = a.double() @ w.double().t() + bias.double()
+            for act in ACTS:
+                poison()
+                y = torch.ops.fastcomm.linear(a, w, bias, act)
+                ref = {
+                    "none": pre,
+                    "relu": F.relu(pre),
+                    "gelu": F.gelu(pre),
+                    "silu": F.silu(pre),
+                    "gelu_tanh": F.gelu(pre, approximate="tanh"),
+                }[act]
+                ratio = rel_err(y, ref) / TOL[dt]
+                record(ratio, f"{dt} {m}x{n}x{k} linear {act}", a, w.t(), act)
+    torch.cuda.synchronize()
+    return worst, failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--variants", default="", help="comma list (default: all that this GPU runs)")
+    p.add_argument("--quick", action="store_true", help="small shapes only (for compute-sanitizer)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("matmul_smoke: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import torchext  # noqa: F401  (registers torch.ops.fastcomm)
+
+    cc = torch.cuda.get_device_capability()
+    if args.variants:
+        names = [v for v in args.variants.split(",") if v]
+    else:
+        names = ["auto", "simt", "simt_wide"] + (["mma"] if cc[0] >= 8 else [])
+        if cc == (9, 0):
+            names += [v for v in Variant.ENV if v not in names and v != "wgmma"] + list(EXTRAS)
+    shapes = SMALL if args.quick else SMALL + LARGE
+    torch.manual_seed(0)
+    failed = 0
+    for name in names:
+        base, extra = EXTRAS.get(name, (name, {}))
+        # Variant restores every FASTCOMM_MATMUL_* knob on exit, the extras too.
+        with Variant(base):
+            os.environ.update(extra)
+            dtypes = [torch.float16, torch.bfloat16]
+            if base in ("auto", "simt", "simt_wide"):
+                dtypes.append(torch.float32)
+            try:
+                probe = torch.empty(4096, 4096, device="cuda", dtype=torch.bfloat16)
+                kernel = torch.ops.fastcomm._kernel_name(probe, probe)
+                t0 = time.perf_counter()
+                worst, failures = check(dtypes, shapes)
+                status = "OK" if worst < 1 else "FAIL"
+                msg = f"worst error / tolerance {worst:.3f}  ({time.perf_counter() - t0:.1f} s)"
+            except RuntimeError as e:
+                status, kernel, msg, failures = "FAIL", "-", f"raised {str(e)[:200]}", []
+        failed += status != "OK"
+        print(f"{name:22s} {status:4s} {msg}  [{kernel} at 4096^2]", flush=True)
+        for line in failures:
+            print(f"    {line}", flush=True)
+    print(f"matmul_smoke: {len(names) - failed}/{len(names)} variants OK")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
