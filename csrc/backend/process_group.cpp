@@ -115,46 +115,6 @@ OpSignature signature(const char* name, const at::Tensor& t, int root = -1, int 
   return s;
 }
 
-// A rank that runs CUDA collectives on NCCL and one that stages them through
-// the host plan would wait for each other until the timeout: every rank of a
-// group across nodes must have the same FASTCOMM_CUDA_INTER, checked at init.
-// The values come with the topology exchange; on a mismatch every rank fails,
-// none before all have read them (rank 0's exit takes the store server with
-// it, and a rank still reading would only see a lost connection).
-std::string cudaInterSetting(const Config& cfg) {
-  return std::string("cuda_inter=") + (cfg.cudaInterHost ? "host" : "nccl");
-}
-
-void checkSameCudaInter(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                        const std::vector<std::string>& settings, const Config& cfg,
-                        std::chrono::milliseconds timeout) {
-  const std::string mine = cudaInterSetting(cfg);
-  auto value = [](const std::string& s) {
-    const size_t eq = s.find('=');
-    return eq == std::string::npos ? std::string("unset") : s.substr(eq + 1);
-  };
-  std::string differ;
-  for (int r = 0; r < size; ++r) {
-    if (settings[r] != mine) {
-      differ += " group rank " + std::to_string(r) + " has " + value(settings[r]) + ";";
-    }
-  }
-  if (differ.empty()) return;
-  const std::string prefix = "fastcomm/cuda_inter/";
-  try {
-    if (store->add(prefix + "read", 1) == size)
-      store->set(prefix + "all_read", std::vector<uint8_t>{1});
-    store->wait({prefix + "all_read"}, timeout);
-  } catch (const std::exception&) {
-    // the message below is what matters
-  }
-  throwCommError(
-      "fastcomm: FASTCOMM_CUDA_INTER must be the same on every rank of a group "
-      "across nodes, but group rank " +
-      std::to_string(rank) + " has " + value(mine) + " and" + differ +
-      " set it alike everywhere (nccl or host)");
-}
-
 // torch reuses group names (and, with env://, the store) after a destroy and
 // re-init, so every key of one initialisation lives under its own epoch:
 // each rank takes a ticket, and the size tickets of one init share an epoch.
@@ -182,9 +142,17 @@ ProcessGroupFastComm::ProcessGroupFastComm(const c10::intrusive_ptr<c10d::Store>
   if (cfg_.timeline) Timeline::setEnabled(true);
   // Before any of the group's threads start (they pin themselves).
   affinity::configure(cfg_);
+  // The agreed settings ride along with the host ids: group rank 0's hold.
   std::vector<std::string> settings;
   topo_ = Topology::exchange(store_, rank, size, localHostId(cfg_), timeout_,
-                             cudaInterSetting(cfg_), &settings);
+                             cfg_.encodeAgreed(), &settings);
+  const std::string differ = cfg_.adoptAgreed(settings[0]);
+  if (!differ.empty()) {
+    FASTCOMM_LOG(Warn, "group '" << groupName_ << "', group rank " << rank
+                                 << ": settings that must agree across the group follow group "
+                                    "rank 0: "
+                                 << differ);
+  }
   if (topo_.numNodes() > 1 && cfg_.transport == "ib") {
     // Forced ib without a device fails here, at init, not at the first collective.
     std::string why;
@@ -194,12 +162,9 @@ ProcessGroupFastComm::ProcessGroupFastComm(const c10::intrusive_ptr<c10d::Store>
                                " (FASTCOMM_TRANSPORT=auto falls back to tcp)");
     }
   }
-  if (topo_.numNodes() > 1) {
-    checkSameCudaInter(store_, rank, size, settings, cfg_, timeout_);
 #ifdef FASTCOMM_WITH_CUDA
-    cudaThroughHost_ = cfg_.cudaInterHost;
+  cudaThroughHost_ = topo_.numNodes() > 1 && cfg_.cudaInterHost;
 #endif
-  }
   if (rank == 0) {
     FASTCOMM_LOG(
         Info,

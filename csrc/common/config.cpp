@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <map>
 #include <sstream>
 #include <stdexcept>
 
@@ -66,124 +69,330 @@ int launcherInt(const char* text) {
 
 }  // namespace
 
+namespace {
+
+std::string bytesText(int64_t v) {
+  if (v >= (1 << 30) && v % (1 << 30) == 0) return std::to_string(v >> 30) + "G";
+  if (v >= (1 << 20) && v % (1 << 20) == 0) return std::to_string(v >> 20) + "M";
+  if (v >= (1 << 10) && v % (1 << 10) == 0) return std::to_string(v >> 10) + "K";
+  return std::to_string(v);
+}
+
+int64_t bounded(const char* name, const char* text, int64_t lo, int64_t hi) {
+  const int64_t v = parseBytes(name, text);
+  if (v < lo || v > hi) {
+    throw std::invalid_argument(std::string("fastcomm: ") + name + "=" + text + " is not from " +
+                                std::to_string(lo) + " to " + std::to_string(hi));
+  }
+  return v;
+}
+
+bool parseFlag(const char* text) {
+  const std::string s = lower(text);
+  return !(s == "0" || s == "false" || s == "off" || s == "no");
+}
+
+// A setting: how it is read and shown. `show` prints what `parse` reads back
+// (the agreed tier travels as text).
+struct Setting {
+  SettingInfo info;
+  std::function<void(Config&, const char* text)> parse;
+  std::function<std::string(const Config&)> show;
+};
+
+Setting bytes(const char* var, Tier tier, int64_t Config::*m, const char* dflt,
+              const char* meaning) {
+  return {{var, tier, dflt, meaning},
+          [var, m](Config& c, const char* t) { c.*m = parseBytes(var, t); },
+          [m](const Config& c) { return bytesText(c.*m); }};
+}
+
+Setting count(const char* var, Tier tier, int Config::*m, int lo, int hi, const char* dflt,
+              const char* meaning) {
+  return {{var, tier, dflt, meaning},
+          [var, m, lo, hi](Config& c, const char* t) {
+            c.*m = static_cast<int>(bounded(var, t, lo, hi));
+          },
+          [m](const Config& c) { return std::to_string(c.*m); }};
+}
+
+Setting onOff(const char* var, Tier tier, bool Config::*m, const char* dflt, const char* meaning) {
+  return {{var, tier, dflt, meaning},
+          [m](Config& c, const char* t) { c.*m = parseFlag(t); },
+          [m](const Config& c) { return std::string(c.*m ? "1" : "0"); }};
+}
+
+Setting choice(const char* var, Tier tier, std::string Config::*m,
+               std::initializer_list<const char*> allowed, const char* dflt,
+               const char* meaning) {
+  std::vector<const char*> options(allowed);
+  return {{var, tier, dflt, meaning},
+          [var, m, options](Config& c, const char* t) {
+            const std::string v = lower(t);
+            for (const char* a : options)
+              if (v == a) {
+                c.*m = v;
+                return;
+              }
+            std::string msg = std::string("fastcomm: ") + var + "=" + t + " is not one of";
+            for (const char* a : options) msg += std::string(" ") + a;
+            throw std::invalid_argument(msg);
+          },
+          [m](const Config& c) { return c.*m; }};
+}
+
+Setting text(const char* var, Tier tier, std::string Config::*m, const char* dflt,
+             const char* meaning) {
+  return {{var, tier, dflt, meaning}, [m](Config& c, const char* t) { c.*m = t; },
+          [m](const Config& c) { return c.*m; }};
+}
+
+// Every FASTCOMM_* setting, in the order of the README's table.
+const std::vector<Setting>& settings() {
+  static const std::vector<Setting> all = [] {
+    const Tier A = Tier::Agreed, L = Tier::Local, D = Tier::Debug;
+    std::vector<Setting> v;
+    // ---- agreed across the group
+    v.push_back(choice("FASTCOMM_TRANSPORT", A, &Config::transport, {"auto", "ib", "tcp"}, "auto",
+                       "inter-node transport: `auto` (`ib` when every rank has a usable RDMA "
+                       "device, else `tcp`), `ib`, `tcp`"));
+    v.push_back(choice("FASTCOMM_WIRE_DTYPE", A, &Config::wireDtype, {"none", "bf16", "fp16"},
+                       "none",
+                       "`bf16` / `fp16`: float32 SUM/AVG cross nodes in 16 bits, accumulated in "
+                       "float32"));
+    v.push_back(bytes("FASTCOMM_CHUNK_BYTES", A, &Config::chunkBytes, "1M",
+                      "pipeline chunk of the host plans and shared memory, per rank and step "
+                      "(K/M/G suffixes)"));
+    v.push_back(bytes("FASTCOMM_SHM_ONESHOT_BYTES", A, &Config::oneShotBytes, "32K",
+                      "shared-memory all-reduces up to this size use one exchange"));
+    v.push_back(bytes("FASTCOMM_P2P_BYTES", A, &Config::p2pBytes, "256K",
+                      "shared-memory ring buffer per directed pair for send/recv"));
+    v.push_back(onOff("FASTCOMM_CUDA_HIER", A, &Config::cudaHier, "1",
+                      "`0`: CUDA all_reduces across nodes stay on the flat NCCL communicator"));
+    v.push_back(bytes("FASTCOMM_CUDA_HIER_MIN_BYTES", A, &Config::cudaHierMinBytes, "1M",
+                      "CUDA all_reduces across nodes from this size take the staged rail"));
+    v.push_back({{"FASTCOMM_CUDA_INTER", A, "nccl",
+                  "other CUDA collectives across nodes: `nccl` (flat communicator) or `host` "
+                  "(staged through pinned host memory into the host plan; not capturable)"},
+                 [](Config& c, const char* t) {
+                   std::string v = lower(t);
+                   if (v != "nccl" && v != "host")
+                     throw std::invalid_argument(std::string("fastcomm: FASTCOMM_CUDA_INTER=") +
+                                                 t + " is not one of nccl host");
+                   c.cudaInterHost = v == "host";
+                 },
+                 [](const Config& c) { return std::string(c.cudaInterHost ? "host" : "nccl"); }});
+    v.push_back(bytes("FASTCOMM_CUDA_CHUNK_BYTES", A, &Config::cudaChunkBytes, "4M",
+                      "staged rail chunk per rank's shard, in bytes on the wire"));
+    v.push_back({{"FASTCOMM_CUDA_WINDOW", A, "6", "staged rail chunks in flight per rank, 3 to 32"},
+                 [](Config& c, const char* t) {
+                   c.cudaWindow =
+                       bounded("FASTCOMM_CUDA_WINDOW", t, kCudaWindowMin, kCudaWindowMax);
+                 },
+                 [](const Config& c) { return std::to_string(c.cudaWindow); }});
+    v.push_back(bytes("FASTCOMM_CUDA_SEGMENT_BYTES", A, &Config::cudaSegmentBytes, "0",
+                      "staged rail: intra-node steps in segments of this size (0: whole tensor)"));
+    v.push_back(count("FASTCOMM_TCP_SOCKETS", A, &Config::tcpSocketsPerPeer, 1, 64, "8",
+                      "sockets per peer connection of the tcp transport"));
+    v.push_back(count("FASTCOMM_IB_QPS_PER_PEER", A, &Config::ibQpsPerPeer, 1, 16, "2",
+                      "RC queue pairs per connection of the ib transport"));
+    v.push_back(onOff("FASTCOMM_IB_EMULATE", A, &Config::ibEmulate, "0",
+                      "`1`: the ib transport runs on a software RC device (no NIC needed)"));
+    v.push_back(onOff("FASTCOMM_CHECK", A, &Config::check, "0",
+                      "`1`: before each CPU collective, ranks compare op, dtype, sizes, root and "
+                      "reduce op and name the odd rank"));
+    // ---- local to each rank
+    v.push_back(text("FASTCOMM_HOST_ID", L, &Config::hostIdOverride,
+                     "hostname + boot id + namespaces",
+                     "this rank's host identity (one machine acting as several nodes)"));
+    v.push_back({{"FASTCOMM_CUDA_LAG", L, "3",
+                  "staged rail: the all-gather step of chunk k is issued after the reduction of "
+                  "chunk k + lag (1 to window - 1)"},
+                 [](Config& c, const char* t) {
+                   c.cudaLag = bounded("FASTCOMM_CUDA_LAG", t, 1, kCudaWindowMax - 1);
+                 },
+                 [](const Config& c) { return std::to_string(c.cudaLag); }});
+    v.push_back({{"FASTCOMM_CUDA_STREAMS", L, "3",
+                  "staged rail device steps on 1 or 3 streams (eager ops)"},
+                 [](Config& c, const char* t) {
+                   c.cudaStreams = static_cast<int>(bounded("FASTCOMM_CUDA_STREAMS", t, 1, 3));
+                 },
+                 [](const Config& c) { return std::to_string(c.cudaStreams); }});
+    v.push_back({{"FASTCOMM_STAGED_KERNELS", L, "fused", "staged rail steps: `fused` or `copy`"},
+                 [](Config& c, const char* t) {
+                   std::string v = lower(t);
+                   if (v != "fused" && v != "copy")
+                     throw std::invalid_argument(
+                         std::string("fastcomm: FASTCOMM_STAGED_KERNELS=") + t +
+                         " is not one of fused copy");
+                   c.stagedFused = v == "fused";
+                 },
+                 [](const Config& c) { return std::string(c.stagedFused ? "fused" : "copy"); }});
+    v.push_back({{"FASTCOMM_STAGED_MEMORY", L, "`auto` (`host` under `FASTCOMM_IB_EMULATE=1`)",
+                  "staged rail staging: `auto` (GPU memory where the transport moves it, else "
+                  "pinned host) or `host`"},
+                 [](Config& c, const char* t) {
+                   std::string v = lower(t);
+                   if (v != "auto" && v != "host")
+                     throw std::invalid_argument(
+                         std::string("fastcomm: FASTCOMM_STAGED_MEMORY=") + t +
+                         " is not one of host auto");
+                   c.stagedHostOnly = v == "host";
+                   c.stagedMemoryExplicit = true;
+                 },
+                 [](const Config& c) { return std::string(c.stagedHostOnly ? "host" : "auto"); }});
+    v.push_back(bytes("FASTCOMM_SPIN_US", L, &Config::spinMicros,
+                      "20 if cores > local ranks, else 0", "spin before sleeping on a futex"));
+    v.push_back(choice("FASTCOMM_CPU_AFFINITY", L, &Config::cpuAffinity, {"none", "local"},
+                       "none", "`local`: busy threads on the local rank's share of the cores"));
+    v.push_back(onOff("FASTCOMM_BLOCKING_WAIT", L, &Config::blockingWait, "0",
+                      "`1`: `work.wait()` on CUDA blocks the host until done or failed"));
+    v.push_back(onOff("FASTCOMM_CUDA_TIMING", L, &Config::cudaTiming, "0",
+                      "`1`: time CUDA collectives for `stats()` with GPU events (6-9 us of GPU "
+                      "time each)"));
+    v.push_back(count("FASTCOMM_TCP_THREADS", L, &Config::tcpThreads, 1, 64, "8",
+                      "progress threads of the tcp transport"));
+    v.push_back({{"FASTCOMM_TCP_SOCKET_BUFFER", L, "0",
+                  "`SO_SNDBUF` / `SO_RCVBUF` of tcp sockets in bytes; `0`: kernel autotuning"},
+                 [](Config& c, const char* t) {
+                   c.tcpSocketBufferBytes = bounded("FASTCOMM_TCP_SOCKET_BUFFER", t, 0, 1 << 30);
+                 },
+                 [](const Config& c) { return bytesText(c.tcpSocketBufferBytes); }});
+    v.push_back(text("FASTCOMM_SOCKET_IFNAME", L, &Config::socketIfname,
+                     "first up non-loopback IPv4, else `lo`",
+                     "interface (or prefix) the tcp transport listens on"));
+    v.push_back(text("FASTCOMM_IB_HCA", L, &Config::ibHca, "any",
+                     "RDMA devices/ports: `mlx5_0:1,mlx5_1`, `=mlx5_0` (exact), `^mlx5_1` (all "
+                     "but)"));
+    v.push_back({{"FASTCOMM_IB_GID_INDEX", L, "automatic (RoCE v2, IPv4-mapped first)",
+                  "RoCE GID index (0..255)"},
+                 [](Config& c, const char* t) {
+                   char* end = nullptr;
+                   const long idx = std::strtol(t, &end, 10);
+                   if (end == t || *end != '\0' || idx < -1 || idx > 255)
+                     throw std::invalid_argument(
+                         std::string("fastcomm: FASTCOMM_IB_GID_INDEX=") + t +
+                         " is not a GID index (0..255, or -1 for automatic)");
+                   c.ibGidIndex = static_cast<int>(idx);
+                 },
+                 [](const Config& c) { return std::to_string(c.ibGidIndex); }});
+    v.push_back(onOff("FASTCOMM_IB_GDR", L, &Config::ibGdr, "1",
+                      "`0`: no GPUDirect RDMA even where detected"));
+    // ---- diagnostics and tests
+    v.push_back({{"FASTCOMM_LOG", D, "WARN",
+                  "`WARN`, `INFO` (topology, paths, config at init), `DEBUG`"},
+                 [](Config& c, const char* t) {
+                   const std::string l = lower(t);
+                   if (l != "warn" && l != "info" && l != "debug")
+                     throw std::invalid_argument(std::string("fastcomm: FASTCOMM_LOG=") + t +
+                                                 " is not one of warn info debug");
+                   c.logLevel = l == "warn"   ? LogLevel::Warn
+                                : l == "info" ? LogLevel::Info
+                                              : LogLevel::Debug;
+                 },
+                 [](const Config& c) {
+                   return std::string(c.logLevel == LogLevel::Warn   ? "warn"
+                                      : c.logLevel == LogLevel::Info ? "info"
+                                                                     : "debug");
+                 }});
+    v.push_back(onOff("FASTCOMM_TIMELINE", D, &Config::timeline, "0",
+                      "`1`: record pipeline phases; `torchext.timeline()`, "
+                      "`torchext.save_timeline(\"t.json\")`"));
+    v.push_back(onOff("FASTCOMM_CRASH_BACKTRACE", D, &Config::crashBacktrace, "0",
+                      "`1`: native stack on a segfault; `kill -USR2 <pid>` prints every "
+                      "thread's stack"));
+    v.push_back(text("FASTCOMM_IB_EMU_FAIL", D, &Config::ibEmuFail, "",
+                     "fault injection into the ib emulation"));
+    return v;
+  }();
+  return all;
+}
+
+}  // namespace
+
 Config Config::fromEnv() {
   Config c;
-  if (const char* v = env("FASTCOMM_HOST_ID")) c.hostIdOverride = v;
-  if (const char* v = env("FASTCOMM_TRANSPORT"))
-    c.transport = oneOf("FASTCOMM_TRANSPORT", v, {"auto", "ib", "tcp"});
-  if (const char* v = env("FASTCOMM_WIRE_DTYPE"))
-    c.wireDtype = oneOf("FASTCOMM_WIRE_DTYPE", v, {"none", "bf16", "fp16"});
-  if (const char* v = env("FASTCOMM_CHUNK_BYTES"))
-    c.chunkBytes = parseBytes("FASTCOMM_CHUNK_BYTES", v);
-  if (const char* v = env("FASTCOMM_CUDA_CHUNK_BYTES"))
-    c.cudaChunkBytes = parseBytes("FASTCOMM_CUDA_CHUNK_BYTES", v);
-  if (const char* v = env("FASTCOMM_CUDA_WINDOW")) {
-    const int64_t w = parseBytes("FASTCOMM_CUDA_WINDOW", v);
-    if (w < kCudaWindowMin || w > kCudaWindowMax) {
-      throw std::invalid_argument(std::string("fastcomm: FASTCOMM_CUDA_WINDOW=") + v +
-                                  " is not a chunk count from " + std::to_string(kCudaWindowMin) +
-                                  " to " + std::to_string(kCudaWindowMax));
-    }
-    c.cudaWindow = w;
+  for (const Setting& s : settings()) {
+    if (const char* v = env(s.info.variable)) s.parse(c, v);
   }
-  if (const char* v = env("FASTCOMM_CUDA_LAG")) {
-    const int64_t lag = parseBytes("FASTCOMM_CUDA_LAG", v);
-    if (lag < 1 || lag >= c.cudaWindow) {
-      throw std::invalid_argument(std::string("fastcomm: FASTCOMM_CUDA_LAG=") + v +
-                                  " is not from 1 to FASTCOMM_CUDA_WINDOW - 1 (" +
-                                  std::to_string(c.cudaWindow - 1) + ")");
-    }
-    c.cudaLag = lag;
-  }
-  if (const char* v = env("FASTCOMM_CUDA_STREAMS"))
-    c.cudaStreams = std::stoi(oneOf("FASTCOMM_CUDA_STREAMS", v, {"1", "3"}));
-  if (const char* v = env("FASTCOMM_CUDA_SEGMENT_BYTES"))
-    c.cudaSegmentBytes = parseBytes("FASTCOMM_CUDA_SEGMENT_BYTES", v);
-  if (const char* v = env("FASTCOMM_CUDA_HIER_MIN_BYTES"))
-    c.cudaHierMinBytes = parseBytes("FASTCOMM_CUDA_HIER_MIN_BYTES", v);
-  c.cudaHier = flag("FASTCOMM_CUDA_HIER", true);
-  if (const char* v = env("FASTCOMM_CUDA_INTER"))
-    c.cudaInterHost = oneOf("FASTCOMM_CUDA_INTER", v, {"nccl", "host"}) == "host";
-  if (const char* v = env("FASTCOMM_STAGED_KERNELS"))
-    c.stagedFused = oneOf("FASTCOMM_STAGED_KERNELS", v, {"fused", "copy"}) == "fused";
-  if (const char* v = env("FASTCOMM_STAGED_MEMORY")) {
-    c.stagedHostOnly = oneOf("FASTCOMM_STAGED_MEMORY", v, {"host", "auto"}) == "host";
-    c.stagedMemoryExplicit = true;
-  }
-  if (const char* v = env("FASTCOMM_SHM_ONESHOT_BYTES"))
-    c.oneShotBytes = parseBytes("FASTCOMM_SHM_ONESHOT_BYTES", v);
-  if (const char* v = env("FASTCOMM_P2P_BYTES")) c.p2pBytes = parseBytes("FASTCOMM_P2P_BYTES", v);
-  if (const char* v = env("FASTCOMM_SPIN_US")) c.spinMicros = parseBytes("FASTCOMM_SPIN_US", v);
-  if (const char* v = env("FASTCOMM_CPU_AFFINITY"))
-    c.cpuAffinity = oneOf("FASTCOMM_CPU_AFFINITY", v, {"none", "local"});
   if (const char* v = env("LOCAL_RANK")) c.launcherLocalRank = launcherInt(v);
   if (const char* v = env("LOCAL_WORLD_SIZE")) c.launcherLocalWorldSize = launcherInt(v);
-  if (const char* v = env("FASTCOMM_TCP_SOCKETS"))
-    c.tcpSocketsPerPeer = static_cast<int>(parseBytes("FASTCOMM_TCP_SOCKETS", v));
-  if (const char* v = env("FASTCOMM_TCP_THREADS"))
-    c.tcpThreads = static_cast<int>(parseBytes("FASTCOMM_TCP_THREADS", v));
-  if (const char* v = env("FASTCOMM_TCP_SOCKET_BUFFER")) {
-    c.tcpSocketBufferBytes = parseBytes("FASTCOMM_TCP_SOCKET_BUFFER", v);
-    if (c.tcpSocketBufferBytes < 0 || c.tcpSocketBufferBytes > (1 << 30)) {
-      throw std::invalid_argument(std::string("fastcomm: FASTCOMM_TCP_SOCKET_BUFFER=") + v +
-                                  " is not from 0 to 1G");
-    }
+  if (c.cudaLag >= c.cudaWindow) {
+    throw std::invalid_argument("fastcomm: FASTCOMM_CUDA_LAG=" + std::to_string(c.cudaLag) +
+                                " is not from 1 to FASTCOMM_CUDA_WINDOW - 1 (" +
+                                std::to_string(c.cudaWindow - 1) + ")");
   }
-  if (const char* v = env("FASTCOMM_SOCKET_IFNAME")) c.socketIfname = v;
-  if (const char* v = env("FASTCOMM_IB_HCA")) c.ibHca = v;
-  if (const char* v = env("FASTCOMM_IB_GID_INDEX")) {
-    char* end = nullptr;
-    long idx = std::strtol(v, &end, 10);
-    if (end == v || *end != '\0' || idx < -1 || idx > 255) {
-      throw std::invalid_argument(std::string("fastcomm: FASTCOMM_IB_GID_INDEX=") + v +
-                                  " is not a GID index (0..255, or -1 for automatic)");
-    }
-    c.ibGidIndex = static_cast<int>(idx);
-  }
-  if (const char* v = env("FASTCOMM_IB_QPS_PER_PEER"))
-    c.ibQpsPerPeer = static_cast<int>(parseBytes("FASTCOMM_IB_QPS_PER_PEER", v));
-  c.ibGdr = flag("FASTCOMM_IB_GDR", true);
-  c.ibEmulate = flag("FASTCOMM_IB_EMULATE", false);
-  if (!c.stagedMemoryExplicit) c.stagedHostOnly = c.ibEmulate;  // see config.hpp
-  if (const char* v = env("FASTCOMM_IB_EMU_FAIL")) c.ibEmuFail = v;
-  c.check = flag("FASTCOMM_CHECK", false);
-  c.crashBacktrace = flag("FASTCOMM_CRASH_BACKTRACE", false);
-  c.timeline = flag("FASTCOMM_TIMELINE", false);
-  c.blockingWait = flag("FASTCOMM_BLOCKING_WAIT", false);
-  c.cudaTiming = flag("FASTCOMM_CUDA_TIMING", false);
-  if (const char* v = env("FASTCOMM_LOG")) {
-    std::string l = oneOf("FASTCOMM_LOG", v, {"warn", "info", "debug"});
-    c.logLevel = l == "warn" ? LogLevel::Warn : l == "info" ? LogLevel::Info : LogLevel::Debug;
-  }
+  if (!c.stagedMemoryExplicit) c.stagedHostOnly = c.ibEmulate;  // see LocalSettings
   // Chunks below 4 KiB only add barriers; keep them page-sized and sane.
   c.chunkBytes = std::max<int64_t>(4096, c.chunkBytes / 4096 * 4096);
   c.p2pBytes = std::max<int64_t>(4096, c.p2pBytes / 4096 * 4096);
   c.cudaChunkBytes = std::max<int64_t>(4096, c.cudaChunkBytes / 4096 * 4096);
-  c.tcpSocketsPerPeer = std::min(64, std::max(1, c.tcpSocketsPerPeer));
-  c.tcpThreads = std::min(64, std::max(1, c.tcpThreads));
-  c.ibQpsPerPeer = std::min(16, std::max(1, c.ibQpsPerPeer));
   return c;
 }
 
 std::string Config::describe() const {
   std::ostringstream os;
-  os << "host_id=" << (hostIdOverride.empty() ? "<auto>" : hostIdOverride)
-     << " transport=" << transport << " wire_dtype=" << wireDtype << " chunk_bytes=" << chunkBytes
-     << " oneshot_bytes=" << oneShotBytes << " p2p_bytes=" << p2pBytes << " spin_us=" << spinMicros
-     << " cpu_affinity=" << cpuAffinity << " tcp_sockets=" << tcpSocketsPerPeer
-     << " tcp_threads=" << tcpThreads << " tcp_socket_buffer=" << tcpSocketBufferBytes
-     << " socket_ifname=" << (socketIfname.empty() ? "<auto>" : socketIfname)
-     << " ib_hca=" << (ibHca.empty() ? "<any>" : ibHca) << " ib_gid_index=" << ibGidIndex
-     << " ib_qps_per_peer=" << ibQpsPerPeer << " ib_gdr=" << ibGdr << " ib_emulate=" << ibEmulate
-     << (ibEmuFail.empty() ? "" : " ib_emu_fail=" + ibEmuFail) << " check=" << check
-     << " blocking_wait=" << blockingWait << " cuda_timing=" << cudaTiming
-     << " cuda_hier=" << cudaHier << " cuda_inter=" << (cudaInterHost ? "host" : "nccl")
-     << " cuda_chunk_bytes=" << cudaChunkBytes << " cuda_window=" << cudaWindow
-     << " cuda_lag=" << cudaLag << " cuda_streams=" << cudaStreams
-     << " cuda_segment_bytes=" << cudaSegmentBytes << " cuda_hier_min_bytes=" << cudaHierMinBytes
-     << " staged_kernels=" << (stagedFused ? "fused" : "copy")
-     << " staged_memory=" << (stagedHostOnly ? "host" : "auto");
+  bool first = true;
+  for (const Setting& s : settings()) {
+    std::string name = lower(s.info.variable + std::strlen("FASTCOMM_"));
+    std::string value = s.show(*this);
+    os << (first ? "" : " ") << name << "=" << (value.empty() ? "<auto>" : value);
+    first = false;
+  }
   return os.str();
+}
+
+std::string Config::encodeAgreed() const {
+  std::string out;
+  for (const Setting& s : settings()) {
+    if (s.info.tier == Tier::Agreed) out += std::string(s.info.variable) + "=" + s.show(*this) + "\n";
+  }
+  return out;
+}
+
+std::string Config::adoptAgreed(const std::string& rankZero) {
+  std::map<std::string, std::string> theirs;
+  std::istringstream is(rankZero);
+  std::string line;
+  while (std::getline(is, line)) {
+    const size_t eq = line.find('=');
+    if (eq != std::string::npos) theirs[line.substr(0, eq)] = line.substr(eq + 1);
+  }
+  std::string differ;
+  for (const Setting& s : settings()) {
+    if (s.info.tier != Tier::Agreed) continue;
+    const auto it = theirs.find(s.info.variable);
+    if (it == theirs.end()) {
+      throw std::runtime_error(std::string("fastcomm: group rank 0 sent no ") + s.info.variable +
+                               " (a different fastcomm build?)");
+    }
+    const std::string mine = s.show(*this);
+    if (mine == it->second) continue;
+    differ += std::string(differ.empty() ? "" : ", ") + s.info.variable + "=" + mine +
+              " (group rank 0: " + it->second + ")";
+    s.parse(*this, it->second.c_str());
+  }
+  // The lag is this rank's own, but must stay below the agreed window.
+  cudaLag = std::min<int64_t>(cudaLag, cudaWindow - 1);
+  return differ;
+}
+
+std::vector<SettingInfo> settingsTable() {
+  std::vector<SettingInfo> out;
+  for (const Setting& s : settings()) out.push_back(s.info);
+  return out;
+}
+
+const char* tierName(Tier tier) {
+  switch (tier) {
+    case Tier::Agreed:
+      return "agreed";
+    case Tier::Local:
+      return "local";
+    case Tier::Debug:
+      return "debug";
+  }
+  return "?";
 }
 
 MatmulConfig MatmulConfig::fromEnv() {

@@ -23,12 +23,6 @@ std::string field(const std::string& plan, const std::string& key) {
   return "";
 }
 
-int64_t number(const std::string& plan, const std::string& key) {
-  const std::string v = field(plan, key);
-  TORCH_CHECK(!v.empty(), "fastcomm: the multi-node plan in the store lacks '", key, "': ", plan);
-  return std::stoll(v);
-}
-
 // Rank 0: "tcp", "ib", or "" with `error` set when ib is forced but some rank
 // cannot use it. `auto` takes ib only when every rank has a usable device.
 std::string chooseTransport(const c10::intrusive_ptr<c10d::Store>& store, int size,
@@ -64,25 +58,11 @@ std::string chooseTransport(const c10::intrusive_ptr<c10d::Store>& store, int si
 
 }  // namespace
 
-std::string InterPlan::encode() const {
-  std::ostringstream os;
-  os << "transport=" << transport << ";wire=" << wireDtype << ";chunk=" << chunkBytes
-     << ";cuda_hier=" << (cudaHier ? 1 : 0) << ";cuda_chunk=" << cudaChunkBytes
-     << ";cuda_window=" << cudaWindow << ";cuda_min=" << cudaHierMinBytes
-     << ";cuda_seg=" << cudaSegmentBytes;
-  return os.str();
-}
+std::string InterPlan::encode() const { return "transport=" + transport; }
 
 InterPlan InterPlan::decode(const std::string& text) {
   InterPlan p;
   p.transport = field(text, "transport");
-  p.wireDtype = field(text, "wire");
-  p.chunkBytes = number(text, "chunk");
-  p.cudaHier = number(text, "cuda_hier") != 0;
-  p.cudaChunkBytes = number(text, "cuda_chunk");
-  p.cudaWindow = number(text, "cuda_window");
-  p.cudaHierMinBytes = number(text, "cuda_min");
-  p.cudaSegmentBytes = number(text, "cuda_seg");
   return p;
 }
 
@@ -99,13 +79,6 @@ InterPlan InterPlan::agree(const c10::intrusive_ptr<c10d::Store>& store, int ran
     std::string error;
     mine.transport = chooseTransport(store, size, cfg, ctx, &error);
     if (!error.empty()) store->set("fastcomm/inter_plan_error", error);
-    mine.wireDtype = cfg.wireDtype;
-    mine.chunkBytes = cfg.chunkBytes;
-    mine.cudaHier = cfg.cudaHier;
-    mine.cudaChunkBytes = cfg.cudaChunkBytes;
-    mine.cudaWindow = cfg.cudaWindow;
-    mine.cudaHierMinBytes = cfg.cudaHierMinBytes;
-    mine.cudaSegmentBytes = cfg.cudaSegmentBytes;
     store->set(kKey, mine.encode());
   }
   try {
@@ -117,6 +90,14 @@ InterPlan InterPlan::agree(const c10::intrusive_ptr<c10d::Store>& store, int ran
   }
   InterPlan plan = decode(storeGet(store, kKey));
   if (plan.transport.empty()) throwCommError(storeGet(store, "fastcomm/inter_plan_error"));
+  // Agreed when the group was created: the same on every rank.
+  plan.wireDtype = cfg.wireDtype;
+  plan.chunkBytes = cfg.chunkBytes;
+  plan.cudaHier = cfg.cudaHier;
+  plan.cudaChunkBytes = cfg.cudaChunkBytes;
+  plan.cudaWindow = cfg.cudaWindow;
+  plan.cudaHierMinBytes = cfg.cudaHierMinBytes;
+  plan.cudaSegmentBytes = cfg.cudaSegmentBytes;
   return plan;
 }
 

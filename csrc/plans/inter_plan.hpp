@@ -1,8 +1,9 @@
-// The multi-node choices every rank of a group must share (a mismatch would
-// hang or corrupt a collective): group rank 0 decides from its Config and
-// publishes them under the store key "fastcomm/inter_plan"; the others adopt
-// them. The host plans (HierComm) and the CUDA plans (CudaHier) read the same
-// record, so both sides agree however each rank's environment was set.
+// The multi-node choices of a group: the agreed settings (already group rank
+// 0's on every rank, Config::adoptAgreed) and the transport that
+// FASTCOMM_TRANSPORT=auto resolves to, which depends on every rank's devices:
+// group rank 0 decides it and publishes it under the store key
+// "fastcomm/inter_plan". The host plans (HierComm) and the CUDA plans
+// (CudaHier) read the same record.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>

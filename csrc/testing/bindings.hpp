@@ -16,6 +16,8 @@ void bindTransport(pybind11::module_& m);
 void bindStagedRail(pybind11::module_& m);
 // The staged rail's chunk/piece layout and, in CUDA builds, its kernels alone.
 void bindStagedKernels(pybind11::module_& m);
+// The settings table of common/config.hpp.
+void bindConfig(pybind11::module_& m);
 
 }  // namespace testing
 }  // namespace fastcomm
