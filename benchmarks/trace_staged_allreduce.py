@@ -12,9 +12,8 @@ phases are written as a Chrome trace per rank.
     FASTCOMM_LOG=INFO torchrun --nproc_per_node=4 benchmarks/trace_staged_allreduce.py \\
         --sim-nodes 2 --sizes 1M,16M,256M --trace /tmp/staged
 
-``--kernels fused,copy`` and ``--staging auto,host`` compare the forms of the device steps
-(FASTCOMM_STAGED_KERNELS) and the staging memory (FASTCOMM_STAGED_MEMORY) in one run: each
-combination gets a process group of its own, created with those settings.
+``--staging auto,host`` compares the staging memory (FASTCOMM_STAGED_MEMORY) in one run: each
+setting gets a process group of its own, created with it.
 """
 
 from __future__ import annotations
@@ -92,9 +91,6 @@ def main() -> int:
     p.add_argument("--trace", default="", help="prefix of per-rank Chrome traces")
     p.add_argument("--json", default="", help="summary JSON (rank 0)")
     p.add_argument(
-        "--kernels", default="", help="FASTCOMM_STAGED_KERNELS values to compare, e.g. fused,copy"
-    )
-    p.add_argument(
         "--staging", default="", help="FASTCOMM_STAGED_MEMORY values to compare, e.g. auto,host"
     )
     args = p.parse_args()
@@ -118,24 +114,15 @@ def main() -> int:
     results: dict[str, Any] = {"world": world, "sim_nodes": args.sim_nodes, "sizes": []}
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     events: list[dict[str, Any]] = []
-    modes = [
-        (k, m)
-        for k in (args.kernels.split(",") if args.kernels else [None])
-        for m in (args.staging.split(",") if args.staging else [None])
-    ]
-    for kernels, staging in modes:
+    for staging in args.staging.split(",") if args.staging else [None]:
         group = None
         mode = {}
-        if kernels or staging:
-            # the settings are read when a group is created: one group per combination
-            if kernels:
-                os.environ["FASTCOMM_STAGED_KERNELS"] = mode["kernels"] = kernels
-            if staging:
-                os.environ["FASTCOMM_STAGED_MEMORY"] = mode["staging"] = staging
+        if staging:
+            # the setting is read when a group is created: one group per value
+            os.environ["FASTCOMM_STAGED_MEMORY"] = mode["staging"] = staging
             group = dist.new_group(backend="fastcomm")
             if rank == 0:
-                print(f"-- FASTCOMM_STAGED_KERNELS={kernels or '<env>'} "
-                      f"FASTCOMM_STAGED_MEMORY={staging or '<env>'}", flush=True)  # fmt: skip
+                print(f"-- FASTCOMM_STAGED_MEMORY={staging}", flush=True)
         for size in sizes:
             n = size // 4
             x = torch.randn(n, device="cuda")

@@ -56,14 +56,6 @@ bool flag(const char* name, bool dflt) {
   return !(s == "0" || s == "false" || s == "off" || s == "no");
 }
 
-// The launcher's LOCAL_RANK / LOCAL_WORLD_SIZE: torch's own variables, so a
-// value that is no non-negative integer is not ours to reject: -1 (unset).
-int launcherInt(const char* text) {
-  char* end = nullptr;
-  long v = std::strtol(text, &end, 10);
-  return (end != text && *end == '\0' && v >= 0 && v < (1 << 20)) ? static_cast<int>(v) : -1;
-}
-
 }  // namespace
 
 Config Config::fromEnv() {
@@ -95,17 +87,11 @@ Config Config::fromEnv() {
     }
     c.cudaLag = lag;
   }
-  if (const char* v = env("FASTCOMM_CUDA_STREAMS"))
-    c.cudaStreams = std::stoi(oneOf("FASTCOMM_CUDA_STREAMS", v, {"1", "3"}));
-  if (const char* v = env("FASTCOMM_CUDA_SEGMENT_BYTES"))
-    c.cudaSegmentBytes = parseBytes("FASTCOMM_CUDA_SEGMENT_BYTES", v);
   if (const char* v = env("FASTCOMM_CUDA_HIER_MIN_BYTES"))
     c.cudaHierMinBytes = parseBytes("FASTCOMM_CUDA_HIER_MIN_BYTES", v);
   c.cudaHier = flag("FASTCOMM_CUDA_HIER", true);
   if (const char* v = env("FASTCOMM_CUDA_INTER"))
     c.cudaInterHost = oneOf("FASTCOMM_CUDA_INTER", v, {"nccl", "host"}) == "host";
-  if (const char* v = env("FASTCOMM_STAGED_KERNELS"))
-    c.stagedFused = oneOf("FASTCOMM_STAGED_KERNELS", v, {"fused", "copy"}) == "fused";
   if (const char* v = env("FASTCOMM_STAGED_MEMORY")) {
     c.stagedHostOnly = oneOf("FASTCOMM_STAGED_MEMORY", v, {"host", "auto"}) == "host";
     c.stagedMemoryExplicit = true;
@@ -114,10 +100,6 @@ Config Config::fromEnv() {
     c.oneShotBytes = parseBytes("FASTCOMM_SHM_ONESHOT_BYTES", v);
   if (const char* v = env("FASTCOMM_P2P_BYTES")) c.p2pBytes = parseBytes("FASTCOMM_P2P_BYTES", v);
   if (const char* v = env("FASTCOMM_SPIN_US")) c.spinMicros = parseBytes("FASTCOMM_SPIN_US", v);
-  if (const char* v = env("FASTCOMM_CPU_AFFINITY"))
-    c.cpuAffinity = oneOf("FASTCOMM_CPU_AFFINITY", v, {"none", "local"});
-  if (const char* v = env("LOCAL_RANK")) c.launcherLocalRank = launcherInt(v);
-  if (const char* v = env("LOCAL_WORLD_SIZE")) c.launcherLocalWorldSize = launcherInt(v);
   if (const char* v = env("FASTCOMM_TCP_SOCKETS"))
     c.tcpSocketsPerPeer = static_cast<int>(parseBytes("FASTCOMM_TCP_SOCKETS", v));
   if (const char* v = env("FASTCOMM_TCP_THREADS"))
@@ -170,8 +152,8 @@ std::string Config::describe() const {
   os << "host_id=" << (hostIdOverride.empty() ? "<auto>" : hostIdOverride)
      << " transport=" << transport << " wire_dtype=" << wireDtype << " chunk_bytes=" << chunkBytes
      << " oneshot_bytes=" << oneShotBytes << " p2p_bytes=" << p2pBytes << " spin_us=" << spinMicros
-     << " cpu_affinity=" << cpuAffinity << " tcp_sockets=" << tcpSocketsPerPeer
-     << " tcp_threads=" << tcpThreads << " tcp_socket_buffer=" << tcpSocketBufferBytes
+     << " tcp_sockets=" << tcpSocketsPerPeer << " tcp_threads=" << tcpThreads
+     << " tcp_socket_buffer=" << tcpSocketBufferBytes
      << " socket_ifname=" << (socketIfname.empty() ? "<auto>" : socketIfname)
      << " ib_hca=" << (ibHca.empty() ? "<any>" : ibHca) << " ib_gid_index=" << ibGidIndex
      << " ib_qps_per_peer=" << ibQpsPerPeer << " ib_gdr=" << ibGdr << " ib_emulate=" << ibEmulate
@@ -179,44 +161,63 @@ std::string Config::describe() const {
      << " blocking_wait=" << blockingWait << " cuda_timing=" << cudaTiming
      << " cuda_hier=" << cudaHier << " cuda_inter=" << (cudaInterHost ? "host" : "nccl")
      << " cuda_chunk_bytes=" << cudaChunkBytes << " cuda_window=" << cudaWindow
-     << " cuda_lag=" << cudaLag << " cuda_streams=" << cudaStreams
-     << " cuda_segment_bytes=" << cudaSegmentBytes << " cuda_hier_min_bytes=" << cudaHierMinBytes
-     << " staged_kernels=" << (stagedFused ? "fused" : "copy")
+     << " cuda_lag=" << cudaLag << " cuda_hier_min_bytes=" << cudaHierMinBytes
      << " staged_memory=" << (stagedHostOnly ? "host" : "auto");
   return os.str();
 }
 
+namespace {
+
+const char* const kMatmulSettings[] = {"impl", "tile", "sched", "epi", "raster", "group"};
+
+// "tile" -> "FASTCOMM_MATMUL_TILE".
+std::string matmulVar(const std::string& name) {
+  std::string var = "FASTCOMM_MATMUL_";
+  for (char ch : name) var += static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+  return var;
+}
+
+}  // namespace
+
 MatmulConfig MatmulConfig::fromEnv() {
   MatmulConfig c;
-  if (const char* v = env("FASTCOMM_MATMUL_IMPL"))
-    c.impl = oneOf("FASTCOMM_MATMUL_IMPL", v, {"auto", "wgmma", "mma", "simt"});
-  if (const char* v = env("FASTCOMM_MATMUL_TILE"))
-    c.tile = oneOf("FASTCOMM_MATMUL_TILE", v, {"auto", "large", "small"});
-  if (const char* v = env("FASTCOMM_MATMUL_SCHED"))
-    c.sched = oneOf("FASTCOMM_MATMUL_SCHED", v, {"auto", "coop", "pingpong"});
-  if (const char* v = env("FASTCOMM_MATMUL_CLUSTER"))
-    c.cluster = oneOf("FASTCOMM_MATMUL_CLUSTER", v, {"auto", "1", "2"});
-  if (const char* v = env("FASTCOMM_MATMUL_EPI"))
-    c.epi = oneOf("FASTCOMM_MATMUL_EPI", v, {"auto", "direct", "tma", "tma2", "offload"});
-  if (const char* v = env("FASTCOMM_MATMUL_RASTER"))
-    c.raster = oneOf("FASTCOMM_MATMUL_RASTER", v, {"auto", "m", "n"});
-  if (const char* v = env("FASTCOMM_MATMUL_GROUP")) {
-    const int64_t g = parseBytes("FASTCOMM_MATMUL_GROUP", v);
+  for (const char* name : kMatmulSettings) {
+    if (const char* v = env(matmulVar(name).c_str())) c.set(name, v);
+  }
+  return c;
+}
+
+void MatmulConfig::set(const std::string& name, const std::string& value) {
+  const std::string n = lower(name);
+  const std::string var = matmulVar(n);
+  const char* v = value.c_str();
+  if (n == "impl") {
+    impl = oneOf(var.c_str(), v, {"auto", "wgmma", "mma", "simt"});
+  } else if (n == "tile") {
+    tile = oneOf(var.c_str(), v, {"auto", "large", "small"});
+  } else if (n == "sched") {
+    sched = oneOf(var.c_str(), v, {"auto", "coop", "pingpong"});
+  } else if (n == "epi") {
+    epi = oneOf(var.c_str(), v, {"auto", "direct", "tma", "offload"});
+  } else if (n == "raster") {
+    raster = oneOf(var.c_str(), v, {"auto", "m", "n"});
+  } else if (n == "group") {
+    const int64_t g = parseBytes(var.c_str(), v);
     if (g != 0 && (g < 256 || g > 65536)) {
-      throw std::invalid_argument(std::string("fastcomm: FASTCOMM_MATMUL_GROUP=") + v +
+      throw std::invalid_argument("fastcomm: " + var + "=" + value +
                                   " is not 0 (auto) or from 256 to 65536");
     }
-    c.group = static_cast<int>(g);
+    group = static_cast<int>(g);
+  } else {
+    throw std::invalid_argument("fastcomm: no matmul setting " + name +
+                                " (impl, tile, sched, epi, raster, group)");
   }
-  c.wgmmaMnMajor = flag("FASTCOMM_MATMUL_WGMMA_MN", true);
-  return c;
 }
 
 std::string MatmulConfig::describe() const {
   std::ostringstream os;
-  os << "matmul impl=" << impl << " tile=" << tile << " sched=" << sched << " cluster=" << cluster
-     << " epi=" << epi << " raster=" << raster << " group=" << group
-     << " wgmma_mn=" << wgmmaMnMajor;
+  os << "matmul impl=" << impl << " tile=" << tile << " sched=" << sched << " epi=" << epi
+     << " raster=" << raster << " group=" << group;
   return os.str();
 }
 

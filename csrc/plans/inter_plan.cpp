@@ -68,8 +68,7 @@ std::string InterPlan::encode() const {
   std::ostringstream os;
   os << "transport=" << transport << ";wire=" << wireDtype << ";chunk=" << chunkBytes
      << ";cuda_hier=" << (cudaHier ? 1 : 0) << ";cuda_chunk=" << cudaChunkBytes
-     << ";cuda_window=" << cudaWindow << ";cuda_min=" << cudaHierMinBytes
-     << ";cuda_seg=" << cudaSegmentBytes;
+     << ";cuda_window=" << cudaWindow << ";cuda_min=" << cudaHierMinBytes;
   return os.str();
 }
 
@@ -82,7 +81,6 @@ InterPlan InterPlan::decode(const std::string& text) {
   p.cudaChunkBytes = number(text, "cuda_chunk");
   p.cudaWindow = number(text, "cuda_window");
   p.cudaHierMinBytes = number(text, "cuda_min");
-  p.cudaSegmentBytes = number(text, "cuda_seg");
   return p;
 }
 
@@ -105,7 +103,6 @@ InterPlan InterPlan::agree(const c10::intrusive_ptr<c10d::Store>& store, int ran
     mine.cudaChunkBytes = cfg.cudaChunkBytes;
     mine.cudaWindow = cfg.cudaWindow;
     mine.cudaHierMinBytes = cfg.cudaHierMinBytes;
-    mine.cudaSegmentBytes = cfg.cudaSegmentBytes;
     store->set(kKey, mine.encode());
   }
   try {
