@@ -113,7 +113,7 @@ step_racecheck() {
       /tmp/fastcomm_mbar_probe "$mode" || rc=1
       "$cs" --tool racecheck --print-limit 5 /tmp/fastcomm_mbar_probe "$mode" 2>&1 | tail -n 12
     done
-    for v in ${RACECHECK_VARIANTS:-coop_tma2 pingpong coop_off}; do
+    for v in ${RACECHECK_VARIANTS:-coop_tma pingpong coop_off}; do
       echo "== racecheck variant $v"
       "$cs" --tool racecheck --print-limit 5 "$PY" scripts/matmul_smoke.py --quick --variants "$v" \
         2>&1 | tail -n 14

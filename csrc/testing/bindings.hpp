@@ -16,6 +16,8 @@ void bindTransport(pybind11::module_& m);
 void bindStagedRail(pybind11::module_& m);
 // The staged rail's chunk/piece layout and, in CUDA builds, its kernels alone.
 void bindStagedKernels(pybind11::module_& m);
+// set_matmul_config / reset_matmul_config: the matmul kernel choices (tests/test_ops.py).
+void bindMatmul(pybind11::module_& m);
 
 }  // namespace testing
 }  // namespace fastcomm
