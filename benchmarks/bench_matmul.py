@@ -15,18 +15,16 @@ Compares, for square sizes (default 1024..8192) and LLM-like shapes
   exact GELU (then ``_addmm_activation`` still uses tanh).
 
 Each fastcomm kernel path listed in ``--variants`` is timed separately,
-forced through the FASTCOMM_MATMUL_* variables (see ``Variant.ENV``): ``auto``
-(the default dispatch), ``mma`` (mma.sync), ``simt``, ``wgmma`` (the Hopper
-kernel with its own heuristic), and the Hopper variants ``coop`` (cooperative
-128x256, epilogue from registers), ``coop_tma`` (same, epilogue through shared
-memory + TMA stores), ``coop128`` (cooperative 128x128, TMA stores),
-``pingpong`` (two 128x128 tiles in ping-pong), ``coop_tma2`` (``coop_tma`` with
-the lean epilogue), ``coop_off`` (the offload epilogue: activation and stores
-by the producer warpgroup's idle warps, under the next tile's MMAs),
-``pingpong_w`` (ping-pong on 64x256 tiles), each with
-``_c2`` for 2-CTA clusters with TMA multicast. ``--variants hopper`` names the
-set the sweep of docs/matmul.md times, ``--variants fused`` the comparison of
-the epilogue variants. The kernel a variant actually ran is recorded
+forced through torchext._testing.set_matmul_config (see ``Variant.SETTINGS``;
+needs the testing module, FASTCOMM_BUILD_TESTING=1): ``auto`` (the default
+dispatch), ``mma`` (mma.sync), ``simt``, ``wgmma`` (the Hopper kernel with its
+own heuristic), and the Hopper variants ``coop`` (cooperative 128x256,
+epilogue from registers), ``coop_tma`` (same, epilogue through shared memory +
+TMA stores), ``coop128`` (cooperative 128x128, TMA stores), ``pingpong`` (two
+128x128 tiles in ping-pong) and ``coop_off`` (the offload epilogue: activation
+and stores by the producer warpgroup's idle warps, under the next tile's
+MMAs). ``--variants hopper`` names every Hopper kernel shape, ``--variants
+fused`` the epilogues. The kernel a variant actually ran is recorded
 (``torch.ops.fastcomm._kernel_name``), and a summary matrix (ratio to the
 baseline, per shape and variant) is printed last.
 
@@ -50,7 +48,7 @@ Example::
         --plot benchmarks/results/matmul_h200.png \\
         --roofline benchmarks/results/roofline_h200.png
 
-    # the variant sweep of docs/matmul.md (about 1-2 minutes on an H200)
+    # every Hopper kernel shape (about 1-2 minutes on an H200)
     python benchmarks/bench_matmul.py --variants hopper --sizes 2048,4096,8192 \\
         --reps 30 --warmup-ms 50 --no-compile
 """
@@ -90,7 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--variants",
         default="auto",
         help="fastcomm kernel paths to time (comma list): "
-        + ", ".join(Variant.ENV)
+        + ", ".join(Variant.SETTINGS)
         + "; or a set: "
         + ", ".join(Variant.SETS),
     )
@@ -176,132 +174,67 @@ def measure_mm_peak(dtype: torch.dtype, reps: int) -> float:
 
 
 class Variant:
-    """Sets the FASTCOMM_MATMUL_* knobs of a kernel path while a fastcomm method runs
-    (all of them: knobs a variant does not name are reset to auto). A variant name
-    may end in ``@g<N>``: the same kernel with FASTCOMM_MATMUL_GROUP=N (rows or
-    columns of C per group of the Hopper tile order), e.g. ``auto@g4096``."""
+    """Forces the matmul settings of a kernel path while a fastcomm method runs, through
+    torchext._testing.set_matmul_config (settings a variant does not name are auto). A
+    variant name may end in ``@g<N>``: the same kernel with group=N (rows or columns of C
+    per group of the Hopper tile order), e.g. ``auto@g4096``."""
 
-    KNOBS: ClassVar[tuple[str, ...]] = (
-        "IMPL",
-        "TILE",
-        "SCHED",
-        "CLUSTER",
-        "EPI",
-        "RASTER",
-        "GROUP",
-        "WGMMA_MN",
-    )
-    _HOPPER: ClassVar[dict[str, str]] = {"IMPL": "wgmma"}
-    ENV: ClassVar[dict[str, dict[str, str]]] = {
+    _HOPPER: ClassVar[dict[str, str]] = {"impl": "wgmma"}
+    SETTINGS: ClassVar[dict[str, dict[str, str]]] = {
         "auto": {},
-        "mma": {"IMPL": "mma"},
-        "simt": {"IMPL": "simt"},
+        "mma": {"impl": "mma"},
+        "simt": {"impl": "simt"},
         # The CUDA-core kernel's 128x128 tiling at every size (auto takes it
         # only once its tiles fill the GPU).
-        "simt_wide": {"IMPL": "simt", "TILE": "large"},
+        "simt_wide": {"impl": "simt", "tile": "large"},
         "wgmma": _HOPPER,
-        "coop": {**_HOPPER, "SCHED": "coop", "TILE": "large", "EPI": "direct", "CLUSTER": "1"},
-        "coop_c2": {**_HOPPER, "SCHED": "coop", "TILE": "large", "EPI": "direct", "CLUSTER": "2"},
-        "coop_tma": {**_HOPPER, "SCHED": "coop", "TILE": "large", "EPI": "tma", "CLUSTER": "1"},
-        "coop_tma_c2": {**_HOPPER, "SCHED": "coop", "TILE": "large", "EPI": "tma", "CLUSTER": "2"},
-        "coop128": {**_HOPPER, "SCHED": "coop", "TILE": "small", "EPI": "tma", "CLUSTER": "1"},
-        "pingpong": {**_HOPPER, "SCHED": "pingpong", "CLUSTER": "1"},
-        "pingpong_c2": {**_HOPPER, "SCHED": "pingpong", "CLUSTER": "2"},
-        # The lean TMA epilogue (bias prefetched under the last MMAs, one
-        # barrier per chunk, lean activations) on the coop_tma kernel.
-        "coop_tma2": {**_HOPPER, "SCHED": "coop", "TILE": "large", "EPI": "tma2", "CLUSTER": "1"},
-        "coop_tma2_c2": {
-            **_HOPPER,
-            "SCHED": "coop",
-            "TILE": "large",
-            "EPI": "tma2",
-            "CLUSTER": "2",
-        },
+        "coop": {**_HOPPER, "sched": "coop", "tile": "large", "epi": "direct"},
+        # The TMA epilogue (bias prefetched under the last MMAs, one barrier per
+        # chunk, lean activations).
+        "coop_tma": {**_HOPPER, "sched": "coop", "tile": "large", "epi": "tma"},
+        "coop128": {**_HOPPER, "sched": "coop", "tile": "small", "epi": "tma"},
+        "pingpong": {**_HOPPER, "sched": "pingpong"},
         # The offload epilogue (3 stages + a whole-tile output buffer; the
         # activation and the TMA stores run on warps 1-3 of the producer
         # warpgroup, under the next tile's main loop).
-        "coop_off": {**_HOPPER, "SCHED": "coop", "TILE": "large", "EPI": "offload", "CLUSTER": "1"},
-        "coop_off_c2": {
-            **_HOPPER,
-            "SCHED": "coop",
-            "TILE": "large",
-            "EPI": "offload",
-            "CLUSTER": "2",
-        },
-        # Wide ping-pong: a 64 x 256 tile per warpgroup (m64n256k16, the
-        # cooperative MMA shape), one warpgroup's epilogue under the other's MMAs.
-        "pingpong_w": {**_HOPPER, "SCHED": "pingpong", "TILE": "large", "CLUSTER": "1"},
-        "pingpong_w_c2": {**_HOPPER, "SCHED": "pingpong", "TILE": "large", "CLUSTER": "2"},
+        "coop_off": {**_HOPPER, "sched": "coop", "tile": "large", "epi": "offload"},
     }
-    # Another name of the same kernels, kept so that older result files re-plot.
-    ALIASES: ClassVar[dict[str, str]] = {"wgmma_c2": "coop_c2"}
-    # The sweep of docs/matmul.md: every Hopper variant, and the default.
     SETS: ClassVar[dict[str, list[str]]] = {
-        "hopper": [
-            "auto",
-            "mma",
-            "coop",
-            "coop_tma",
-            "coop_c2",
-            "coop_tma_c2",
-            "pingpong",
-            "pingpong_c2",
-        ],
-        # The fused-epilogue comparison: the plain TMA epilogue against
-        # the lean one and the offload one, ping-pong 128 x 128 against the
-        # wide 64 x 256 form.
-        "fused": [
-            "auto",
-            "coop",
-            "coop_tma",
-            "coop_tma2",
-            "coop_tma2_c2",
-            "coop_off",
-            "coop_off_c2",
-            "pingpong",
-            "pingpong_w",
-            "pingpong_w_c2",
-        ],
+        # Every Hopper kernel shape, and the default.
+        "hopper": ["auto", "mma", "coop_tma", "coop128", "pingpong", "coop_off"],
+        # The epilogues of the cooperative 128x256 kernel beside ping-pong's.
+        "fused": ["auto", "coop", "coop_tma", "coop_off", "pingpong"],
     }
 
     def __init__(self, name: str):
         base, _, group = name.partition("@g")
-        base = self.ALIASES.get(base, base)
-        if base not in self.ENV or ("@g" in name and not group.isdigit()):
+        if base not in self.SETTINGS or ("@g" in name and not group.isdigit()):
             raise ValueError(
-                f"unknown variant {name!r}; known: {sorted(self.ENV)} (each may end in "
+                f"unknown variant {name!r}; known: {sorted(self.SETTINGS)} (each may end in "
                 f"@g<group>) and sets {sorted(self.SETS)}"
             )
         self.name = f"{base}@g{group}" if group else base
-        self.env = {**self.ENV[base], **({"GROUP": group} if group else {})}
-        self.saved: dict[str, Optional[str]] = {}
+        self.settings = {**self.SETTINGS[base], **({"group": group} if group else {})}
 
     @classmethod
     def expand(cls, spec: str) -> list[str]:
         out: list[str] = []
         for v in (v.strip() for v in spec.split(",")):
-            for name in cls.SETS.get(v, [cls.ALIASES.get(v, v)] if v else []):
+            for name in cls.SETS.get(v, [v] if v else []):
                 if name not in out:
                     out.append(name)
         return out
 
-    def __enter__(self):
-        env = self.env
-        for k in self.KNOBS:
-            var = f"FASTCOMM_MATMUL_{k}"
-            self.saved[var] = os.environ.get(var)
-            if k in env:
-                os.environ[var] = env[k]
-            else:
-                os.environ.pop(var, None)
+    def __enter__(self) -> "Variant":
+        from torchext import _testing
+
+        _testing.set_matmul_config(**self.settings)
         return self
 
-    def __exit__(self, *exc):
-        for k, v in self.saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    def __exit__(self, *exc: object) -> None:
+        from torchext import _testing
+
+        _testing.reset_matmul_config()
 
 
 def kernel_name(a: torch.Tensor, b: torch.Tensor, activation: str = "none") -> str:

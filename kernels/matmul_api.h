@@ -59,9 +59,7 @@ bool gemm_mma_large_tile(const GemmArgs& args, int num_sms, Tile tile);
 // persistent tile loop (sm_90a only; see kernels/matmul_sm90_kernel.cuh).
 // Same operand requirements as the mma.sync kernel, plus the TMA ones
 // (leading dimension >= the contiguous extent and below 2^31 elements).
-// allow_mn_major = false makes gemm_wgmma_supported reject M-/N-major
-// operands (the caller then copies them to K-major).
-bool gemm_wgmma_supported(const GemmArgs& args, bool allow_mn_major);
+bool gemm_wgmma_supported(const GemmArgs& args);
 // True when the loaded module carries the sm_90a kernel for the current device.
 bool gemm_wgmma_compiled();
 // Whether the default dispatch should take the Hopper kernel for this
@@ -72,13 +70,13 @@ bool gemm_wgmma_preferred(const GemmArgs& args, int num_sms);
 // Schedules of the Hopper kernel: two consumer warpgroups on one 128 x 256
 // (or 128 x 128) tile, or ping-pong on two 128 x 128 tiles.
 enum class WgmmaSched : int { kAuto = 0, kCoop = 1, kPingpong = 2 };
-// Cooperative epilogue: stores from registers, or through shared memory and TMA;
-// kTmaLean: the TMA one with the tile's bias prefetched into registers under
-// the last MMAs, one barrier per chunk and the lean activations; kOffload
-// (128 x 256 tile only, else as kTmaLean): the consumers hand acc + bias to a
-// whole-tile buffer and the producer warpgroup's idle warps apply the
-// activation and store it, under the next tile's main loop.
-enum class WgmmaEpi : int { kAuto = 0, kDirect = 1, kTma = 2, kTmaLean = 3, kOffload = 4 };
+// Cooperative epilogue: stores from registers (kDirect), or through shared
+// memory and TMA (kTma: the tile's bias prefetched into registers under the
+// last MMAs, one barrier per chunk, the lean activations); kOffload (128 x 256
+// tile only, else as kTma): the consumers hand acc + bias to a whole-tile
+// buffer and the producer warpgroup's idle warps apply the activation and
+// store it, under the next tile's main loop.
+enum class WgmmaEpi : int { kAuto = 0, kDirect = 1, kTma = 2, kOffload = 3 };
 // Tile order: groups of tile rows (kM) or of tile columns (kN).
 enum class Raster : int { kAuto = 0, kM = 1, kN = 2 };
 
@@ -86,15 +84,14 @@ enum class Raster : int { kAuto = 0, kM = 1, kN = 2 };
 struct WgmmaOptions {
   WgmmaSched sched = WgmmaSched::kAuto;
   Tile tile = Tile::kAuto;  // cooperative tile: kLarge = 128 x 256, kSmall = 128 x 128
-  int cluster = 0;          // 0 (auto), 1, or 2: CTA pairs sharing B through TMA multicast
   WgmmaEpi epi = WgmmaEpi::kAuto;
   Raster raster = Raster::kAuto;
   int group = 0;  // rows / columns of C per tile group; 0 (auto) = 2048
 };
 cudaError_t launch_gemm_wgmma_sm90(const GemmArgs& args, int num_sms, const WgmmaOptions& opts,
                                    cudaStream_t stream);
-// What launch_gemm_wgmma_sm90 would run, e.g. "wgmma pingpong 128x128 cluster 1
-// raster m" (for tests and benchmark reports).
+// What launch_gemm_wgmma_sm90 would run, e.g. "wgmma pingpong 128x128 raster m"
+// (for tests and benchmark reports).
 std::string describe_gemm_wgmma_sm90(const GemmArgs& args, int num_sms, const WgmmaOptions& opts);
 
 }  // namespace cuda

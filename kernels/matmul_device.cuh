@@ -131,7 +131,7 @@ __device__ __forceinline__ float activate(float v) {
   }
 }
 
-// ---- lean activations (the "tma2" epilogue of the Hopper kernel) -------------
+// ---- lean activations (the TMA epilogues of the Hopper kernel) ---------------
 //
 // The same functions as activate<ACT, true> in fewer instructions, for 16-bit
 // outputs only: the ftz forms of the hardware ex2 / rcp (one MUFU op each, no

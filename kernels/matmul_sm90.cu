@@ -1,8 +1,7 @@
 // Dispatcher of the Hopper (sm_90a) GEMM: operand checks, the choice of
-// schedule, tile, cluster, epilogue and tile order for a problem, and the
-// TMA tensor maps. The kernels themselves are in matmul_sm90_kernel.cuh,
-// instantiated by matmul_sm90_{coop,pingpong}_{bf16,f16}.cu; docs/matmul.md
-// has the design and the measurements behind the defaults below.
+// schedule, tile, epilogue and tile order for a problem, and the TMA tensor
+// maps. The kernels themselves are in matmul_sm90_kernel.cuh, instantiated by
+// matmul_sm90_{coop,pingpong}_{bf16,f16}.cu; docs/matmul.md has the design.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -21,18 +20,13 @@ namespace sm90 {
 namespace {
 
 // Relative speed per output column of each kernel shape, for the
-// wave-quantised cost model of choose_plan (cooperative 128 x 256 = 1).
-// Measured on one H200, bf16, 2026-11-21 (benchmarks/results/
-// 2026-11-21-H200-matmul-hopper-sweep.md): cooperative 128 x 128 about 0.8
-// of it; ping-pong 128 x 128 0.86-0.91 of the cooperative 128 x 256 kernel
-// with its TMA-store epilogue on the bare product (2048..8192 cubed and the
-// LLM shapes), so it wins only where the wide tile wastes most of a wave.
+// wave-quantised cost model of choose_plan (cooperative 128 x 256 = 1), as
+// measured on H200 (bf16): the cooperative 128 x 128 tile runs at about 0.8
+// of it and the ping-pong 128 x 128 at 0.86-0.91, so those win only where
+// the wide tile wastes most of a wave.
 constexpr double kEffCoop256 = 1.0;
 constexpr double kEffCoop128 = 0.8;
 constexpr double kEffPingpong = 0.87;
-// CTA pairs with B multicast: off by default until the benchmark shows them
-// ahead (the first version was 0.63-0.70x of cuBLAS; see docs/matmul.md).
-constexpr int kDefaultCluster = 1;
 // Rows (raster m) or columns (raster n) of C per group of the tile order.
 constexpr int kDefaultGroup = 2048;
 
@@ -71,9 +65,7 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
   }
   if (pingpong) {
     plan.sched = Sched::kPingpong;
-    // Forced ping-pong with the large tile: the wide form, a 64 x 256 tile per
-    // warpgroup (not chosen by auto until a sweep has measured it).
-    plan.bn = o.sched == WgmmaSched::kPingpong && o.tile == Tile::kLarge ? 256 : 128;
+    plan.bn = 128;
   } else {
     plan.sched = Sched::kCoop;
     if (o.tile == Tile::kAuto) {
@@ -82,28 +74,17 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
       plan.bn = o.tile == Tile::kLarge ? 256 : 128;
     }
   }
-  plan.cluster = o.cluster == 0 ? kDefaultCluster : o.cluster;
   // TMA stores need a 16-byte aligned C with a leading dimension of a
   // multiple of 8 elements; otherwise (and for ping-pong, whose epilogue is
   // hidden anyway) the epilogue stores from registers.
   plan.tma_store = plan.sched == Sched::kCoop && o.epi != WgmmaEpi::kDirect && tma_store_ok(p);
-  // The lean form is the default: on one H200 (bf16, 2026-11-21,
-  // benchmarks/results/2026-11-21-H200-matmul-fused-epilogue.md) it ran the
-  // bare product 0.99-1.06x as fast as the first TMA epilogue and linear +
-  // bias + gelu_tanh 1.00-1.11x; FASTCOMM_MATMUL_EPI=tma keeps the first.
-  plan.epi_lean = plan.tma_store && o.epi != WgmmaEpi::kTma;
   // The offload epilogue (activation by warps 1-3 of the producer warpgroup,
   // under the next tile's MMAs) exists for the 128 x 256 tile only; elsewhere
-  // EPI=offload falls back as tma2 does (lean TMA epilogue on the 128 x 128
+  // EPI=offload falls back as tma does (the TMA epilogue on the 128 x 128
   // cooperative tile, direct stores where C takes no TMA stores or for
   // ping-pong). auto takes it where there is activation math to hide (gelu,
-  // gelu_tanh, silu): on one H200, bf16, 7 rounds in alternating order
-  // (benchmarks/results/2026-11-22-2xH200-matmul-rounds-racecheck.md),
-  // linear + bias + gelu_tanh ran 1.00-1.03x tma2's speed at 4096^3, 8192^3
-  // and 8192 x 11008 x 4096 and 0.99x at 8192 x {4096, 14336} x 4096
-  // (1.01-1.07x in the session before; 1.01-1.035x on all five in the run of
-  // 2026-11-22-H200-matmul-auto-offload.md); the bare product (none / relu)
-  // keeps tma2 and its fourth stage.
+  // gelu_tanh, silu), where it measured at or above the TMA epilogue; the
+  // bare product (none / relu) keeps the TMA epilogue and its fourth stage.
   const bool act_math = p.act == Act::kGelu || p.act == Act::kGeluTanh || p.act == Act::kSilu;
   plan.epi_offload = plan.tma_store && plan.bn == 256 &&
                      (o.epi == WgmmaEpi::kOffload || (o.epi == WgmmaEpi::kAuto && act_math));
@@ -155,15 +136,15 @@ bool make_map(CUtensorMap* map, DType dtype, const void* ptr, int64_t inner, int
 
 }  // namespace sm90
 
-bool gemm_wgmma_supported(const GemmArgs& p, bool allow_mn_major) {
+bool gemm_wgmma_supported(const GemmArgs& p) {
   if (p.dtype != DType::kF16 && p.dtype != DType::kBF16) return false;
   if (p.M <= 0 || p.N <= 0 || p.K <= 0 || p.M > INT_MAX || p.N > INT_MAX || p.K > INT_MAX)
     return false;
   if (!sm90::aligned16(p.a) || !sm90::aligned16(p.b)) return false;
   const bool a_ok = (p.sak == 1 && sm90::tma_operand_ok(p.K, p.sam)) ||
-                    (allow_mn_major && p.sam == 1 && sm90::tma_operand_ok(p.M, p.sak));
+                    (p.sam == 1 && sm90::tma_operand_ok(p.M, p.sak));
   const bool b_ok = (p.sbk == 1 && sm90::tma_operand_ok(p.K, p.sbn)) ||
-                    (allow_mn_major && p.sbn == 1 && sm90::tma_operand_ok(p.N, p.sbk));
+                    (p.sbn == 1 && sm90::tma_operand_ok(p.N, p.sbk));
   return a_ok && b_ok;
 }
 
@@ -204,9 +185,7 @@ bool gemm_wgmma_preferred(const GemmArgs& p, int num_sms) {
 
 cudaError_t launch_gemm_wgmma_sm90(const GemmArgs& p, int num_sms, const WgmmaOptions& opts,
                                    cudaStream_t stream) {
-  if (!gemm_wgmma_supported(p, true) || num_sms <= 0 || opts.cluster < 0 || opts.cluster > 2) {
-    return cudaErrorInvalidValue;
-  }
+  if (!gemm_wgmma_supported(p) || num_sms <= 0) return cudaErrorInvalidValue;
   const sm90::Plan plan = sm90::choose_plan(p, num_sms, opts);
   const bool bf16 = p.dtype == DType::kBF16;
   if (plan.sched == sm90::Sched::kPingpong) {
@@ -220,14 +199,10 @@ cudaError_t launch_gemm_wgmma_sm90(const GemmArgs& p, int num_sms, const WgmmaOp
 std::string describe_gemm_wgmma_sm90(const GemmArgs& p, int num_sms, const WgmmaOptions& opts) {
   const sm90::Plan plan = sm90::choose_plan(p, num_sms, opts);
   std::string s = plan.sched == sm90::Sched::kPingpong
-                      ? (plan.bn == 256 ? "wgmma pingpong 64x256" : "wgmma pingpong 128x128")
+                      ? std::string("wgmma pingpong 128x128")
                       : "wgmma coop 128x" + std::to_string(plan.bn);
-  s += " cluster " + std::to_string(plan.cluster);
   if (plan.sched == sm90::Sched::kCoop) {
-    s += !plan.tma_store    ? " epi direct"
-         : plan.epi_offload ? " epi offload"
-         : plan.epi_lean    ? " epi tma2"
-                            : " epi tma";
+    s += !plan.tma_store ? " epi direct" : plan.epi_offload ? " epi offload" : " epi tma";
   }
   s += plan.raster_n ? " raster n" : " raster m";
   if (plan.group != sm90::kDefaultGroup) s += " group " + std::to_string(plan.group);

@@ -22,15 +22,12 @@
 //      buffers per warpgroup and TMA stores, so that the global writes drain
 //      while the next tile's MMAs run;
 //    - ping-pong (Sched::kPingpong): each warpgroup owns a whole 128 x 128
-//      tile (two m64n128k16 per k16 step, 128 accumulators per thread), or
-//      in the wide form (BN = 256) a 64 x 256 tile (one m64n256k16 per k16
-//      step: the cooperative kernel's MMA shape and shared-memory reads per
-//      FLOP), and the two take the CTA's tiles in turn. An "order" mbarrier pair hands the
+//      tile (two m64n128k16 per k16 step, 128 accumulators per thread), and
+//      the two take the CTA's tiles in turn. An "order" mbarrier pair hands the
 //      tensor cores from one to the other once a warpgroup has issued its
 //      last MMA, so one warpgroup's epilogue (bias, activation, stores) runs
 //      under the other one's main loop instead of stalling the tensor cores.
-//  * Tiles: 128 x 256 (4 stages of 48 KB), 64 x 256 (wide ping-pong, 5
-//    stages of 40 KB) or 128 x 128 (6 stages of 32 KB),
+//  * Tiles: 128 x 256 (4 stages of 48 KB) or 128 x 128 (6 stages of 32 KB),
 //    BK = 64 (one 128-byte swizzle row). Tile order: groups of 2048 rows
 //    (raster by rows) or 2048 columns (raster by columns), the dispatcher
 //    picking the one that re-reads fewer bytes from DRAM.
@@ -42,10 +39,6 @@
 //    between 64-element M/N chunks, SBO = 1 KB between 8-row K groups).
 //  * Edges: TMA zero-fills out-of-range rows / columns of a box (any M, N,
 //    K); the direct epilogue masks its stores, TMA stores clip at the edges.
-//  * Clusters of 2 CTAs (CLUSTER = 2): vertically adjacent tiles share the B
-//    tile, each CTA loading half of it with a TMA multicast to both, so each
-//    SM pulls a third less from L2 per stage. Each "empty" barrier then
-//    counts the consumer warps of both CTAs (remote arrivals through mapa).
 #pragma once
 
 #include <cuda.h>
@@ -85,18 +78,16 @@ constexpr int kEpiChunkBytes = 64 * 64 * 2;  // TMA-store epilogue: 64 x 64 outp
 template <Sched S, int BN, bool OFFLOAD = false>
 struct Cfg {
   static_assert(BN == 256 || BN == 128, "BN must be 128 or 256");
+  static_assert(S == Sched::kCoop || BN == 128, "the ping-pong tile is 128 x 128");
   static_assert(!OFFLOAD || (S == Sched::kCoop && BN == 256),
                 "the offload epilogue exists for the cooperative 128 x 256 kernel only");
   static constexpr bool PINGPONG = S == Sched::kPingpong;
-  // Tile rows: 128, except for the wide ping-pong (BN = 256), whose
-  // warpgroups each own a 64 x 256 tile (one m64n256k16 per k16 step and 128
-  // accumulators per thread, the MMA shape of the cooperative kernel).
-  static constexpr int BM = PINGPONG && BN == 256 ? 64 : kBM;
-  // 4 x 48 KB (cooperative 128 x 256), 5 x 40 KB (ping-pong 64 x 256),
-  // 6 x 32 KB (128 x 128); 3 x 48 KB with the offload epilogue, whose 64 KB
-  // tile buffer takes the fourth stage's place.
-  static constexpr int STAGES = OFFLOAD ? 3 : BN == 256 ? (PINGPONG ? 5 : 4) : 6;
-  static constexpr int A_BYTES = BM * kBK * 2;  // 16 KB (8 KB for BM = 64)
+  static constexpr int BM = kBM;
+  // 4 x 48 KB (cooperative 128 x 256), 6 x 32 KB (128 x 128); 3 x 48 KB with
+  // the offload epilogue, whose 64 KB tile buffer takes the fourth stage's
+  // place.
+  static constexpr int STAGES = OFFLOAD ? 3 : BN == 256 ? 4 : 6;
+  static constexpr int A_BYTES = BM * kBK * 2;  // 16 KB
   static constexpr int B_BYTES = BN * kBK * 2;
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
   // Staging of the TMA-store epilogue (cooperative only): two chunk buffers
@@ -120,7 +111,7 @@ struct Cfg {
   // warpgroups (cooperative) or the one that owns the tile (ping-pong).
   static constexpr int STAGE_READERS = PINGPONG ? 4 : 8;
   // m64 sub-tiles in a consumer warpgroup's accumulator: 64 rows (cooperative)
-  // or the whole tile (ping-pong: 2 for 128 x 128, 1 for 64 x 256).
+  // or the whole 128-row tile (ping-pong).
   static constexpr int MSUB = PINGPONG ? BM / 64 : 1;
   // Warpgroup 0 (the producer thread, and with OFFLOAD the epilogue warps).
   static constexpr int PRODUCER_REGS = 40;
@@ -131,10 +122,10 @@ struct Cfg {
 // Run-time options of one launch (by value, in the kernel parameters).
 struct KernelOpts {
   int raster_n = 0;  // tile order: groups of columns (1) or of rows (0)
-  // Tile columns (raster n) or units of CLUSTER tile rows (raster m) per group.
+  // Tile columns (raster n) or tile rows (raster m) per group.
   int group_tiles = 1;
-  // Cooperative epilogue through TMA stores (tma_c is valid): 1 epilogue_tma,
-  // 2 epilogue_tma_lean, 3 the offload epilogue (set for, and only for, the
+  // Cooperative epilogue through TMA stores (tma_c is valid): 1
+  // epilogue_tma, 2 the offload epilogue (set for, and only for, the
   // kernels instantiated with OFFLOAD).
   int tma_store = 0;
 };
@@ -153,8 +144,7 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
 
 __device__ __forceinline__ void mbar_init_fence() {
 #if FASTCOMM_SM90A_DEVICE
-  // Makes the initialised barriers visible to the async proxy (TMA) and to
-  // the other CTA of a cluster.
+  // Makes the initialised barriers visible to the async proxy (TMA).
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 #endif
 }
@@ -169,26 +159,6 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 #if FASTCOMM_SM90A_DEVICE
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-#endif
-}
-
-// Arrives on the mbarrier at the same shared-memory offset in CTA `cta` of the
-// cluster. Default (release, CTA-scope) semantics, as for a local arrive: the
-// arrival only says that our wgmma reads of the stage have retired (which
-// wgmma.wait_group already guarantees), it publishes no data. A cluster-scope
-// release here would order it after every outstanding global store of the
-// thread (the previous tile's epilogue) on each stage release, stalling the
-// main loop; the first 2-CTA version did that.
-__device__ __forceinline__ void mbar_arrive_remote(uint32_t bar, uint32_t cta) {
-#if FASTCOMM_SM90A_DEVICE
-  asm volatile(
-      "{\n"
-      ".reg .b32 remote;\n"
-      "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
-      "}\n" ::"r"(bar),
-      "r"(cta)
-      : "memory");
 #endif
 }
 
@@ -221,21 +191,6 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
-      : "memory");
-#endif
-}
-
-// Same, multicast to the CTAs of the cluster in cta_mask: the box lands at
-// the same shared-memory offset in each and completes on each one's mbarrier
-// at the same offset.
-__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* map, int c0,
-                                                      int c1, uint32_t bar, uint16_t cta_mask) {
-#if FASTCOMM_SM90A_DEVICE
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::"
-      "cluster"
-      " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(cta_mask)
       : "memory");
 #endif
 }
@@ -309,21 +264,6 @@ __device__ __forceinline__ void st_shared_v4(uint32_t addr, const uint32_t (&v)[
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v[0]), "r"(v[1]),
                "r"(v[2]), "r"(v[3])
                : "memory");
-#endif
-}
-
-__device__ __forceinline__ uint32_t cluster_ctarank() {
-  uint32_t r = 0;
-#if FASTCOMM_SM90A_DEVICE
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-#endif
-  return r;
-}
-
-// All threads of all CTAs of the cluster (also a CTA-wide barrier).
-__device__ __forceinline__ void cluster_sync() {
-#if FASTCOMM_SM90A_DEVICE
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
 #endif
 }
 
@@ -492,67 +432,6 @@ __device__ __forceinline__ void epilogue_direct(const GemmArgs& p, const float (
   }
 }
 
-// Through shared memory and TMA stores (cooperative schedule): the
-// warpgroup's 64 x BN block is written as BN/64 chunks of 64 x 64, each into
-// one of two 8 KB staging buffers (`stage`, 128B-swizzled rows of 128 bytes,
-// the layout of the C tensor map), and stored by one thread with a bulk
-// tensor copy that runs on while the warpgroup goes on to the next chunk or
-// tile. row_base / n0: the block's first row and column in C.
-template <typename T, Act ACT, int BN>
-__device__ __forceinline__ void epilogue_tma(const GemmArgs& p, const CUtensorMap* map_c,
-                                             const float (&acc)[1][BN / 2], uint32_t stage,
-                                             int row_base, int n0, int wtid, int bar_id,
-                                             bool bias_paired) {
-  const T* bias = static_cast<const T*>(p.bias);
-  // Everything per-thread below derives from an opaque copy of the thread
-  // index: otherwise the compiler hoists the 16 swizzled addresses and the
-  // column offsets out of the tile loop and keeps them live across the main
-  // loop, next to the 128 accumulators (spills).
-  const int et = static_cast<int>(opaque_u32(static_cast<uint32_t>(wtid)));
-  const int warp = et / 32, lane = et % 32;
-  const int r0 = 16 * warp + (lane >> 2);  // rows r0 and r0 + 8 of the block
-  // Byte offset of the thread's pair in row r0, and the row's swizzle (r0 % 8,
-  // the same for r0 + 8).
-  const uint32_t row_off = static_cast<uint32_t>(r0 * 128 + ((lane & 3) << 2));
-  const uint32_t swz = static_cast<uint32_t>(r0 & 7);
-#pragma unroll
-  for (int c = 0; c < BN / 64; ++c) {
-    const uint32_t buf = stage + static_cast<uint32_t>(c & 1) * kEpiChunkBytes;
-    // The store that last read buf (two chunks ago, perhaps in the previous
-    // tile) must be done reading it before anyone writes it again.
-    if (wtid == 0) bulk_wait_read<1>();
-    named_barrier_sync(bar_id, 128);
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
-      const int j = 8 * c + jj;
-      const int col = n0 + 8 * j + 2 * (lane & 3);
-      float b0 = 0.0f, b1 = 0.0f;
-      if (bias != nullptr && col < p.N) {
-        load_bias_pair<T>(bias, col, col + 1 < p.N, bias_paired, b0, b1);
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float v0 = activate<ACT, true>(acc[0][4 * j + 2 * h] + b0);
-        const float v1 = activate<ACT, true>(acc[0][4 * j + 2 * h + 1] + b1);
-        // 128B swizzle: the 16-byte unit jj of row r sits at unit jj ^ (r % 8);
-        // the 8 rows a warp writes then hit 8 different units (no conflicts).
-        const uint32_t addr = buf + row_off + 1024u * h + ((jj ^ swz) << 4);
-        st_shared_b32(addr, pack_pair<T>(v0, v1));
-      }
-    }
-    // Each writer orders its shared-memory stores before the TMA engine's
-    // reads; the barrier then tells the issuing thread that all have.
-    fence_proxy_async_smem();
-    named_barrier_sync(bar_id, 128);
-    if (wtid == 0) {
-      // A chunk wholly outside C (edge tiles) is not stored, but its (empty)
-      // group is still committed: the wait above counts one group per chunk.
-      if (row_base < p.M && n0 + 64 * c < p.N) tma_store_2d(map_c, buf, n0 + 64 * c, row_base);
-      bulk_commit_group();
-    }
-  }
-}
-
 // The thread's bias pairs for the lean TMA epilogue: the two columns
 // n0 + 8 j + 2 (l % 4) + {0, 1} of each 8-column block j, as the packed
 // 16-bit pair (zero where there is no bias or the column is outside C).
@@ -645,10 +524,10 @@ __device__ __forceinline__ void write_chunk(const float (&acc)[1][BN / 2],
   }
 }
 
-// The TMA-store epilogue in fewer instructions and barriers ("tma2"): the
+// The TMA-store epilogue (cooperative schedule), in few instructions and barriers: the
 // bias comes from registers (prefetch_bias), the activations are the lean
-// ones (activate_lean), and each 64 x 64 chunk takes one named barrier
-// instead of two: before the barrier that hands chunk c to the storing
+// ones (activate_lean), and each 64 x 64 chunk takes one named barrier:
+// before the barrier that hands chunk c to the storing
 // thread, that thread waits until every earlier store has read its staging
 // buffer (the one chunk c + 1 writes next was read by the store of chunk c - 1,
 // issued a whole chunk earlier, so this wait is normally already satisfied).
@@ -656,7 +535,7 @@ __device__ __forceinline__ void write_chunk(const float (&acc)[1][BN / 2],
 // even count), and the store of the previous tile's last chunk is covered by
 // the wait before chunk 0's barrier.
 template <typename T, Act ACT, int BN>
-__device__ __forceinline__ void epilogue_tma_lean(const GemmArgs& p, const CUtensorMap* map_c,
+__device__ __forceinline__ void epilogue_tma(const GemmArgs& p, const CUtensorMap* map_c,
                                                   const float (&acc)[1][BN / 2],
                                                   const uint32_t (&bw)[BN / 8], uint32_t stage,
                                                   int row_base, int n0, int wtid, int bar_id) {
@@ -690,13 +569,13 @@ __device__ __forceinline__ void epilogue_tma_lean(const GemmArgs& p, const CUten
 //  * the consumers, after the tile's last MMAs, write acc + bias rounded to T
 //    (relu applied, which commutes with the rounding) into a whole-tile
 //    output buffer (8 chunks of 64 x 64, 128B-swizzled like the chunk
-//    buffers of epilogue_tma_lean, so that the C tensor map stores them),
+//    buffers of epilogue_tma, so that the C tensor map stores them),
 //    signal "tile_full" and go straight on to the next tile;
 //  * the epilogue warps apply the activation in place (16-byte vectors,
 //    activate_lean) and one of their threads stores the chunks with TMA,
 //    waits until the stores have read the buffer and signals "tile_empty".
 // Numerics: the activation sees the pre-activation already rounded to T, as
-// in the unfused F.gelu(F.linear(x, w, b)); the fused tma2 epilogue activates
+// in the unfused F.gelu(F.linear(x, w, b)); the fused lean TMA epilogue activates
 // the float32 value. The extra rounding is one 16-bit ulp of the input, far
 // below the tolerance of a 16-bit output.
 // Cost: 3 pipeline stages instead of 4 (the 64 KB buffer takes the fourth
@@ -747,7 +626,7 @@ constexpr int kOffloadThreads = 96;  // warps 1-3 of warpgroup 0
 // Consumer side: acc + bias of the warpgroup's 64 x BN block (bias pairs from
 // prefetch_bias), relu applied if RELU, rounded to T, written into the
 // warpgroup's BN / 64 chunks of the tile buffer (chunk c at buf + c x 8 KB)
-// with the addressing of epilogue_tma_lean. No barriers: the caller has
+// with the addressing of epilogue_tma. No barriers: the caller has
 // waited for tile_empty and signals tile_full.
 template <typename T, bool RELU, int BN>
 __device__ __forceinline__ void epilogue_offload_write(const float (&acc)[1][BN / 2],
@@ -780,7 +659,7 @@ __device__ __forceinline__ void activate_vec_in_place(uint32_t addr) {
     // Both elements take the hardware reciprocal: here the math runs beside
     // the MMAs, not in their way, so what counts is its energy (the GEMM runs
     // at the power limit), i.e. its instruction count, not the MUFU
-    // throughput that the software reciprocal of epilogue_tma_lean relieves.
+    // throughput that the software reciprocal of epilogue_tma relieves.
     w[i] = pack_pair<T>(activate_lean<ACT, false>(lo), activate_lean<ACT, false>(hi));
   }
   st_shared_v4(addr, w);
@@ -788,7 +667,7 @@ __device__ __forceinline__ void activate_vec_in_place(uint32_t addr) {
 
 // Epilogue side, run by the 96 threads of warps 1-3 of warpgroup 0 (et =
 // 0..95) over the CTA's tiles in the consumers' order (unit_tile: unit ->
-// m0, n0). Thread 0 issues the TMA stores, clipped like epilogue_tma_lean's
+// m0, n0). Thread 0 issues the TMA stores, clipped like epilogue_tma's
 // (a chunk wholly outside C is skipped; TMA clips the rest).
 template <typename T, Act ACT, typename TileFn>
 __device__ __forceinline__ void epilogue_warps_offload(const GemmArgs& p, const CUtensorMap* map_c,
@@ -858,19 +737,15 @@ __device__ __forceinline__ void epilogue_warps_offload(const GemmArgs& p, const 
 
 // A_K: A is K-major ([M][K], lda = sam), else M-major ([K][M], lda = sak).
 // B_K: B is K-major ([N][K], ldb = sbn), else N-major ([K][N], ldb = sbk).
-// CLUSTER: 1, or 2 for pairs of CTAs that compute vertically adjacent tiles
-// (same columns of B): each CTA loads half of the B tile and multicasts it
-// to both, which cuts the L2 -> shared-memory traffic per CTA by a third.
 // OFFLOAD: the offload epilogue (cooperative 128 x 256 only; opts.tma_store
-// is 3 and tma_c valid).
-template <typename T, Sched S, int BN, bool A_K, bool B_K, int CLUSTER, bool OFFLOAD = false>
+// is 2 and tma_c valid).
+template <typename T, Sched S, int BN, bool A_K, bool B_K, bool OFFLOAD = false>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_wgmma_kernel(const __grid_constant__ CUtensorMap tma_a,
                       const __grid_constant__ CUtensorMap tma_b,
                       const __grid_constant__ CUtensorMap tma_c, const GemmArgs p,
                       const KernelOpts opts) {
 #if FASTCOMM_SM90A_DEVICE
-  static_assert(CLUSTER == 1 || CLUSTER == 2, "cluster of 1 or 2 CTAs");
   using C = Cfg<S, BN, OFFLOAD>;
   constexpr int STAGES = C::STAGES;
   constexpr bool PINGPONG = C::PINGPONG;
@@ -913,29 +788,27 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tiles_m = (M + BM - 1) / BM;
   const int tiles_n = (N + BN - 1) / BN;
   const int num_kb = (K + kBK - 1) / kBK;
-  // Work units: single tiles, or vertical pairs of tiles for a cluster of 2.
-  const int units_m = (tiles_m + CLUSTER - 1) / CLUSTER;
-  const int num_units = units_m * tiles_n;
-  const int first_unit = blockIdx.x / CLUSTER;
-  const int unit_stride = gridDim.x / CLUSTER;
-  const uint32_t rank = CLUSTER == 2 ? cluster_ctarank() : 0u;
-  // Tile order for L2 reuse: groups of opts.group_tiles tile rows (units)
-  // walked column by column, or of tile columns walked row by row.
+  // Work units: the tiles, each CTA taking every gridDim.x-th.
+  const int num_units = tiles_m * tiles_n;
+  const int first_unit = blockIdx.x;
+  const int unit_stride = gridDim.x;
+  // Tile order for L2 reuse: groups of opts.group_tiles tile rows walked
+  // column by column, or of tile columns walked row by row.
   auto unit_tile = [&](int unit, int& m0, int& n0) {
-    int um, tn;
+    int tm, tn;
     if (opts.raster_n) {
-      grouped_tile(unit, tiles_n, units_m, opts.group_tiles, tn, um);
+      grouped_tile(unit, tiles_n, tiles_m, opts.group_tiles, tn, tm);
     } else {
-      grouped_tile(unit, units_m, tiles_n, opts.group_tiles, um, tn);
+      grouped_tile(unit, tiles_m, tiles_n, opts.group_tiles, tm, tn);
     }
-    m0 = (um * CLUSTER + static_cast<int>(rank)) * BM;
+    m0 = tm * BM;
     n0 = tn * BN;
   };
 
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full_bar(s), 1);  // the producer's arrive.expect_tx (+ TMA bytes)
-      mbar_init(empty_bar(s), C::STAGE_READERS * CLUSTER);  // reading warps of the cluster
+      mbar_init(empty_bar(s), C::STAGE_READERS);  // the warps that read the stage
     }
     mbar_init(order_bar(0), 4);  // one arrival per warp of the other warpgroup
     mbar_init(order_bar(1), 4);
@@ -945,11 +818,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     mbar_init_fence();
   }
-  if constexpr (CLUSTER == 2) {
-    cluster_sync();  // the peer's barriers are initialised before anyone signals them
-  } else {
-    __syncthreads();
-  }
+  __syncthreads();
 
   if (wg == 0) {
     // ---------------- producer ----------------
@@ -963,8 +832,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         int m0, n0;
         unit_tile(unit, m0, n0);
         for (int kb = 0; kb < num_kb; ++kb) {
-          // First round passes at once. With a cluster, this also waits for
-          // the peer's consumers: our multicast writes into their stage too.
+          // First round passes at once.
           mbar_wait(empty_bar(s), phase ^ 1);
           mbar_arrive_expect_tx(full_bar(s), C::STAGE_BYTES);
           const int k0 = kb * kBK;
@@ -979,28 +847,13 @@ __global__ void __launch_bounds__(kThreads, 1)
                           full_bar(s));  // box {64 m, 64 k}
             }
           }
-          if constexpr (CLUSTER == 1) {
-            if constexpr (B_K) {
-              tma_load_2d(b_dst, &tma_b, k0, n0, full_bar(s));  // box {64 k, BN n}
-            } else {
-#pragma unroll
-              for (int j = 0; j < BN / 64; ++j) {
-                tma_load_2d(b_dst + j * C::BOX_BYTES, &tma_b, n0 + 64 * j, k0,
-                            full_bar(s));  // box {64 n, 64 k}
-              }
-            }
+          if constexpr (B_K) {
+            tma_load_2d(b_dst, &tma_b, k0, n0, full_bar(s));  // box {64 k, BN n}
           } else {
-            // This CTA's half of the B tile, to both CTAs.
-            if constexpr (B_K) {
-              const int half = static_cast<int>(rank) * (BN / 2);  // box {64 k, BN/2 n}
-              tma_load_2d_multicast(b_dst + half * 128, &tma_b, k0, n0 + half, full_bar(s), 0x3);
-            } else {
 #pragma unroll
-              for (int jj = 0; jj < BN / 128; ++jj) {
-                const int j = static_cast<int>(rank) * (BN / 128) + jj;
-                tma_load_2d_multicast(b_dst + j * C::BOX_BYTES, &tma_b, n0 + 64 * j, k0,
-                                      full_bar(s), 0x3);
-              }
+            for (int j = 0; j < BN / 64; ++j) {
+              tma_load_2d(b_dst + j * C::BOX_BYTES, &tma_b, n0 + 64 * j, k0,
+                          full_bar(s));  // box {64 n, 64 k}
             }
           }
           if (++s == STAGES) {
@@ -1044,10 +897,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const DescPair a_desc0 = smem_desc_pair(sA + a_off, kALbo, 1024u);
     const DescPair b_desc0 = smem_desc_pair(sB, kBLbo, 1024u);
     auto release = [&](int s) {
-      if (lane == 0) {
-        mbar_arrive(empty_bar(s));
-        if constexpr (CLUSTER == 2) mbar_arrive_remote(empty_bar(s), rank ^ 1u);
-      }
+      if (lane == 0) mbar_arrive(empty_bar(s));
     };
     // This warpgroup's tiles: all of the CTA's (cooperative), or every other
     // one starting at the cw-th (ping-pong).
@@ -1134,7 +984,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         // All our MMAs are issued: the other warpgroup may start its tile.
         if (lane == 0) mbar_arrive(order_bar(cw ^ 1));
       } else {
-        if (opts.tma_store == 2) {
+        if (opts.tma_store == 1) {
           // Lean TMA epilogue: the bias loads go out under the last MMAs.
           uint32_t bw[BN / 8];
           prefetch_bias<T, BN>(p, n0, wtid, bias_paired, bw);
@@ -1143,7 +993,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (num_kb > 0) release(prev_s);
           const uint32_t stage = sEpi + static_cast<uint32_t>(cw) * 2u * kEpiChunkBytes;
           FASTCOMM_DISPATCH_ACT(
-              p.act, (epilogue_tma_lean<T, kAct, BN>(p, &tma_c, acc, bw, stage, m0 + 64 * cw, n0,
+              p.act, (epilogue_tma<T, kAct, BN>(p, &tma_c, acc, bw, stage, m0 + 64 * cw, n0,
                                                      wtid, 1 + cw)));
           continue;
         }
@@ -1151,16 +1001,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_wait<0>();
       fence_accumulators(acc);
       if (num_kb > 0) release(prev_s);
-
-      if constexpr (!PINGPONG) {
-        if (opts.tma_store) {
-          const uint32_t stage = sEpi + static_cast<uint32_t>(cw) * 2u * kEpiChunkBytes;
-          FASTCOMM_DISPATCH_ACT(
-              p.act, (epilogue_tma<T, kAct, BN>(p, &tma_c, acc, stage, m0 + 64 * cw, n0, wtid,
-                                                1 + cw, bias_paired)));
-          continue;
-        }
-      }
       const int block_row = m0 + (PINGPONG ? 0 : 64 * cw);  // first row of our 64 * MSUB
       const bool interior = block_row + 64 * MSUB <= M && n0 + BN <= N && pair_ok &&
                             (p.bias == nullptr || bias_paired);
@@ -1173,40 +1013,27 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (opts.tma_store && wtid == 0) bulk_wait_all();
     }
   }
-  if constexpr (CLUSTER == 2) {
-    // No CTA may exit while its peer can still multicast into its shared
-    // memory or arrive on its barriers.
-    cluster_sync();
-  }
 #endif
 }
 
 // ---- host side -----------------------------------------------------------------------
 
-// Per-kernel, per-device launch setup done once: the dynamic shared-memory
-// limit and, for clusters, the number of clusters that can be resident.
-struct LaunchSetup {
-  cudaError_t err = cudaSuccess;
-  int resident_clusters = 0;
-};
-
-template <typename T, Sched S, int BN, bool A_K, bool B_K, int CLUSTER, bool OFFLOAD>
+template <typename T, Sched S, int BN, bool A_K, bool B_K, bool OFFLOAD>
 cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stream) {
   using C = Cfg<S, BN, OFFLOAD>;
   CUtensorMap ma, mb, mc;
   const bool ok_a = A_K ? make_map(&ma, p.dtype, p.a, p.K, p.M, p.sam, kBK, C::BM)
                         : make_map(&ma, p.dtype, p.a, p.M, p.K, p.sak, 64, kBK);
-  // With a cluster of 2, each CTA loads half of a K-major B tile.
-  const bool ok_b = B_K ? make_map(&mb, p.dtype, p.b, p.K, p.N, p.sbn, kBK, BN / CLUSTER)
+  const bool ok_b = B_K ? make_map(&mb, p.dtype, p.b, p.K, p.N, p.sbn, kBK, BN)
                         : make_map(&mb, p.dtype, p.b, p.N, p.K, p.sbk, 64, kBK);
   if (!ok_a || !ok_b) return cudaErrorInvalidValue;
   KernelOpts opts;
   opts.raster_n = plan.raster_n ? 1 : 0;
-  opts.group_tiles = std::max(1, plan.raster_n ? plan.group / BN : plan.group / (C::BM * CLUSTER));
+  opts.group_tiles = std::max(1, plan.raster_n ? plan.group / BN : plan.group / C::BM);
   if constexpr (OFFLOAD) {
-    opts.tma_store = 3;  // the dispatcher picks OFFLOAD only where C takes TMA stores
+    opts.tma_store = 2;  // the dispatcher picks OFFLOAD only where C takes TMA stores
   } else {
-    opts.tma_store = (S == Sched::kCoop && plan.tma_store) ? (plan.epi_lean ? 2 : 1) : 0;
+    opts.tma_store = (S == Sched::kCoop && plan.tma_store) ? 1 : 0;
   }
   if (opts.tma_store) {
     // C [M][N] row-major, 64 x 64 boxes (one swizzle row wide).
@@ -1214,112 +1041,63 @@ cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stre
   } else {
     mc = mb;  // unused by the kernel; any valid map
   }
-  const int64_t tiles_m = (p.M + C::BM - 1) / C::BM;
-  const int64_t units = ((tiles_m + CLUSTER - 1) / CLUSTER) * ((p.N + BN - 1) / BN);
-  if (units * CLUSTER > INT_MAX) return cudaErrorInvalidValue;
-  auto kernel = gemm_wgmma_kernel<T, S, BN, A_K, B_K, CLUSTER, OFFLOAD>;
+  const int64_t units = ((p.M + C::BM - 1) / C::BM) * ((p.N + BN - 1) / BN);
+  if (units > INT_MAX) return cudaErrorInvalidValue;
+  auto kernel = gemm_wgmma_kernel<T, S, BN, A_K, B_K, OFFLOAD>;
 
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
   if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
-  static LaunchSetup setup[64];
+  static cudaError_t setup[64];
   static std::once_flag once[64];
   std::call_once(once[dev], [&] {
-    LaunchSetup& su = setup[dev];
-    su.err =
+    setup[dev] =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
-    if (su.err == cudaSuccess && CLUSTER > 1) {
-      cudaLaunchConfig_t cfg = {};
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeClusterDimension;
-      attr[0].val.clusterDim.x = CLUSTER;
-      attr[0].val.clusterDim.y = 1;
-      attr[0].val.clusterDim.z = 1;
-      cfg.gridDim = dim3(static_cast<unsigned>(plan.num_sms / CLUSTER * CLUSTER), 1, 1);
-      cfg.blockDim = dim3(kThreads, 1, 1);
-      cfg.dynamicSmemBytes = C::SMEM_BYTES;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
-      int n = 0;
-      su.err = cudaOccupancyMaxActiveClusters(&n, kernel, &cfg);
-      su.resident_clusters = n > 0 ? n : 1;
-    }
     // Once per kernel and device (FASTCOMM_LOG=INFO): the persistent grid
     // decides how well the tiles spread over the SMs.
     FASTCOMM_LOG(Info, "matmul wgmma kernel "
                            << (S == Sched::kPingpong ? "ping-pong" : "cooperative")
                            << (OFFLOAD ? " offload" : "") << " " << C::BM << "x" << BN
-                           << " cluster " << CLUSTER << " layout " << (A_K ? "K" : "M")
-                           << (B_K ? "K" : "N") << " on device " << dev << ": " << C::SMEM_BYTES
-                           << " B shared memory, "
-                           << (CLUSTER > 1 ? su.resident_clusters : plan.num_sms)
-                           << (CLUSTER > 1 ? " resident clusters" : " SMs") << ", setup "
-                           << cudaGetErrorString(su.err));
+                           << " layout " << (A_K ? "K" : "M") << (B_K ? "K" : "N") << " on device "
+                           << dev << ": " << C::SMEM_BYTES << " B shared memory, " << plan.num_sms
+                           << " SMs, setup " << cudaGetErrorString(setup[dev]));
   });
-  if (setup[dev].err != cudaSuccess) return setup[dev].err;
+  if (setup[dev] != cudaSuccess) return setup[dev];
 
-  if constexpr (CLUSTER == 1) {
-    const int64_t grid = units < plan.num_sms ? units : plan.num_sms;
-    kernel<<<static_cast<unsigned>(grid), kThreads, C::SMEM_BYTES, stream>>>(ma, mb, mc, p, opts);
-    return cudaGetLastError();
-  } else {
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = CLUSTER;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.blockDim = dim3(kThreads, 1, 1);
-    cfg.dynamicSmemBytes = C::SMEM_BYTES;
-    cfg.stream = stream;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    // Persistent grid: as many clusters as can be resident at once (pairs of
-    // SMs of one GPC).
-    const int64_t max_units = setup[dev].resident_clusters;
-    cfg.gridDim =
-        dim3(static_cast<unsigned>((units < max_units ? units : max_units) * CLUSTER), 1, 1);
-    return cudaLaunchKernelEx(&cfg, kernel, ma, mb, mc, p, opts);
-  }
+  const int64_t grid = units < plan.num_sms ? units : plan.num_sms;
+  kernel<<<static_cast<unsigned>(grid), kThreads, C::SMEM_BYTES, stream>>>(ma, mb, mc, p, opts);
+  return cudaGetLastError();
 }
 
-template <typename T, Sched S, int BN, int CLUSTER, bool OFFLOAD = false>
+template <typename T, Sched S, int BN, bool OFFLOAD = false>
 cudaError_t launch_layout(const GemmArgs& p, const Plan& plan, cudaStream_t stream) {
   const bool a_k = p.sak == 1, b_k = p.sbk == 1;
-  if (a_k && b_k) return launch_kernel<T, S, BN, true, true, CLUSTER, OFFLOAD>(p, plan, stream);
-  if (a_k) return launch_kernel<T, S, BN, true, false, CLUSTER, OFFLOAD>(p, plan, stream);
-  if (b_k) return launch_kernel<T, S, BN, false, true, CLUSTER, OFFLOAD>(p, plan, stream);
-  return launch_kernel<T, S, BN, false, false, CLUSTER, OFFLOAD>(p, plan, stream);
+  if (a_k && b_k) return launch_kernel<T, S, BN, true, true, OFFLOAD>(p, plan, stream);
+  if (a_k) return launch_kernel<T, S, BN, true, false, OFFLOAD>(p, plan, stream);
+  if (b_k) return launch_kernel<T, S, BN, false, true, OFFLOAD>(p, plan, stream);
+  return launch_kernel<T, S, BN, false, false, OFFLOAD>(p, plan, stream);
 }
 
 template <typename T, Sched S>
 cudaError_t launch_sched(const GemmArgs& p, const Plan& plan, cudaStream_t stream) {
   if constexpr (S == Sched::kPingpong) {
-    if (plan.bn == 256) {  // 64 x 256 per warpgroup
-      return plan.cluster == 2 ? launch_layout<T, S, 256, 2>(p, plan, stream)
-                               : launch_layout<T, S, 256, 1>(p, plan, stream);
-    }
-    return plan.cluster == 2 ? launch_layout<T, S, 128, 2>(p, plan, stream)
-                             : launch_layout<T, S, 128, 1>(p, plan, stream);
+    return launch_layout<T, S, 128>(p, plan, stream);
   } else {
     if (plan.bn == 256) {
       if (plan.epi_offload) {  // 3 stages + the tile buffer: separate kernels
-        return plan.cluster == 2 ? launch_layout<T, S, 256, 2, true>(p, plan, stream)
-                                 : launch_layout<T, S, 256, 1, true>(p, plan, stream);
+        return launch_layout<T, S, 256, true>(p, plan, stream);
       }
-      return plan.cluster == 2 ? launch_layout<T, S, 256, 2>(p, plan, stream)
-                               : launch_layout<T, S, 256, 1>(p, plan, stream);
+      return launch_layout<T, S, 256>(p, plan, stream);
     }
-    return plan.cluster == 2 ? launch_layout<T, S, 128, 2>(p, plan, stream)
-                             : launch_layout<T, S, 128, 1>(p, plan, stream);
+    return launch_layout<T, S, 128>(p, plan, stream);
   }
 }
 
 template <typename T, Sched S>
 cudaError_t kernel_attributes(cudaFuncAttributes* attr) {
   return cudaFuncGetAttributes(attr, gemm_wgmma_kernel < T, S, S == Sched::kPingpong ? 128 : 256,
-                               true, true, 1 >);
+                               true, true >);
 }
 
 }  // namespace sm90

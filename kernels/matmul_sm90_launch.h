@@ -28,9 +28,7 @@ enum class Sched : int { kCoop = 0, kPingpong = 1 };
 struct Plan {
   Sched sched = Sched::kCoop;
   int bn = 256;            // tile width: 256 or 128 (ping-pong: 128)
-  int cluster = 1;         // 1, or 2: CTA pairs on vertically adjacent tiles, B multicast
   bool tma_store = false;  // epilogue through shared memory + TMA stores (cooperative)
-  bool epi_lean = false;   // ... in its lean form (bias prefetch, lean activations)
   // ... in the offload form (activation and stores by warps 1-3 of the
   // producer warpgroup, under the next tile's MMAs; cooperative 128 x 256 only)
   bool epi_offload = false;

@@ -91,59 +91,6 @@ __device__ A combine(Op op, A a, A b) {
   }
 }
 
-// In: the type received from the peers (T, or the wire type for float data).
-template <typename T, typename In>
-__global__ void reduceKernel(Op op, T* own, const In* recv, int64_t stride, int nPeers, int64_t n,
-                             int64_t divisor) {
-  using Acc = typename Num<T>::Acc;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    Acc acc = Num<T>::load(own[i]);
-    for (int j = 0; j < nPeers; ++j)
-      acc = combine<Acc>(op, acc, Num<In>::load(recv[j * stride + i]));
-    if (divisor > 0) acc = acc / static_cast<Acc>(divisor);
-    own[i] = Num<T>::store(acc);
-  }
-}
-
-// float32 data, 16-bit wire: the result is rounded to the wire type for both
-// the owner's copy and the outgoing one.
-template <typename W>
-__global__ void reduceWireKernel(float* own, const W* recv, int64_t stride, int nPeers, int64_t n,
-                                 int64_t divisor, W* wireOut) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    float acc = own[i];
-    for (int j = 0; j < nPeers; ++j) acc += Num<W>::load(recv[j * stride + i]);
-    if (divisor > 0) acc = acc / static_cast<float>(divisor);
-    const W w = Num<W>::store(acc);
-    wireOut[i] = w;
-    own[i] = Num<W>::load(w);
-  }
-}
-
-template <typename W>
-__global__ void packKernel(const float* chunk, W* out, HierLayout l, int64_t k, int me) {
-  const int64_t total = static_cast<int64_t>(l.rails - 1) * l.qMax;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t src = packedToChunk(l, k, me, i);
-    if (src >= 0) out[i] = Num<W>::store(chunk[src]);
-  }
-}
-
-template <typename W>
-__global__ void unpackKernel(const W* in, float* chunk, HierLayout l, int64_t k, int me) {
-  const int64_t total = static_cast<int64_t>(l.rails - 1) * l.qMax;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t dst = packedToChunk(l, k, me, i);
-    if (dst >= 0) chunk[dst] = Num<W>::load(in[i]);
-  }
-}
-
-// ----------------------------------------------------------------------------- fused steps
-
 // Unsigned integers of 1 to 16 bytes: what moves an element, or 16 bytes of
 // them, without interpreting it.
 template <int Bytes>
@@ -288,9 +235,9 @@ __global__ void moveKernel(D* chunk, char* slots, int64_t pitch, HierLayout l, i
   }
 }
 
-// A: reduceKernel / reduceWireKernel with the peers' pieces read from the
-// staging (W: T, or the wire type for float32 T) and the result also stored
-// there, as W.
+// A: own[i] op the peers' pieces, read from the staging (W: T, or the wire
+// type for float32 T); the result stored in own[] (through W, so the owner
+// keeps what its peers receive) and in the staging, as W.
 template <typename T, typename W>
 __global__ void reduceStagedKernel(Op op, T* own, const char* recv, int64_t pitch, int nPeers,
                                    int64_t n, int64_t divisor, W* out, bool vec) {
@@ -385,16 +332,6 @@ void launchReduceStaged(Op op, void* own, const void* recv, int64_t pitch, int n
       static_cast<W*>(out), vec);
 }
 
-template <typename T>
-void reduceAs(Op op, void* own, const void* recv, int64_t stride, int nPeers, int64_t n,
-              int64_t divisor, cudaStream_t s) {
-  reduceKernel<T, T><<<blocksFor(n), kThreads, 0, s>>>(
-      op, static_cast<T*>(own), static_cast<const T*>(recv), stride, nPeers, n, divisor);
-}
-
-}  // namespace
-
-namespace {
 // fn(T{}) with T the element type of `elem`: one dtype switch for every
 // host-side launcher.
 template <typename F>
@@ -418,60 +355,7 @@ void forElem(Elem elem, F&& fn) {
       return fn(int64_t{});
   }
 }
-}  // namespace
 
-void reduce(Elem elem, Op op, Wire wire, void* own, const void* recv, int64_t stride, int nPeers,
-            int64_t n, int64_t divisor, void* wireOut, cudaStream_t s) {
-  if (n <= 0) return;
-  if (wire != Wire::None) {
-    if (elem != Elem::F32 || op != Op::Sum)
-      throw std::invalid_argument("fastcomm: wire dtype for float32 sums only");
-    if (wire == Wire::BF16) {
-      reduceWireKernel<__nv_bfloat16><<<blocksFor(n), kThreads, 0, s>>>(
-          static_cast<float*>(own), static_cast<const __nv_bfloat16*>(recv), stride, nPeers, n,
-          divisor, static_cast<__nv_bfloat16*>(wireOut));
-    } else {
-      reduceWireKernel<__half><<<blocksFor(n), kThreads, 0, s>>>(
-          static_cast<float*>(own), static_cast<const __half*>(recv), stride, nPeers, n, divisor,
-          static_cast<__half*>(wireOut));
-    }
-    check(cudaGetLastError(), "reduction kernel launch");
-    return;
-  }
-  forElem(elem, [&](auto tag) {
-    using T = decltype(tag);
-    reduceAs<T>(op, own, recv, stride, nPeers, n, divisor, s);
-  });
-  check(cudaGetLastError(), "reduction kernel launch");
-}
-
-void pack(Wire wire, const float* chunk, void* out, const HierLayout& l, int64_t k, int me,
-          cudaStream_t s) {
-  const int64_t total = static_cast<int64_t>(l.rails - 1) * l.qMax;
-  if (wire == Wire::BF16) {
-    packKernel<__nv_bfloat16>
-        <<<blocksFor(total), kThreads, 0, s>>>(chunk, static_cast<__nv_bfloat16*>(out), l, k, me);
-  } else {
-    packKernel<__half>
-        <<<blocksFor(total), kThreads, 0, s>>>(chunk, static_cast<__half*>(out), l, k, me);
-  }
-  check(cudaGetLastError(), "wire cast kernel launch");
-}
-
-void unpack(Wire wire, const void* in, float* chunk, const HierLayout& l, int64_t k, int me,
-            cudaStream_t s) {
-  const int64_t total = static_cast<int64_t>(l.rails - 1) * l.qMax;
-  if (wire == Wire::BF16) {
-    unpackKernel<__nv_bfloat16><<<blocksFor(total), kThreads, 0, s>>>(
-        static_cast<const __nv_bfloat16*>(in), chunk, l, k, me);
-  } else {
-    unpackKernel<__half>
-        <<<blocksFor(total), kThreads, 0, s>>>(static_cast<const __half*>(in), chunk, l, k, me);
-  }
-  check(cudaGetLastError(), "wire cast kernel launch");
-}
-
-namespace {
 // Chunk k's pieces between the shard and the staging slots, either way (the
 // staging holds the wire dtype when there is one). The kernels take the
 // chunk as const and the slots as writable whatever the direction; which
@@ -538,15 +422,11 @@ void load(K* kernel) {
 
 template <typename T>
 void loadReductions() {
-  load(reduceKernel<T, T>);
   load(reduceStagedKernel<T, T>);
 }
 
 template <typename W>
 void loadWire() {
-  load(reduceWireKernel<W>);
-  load(packKernel<W>);
-  load(unpackKernel<W>);
   load(reduceStagedKernel<float, W>);
   load(moveKernel<float, W, true>);
   load(moveKernel<float, W, false>);

@@ -84,12 +84,4 @@ struct HierLayout {
 FASTCOMM_HD inline int peerNode(int j, int me) { return j < me ? j : j + 1; }
 FASTCOMM_HD inline int peerSlot(int node, int me) { return node < me ? node : node - 1; }
 
-// For element i of a packed buffer of slots of qMax: the element of
-// chunk k it stands for (relative to the chunk), or -1 for padding.
-FASTCOMM_HD inline int64_t packedToChunk(const HierLayout& l, int64_t k, int me, int64_t i) {
-  const int64_t j = i / l.qMax, o = i - j * l.qMax;
-  const int p = peerNode(static_cast<int>(j), me);
-  return o < l.pieceLen(k, p) ? l.pieceOff(k, p) + o : -1;
-}
-
 }  // namespace fastcomm

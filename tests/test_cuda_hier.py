@@ -3,10 +3,10 @@
 through pinned staging -> intra-node NCCL all-gather.
 
 Every test needs 4 GPUs (one per rank) and is skipped without them, but the 2x1 cases of
-test_three_streams and test_killed_peer_fails_everyone_clearly (2 GPUs as 2 nodes of 1). The
-path's use is proven by its proxy's timeline events (FASTCOMM_TIMELINE=1), so a silent fallback to the flat NCCL
-communicator fails the tests. References come from fresh random data every rank regenerates
-(tests/_harness.py gen), computed in float64 / int64.
+test_three_streams, test_killed_peer_fails_everyone_clearly and test_staging_modes (2 GPUs as 2
+nodes of 1). The path's use is proven by its proxy's timeline events (FASTCOMM_TIMELINE=1), so a
+silent fallback to the flat NCCL communicator fails the tests. References come from fresh random
+data every rank regenerates (tests/_harness.py gen), computed in float64 / int64.
 
 Run on the GPU machine:  python -m pytest -q tests/test_cuda_hier.py
 """
@@ -459,14 +459,13 @@ def three_streams_fn(rank: int, ws: int, numels: dict[str, int]) -> dict[str, An
     ],
 )
 def test_three_streams(nodes: list[int]) -> None:
-    """FASTCOMM_CUDA_STREAMS=3 (the fused steps of each kind on a stream of their own) with
-    the fewest slots (3) and small chunks: captured ops (one stream) replayed between eager
-    ones (three), every dtype x op, async ops in flight with flat collectives between them,
-    back-to-back ops; all equal to the references."""
+    """Eager ops on three streams (the steps of each kind on a stream of their own) with the
+    fewest slots (3) and small chunks: captured ops (one stream) replayed between eager ones,
+    every dtype x op, async ops in flight with flat collectives between them, back-to-back
+    ops; all equal to the references."""
     env = nodes_env(
         nodes,
         FASTCOMM_TIMELINE="1",
-        FASTCOMM_CUDA_STREAMS="3",
         FASTCOMM_CUDA_WINDOW="3",
         FASTCOMM_CUDA_LAG="1",
         FASTCOMM_CUDA_CHUNK_BYTES="64K",
@@ -524,18 +523,17 @@ def killed_fn(rank: int, ws: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    "nodes,streams",
+    "nodes",
     [
-        pytest.param([0, 0, 1, 1], "1", id="2x2"),
-        pytest.param([0, 0, 1, 1], "3", id="2x2-3streams"),
-        pytest.param([0, 1], "3", marks=pytest.mark.cuda(world_size=2), id="2x1-3streams"),
+        pytest.param([0, 0, 1, 1], id="2x2"),
+        pytest.param([0, 1], marks=pytest.mark.cuda(world_size=2), id="2x1"),
     ],
 )
-def test_killed_peer_fails_everyone_clearly(nodes: list[int], streams: str) -> None:
+def test_killed_peer_fails_everyone_clearly(nodes: list[int]) -> None:
     """Rank 1 dies after the path was set up: the others (2x2: rank 0 on its node, 2 and 3 on
     the other node, one of them its rail peer; 2x1: its rail peer) raise within timeout + 10 s
-    naming all_reduce, rank [1] and the timeout; destroy_process_group() returns. With the
-    device steps on one stream and on three (FASTCOMM_CUDA_STREAMS: every lane released)."""
+    naming all_reduce, rank [1] and the timeout; destroy_process_group() returns (every stream
+    of the device steps released)."""
     ws = len(nodes)
     res = run_ranks(
         ws,
@@ -543,7 +541,7 @@ def test_killed_peer_fails_everyone_clearly(nodes: list[int], streams: str) -> N
         init=False,
         expect_fail={1: 17},
         timeout_s=180,
-        env=nodes_env(nodes, FASTCOMM_BLOCKING_WAIT="1", FASTCOMM_CUDA_STREAMS=streams),
+        env=nodes_env(nodes, FASTCOMM_BLOCKING_WAIT="1"),
     )
     assert isinstance(res[1], RankFailure)
     for r in range(ws):
@@ -640,41 +638,22 @@ def test_timeline_shows_copies_network_and_reduction_overlapping(tmp_path: Any) 
 
 
 IB_EMU = {"FASTCOMM_TRANSPORT": "ib", "FASTCOMM_IB_EMULATE": "1"}
-# Device staging under the ib emulation deadlocked as 2 x 2 on GPUs (4x H200, 2026-11-22): the
-# emulated HCA is itself a CUDA client (cudaMemcpyAsync of the device staging), and a blocking
-# pageable copy of the test's main thread (t.cpu() while the all_reduce is in flight) held a
-# driver lock that the HCA thread's copy then waited for, while that copy waited on a stream that
-# waited for the HCA (native stacks in
-# benchmarks/results/2026-11-22-4xH200-2x2-emulated-gdr-deadlock.md). A real NIC's DMA takes no
-# CUDA lock, so this is the emulation's limit. The checks now wait for the stream before their
-# pageable copies; so they passed as 2 x 1 (2x H200,
-# benchmarks/results/2026-11-22-2xH200-2x1-ib-device-staging.md). The 2 x 2 cases have not run
-# since: FASTCOMM_TEST_EMULATED_GDR=1 runs them.
+# Device staging under the ib emulation can deadlock in the CUDA driver as 2 x 2: the emulated
+# HCA is itself a CUDA client (cudaMemcpyAsync of the device staging), and a blocking pageable
+# copy of the test's main thread (t.cpu() while the all_reduce is in flight) can hold a driver
+# lock that the HCA thread's copy waits for, while that copy waits on a stream that waits for the
+# HCA. A real NIC's DMA takes no CUDA lock, so this is the emulation's limit. The checks wait for
+# the stream before their pageable copies, which is enough as 2 x 1; the 2 x 2 cases run only
+# with FASTCOMM_TEST_EMULATED_GDR=1.
 EMULATED_GDR_2X2 = os.environ.get("FASTCOMM_TEST_EMULATED_GDR") == "1"
 # (environment, the staging the INFO log must name)
 STAGING_MODES = [
-    pytest.param({"FASTCOMM_STAGED_KERNELS": "fused"}, "pinned host staging", id="fused-tcp"),
-    pytest.param({"FASTCOMM_STAGED_KERNELS": "copy"}, "pinned host staging", id="copy-tcp"),
-    # segments of 2 MiB: the node's NCCL steps on a second stream under the rail's
+    pytest.param({}, "pinned host staging", id="tcp"),
+    pytest.param({"FASTCOMM_STAGED_MEMORY": "auto", **IB_EMU}, "device staging", id="ib-device"),
     pytest.param(
-        {"FASTCOMM_STAGED_KERNELS": "fused", "FASTCOMM_CUDA_SEGMENT_BYTES": "2M"},
-        "pinned host staging",
-        id="fused-tcp-segments",
-    ),
-    pytest.param(
-        {"FASTCOMM_STAGED_KERNELS": "fused", "FASTCOMM_STAGED_MEMORY": "auto", **IB_EMU},
-        "device staging",
-        id="fused-ib-device",
-    ),
-    pytest.param(
-        {"FASTCOMM_STAGED_KERNELS": "copy", "FASTCOMM_STAGED_MEMORY": "auto", **IB_EMU},
-        "device staging",
-        id="copy-ib-device",
-    ),
-    pytest.param(
-        {"FASTCOMM_STAGED_KERNELS": "fused", "FASTCOMM_STAGED_MEMORY": "host", **IB_EMU},
+        {"FASTCOMM_STAGED_MEMORY": "host", **IB_EMU},
         "pinned host staging (FASTCOMM_STAGED_MEMORY=host)",
-        id="fused-ib-host",
+        id="ib-host",
     ),
 ]
 
@@ -760,7 +739,7 @@ LAYOUTS = [
 @pytest.mark.parametrize("nodes", LAYOUTS)
 @pytest.mark.parametrize("extra,staging", STAGING_MODES)
 def test_staging_modes(extra: dict[str, str], staging: str, nodes: list[int]) -> None:
-    """FASTCOMM_STAGED_KERNELS=fused|copy over tcp (pinned host staging) and over the ib
+    """The staged all_reduce over tcp (pinned host staging) and over the ib
     emulation (device staging, GPUDirect emulated with cudaMemcpy; or forced host staging):
     dtypes and ops with AVG, aligned and odd sizes, the bf16 wire; equal to the float64/int64
     references, identical on all ranks, and the staging the set-up logged is the expected one."""

@@ -229,7 +229,6 @@ def bad_setting_fn(rank: int, ws: int, name: str, value: str) -> dict[str, Any]:
         ("FASTCOMM_CUDA_WINDOW", "33"),
         ("FASTCOMM_CUDA_LAG", "0"),
         ("FASTCOMM_CUDA_LAG", "6"),  # not below the default window
-        ("FASTCOMM_CUDA_STREAMS", "2"),
         ("FASTCOMM_TCP_SOCKET_BUFFER", "2G"),
         ("FASTCOMM_WIRE_DTYPE", "fp8"),
     ],

@@ -1,8 +1,9 @@
 """Tests of torch.ops.fastcomm.matmul / linear, torchext.ops and torchext.nn.FusedLinear.
 
 CPU tests run in CI; the same tests run on CUDA when a GPU is present
-(marked ``cuda``), plus CUDA-only tests of each kernel path (forced with
-FASTCOMM_MATMUL_IMPL) and of the Hopper wgmma kernel (sm_90 only).
+(marked ``cuda``), plus CUDA-only tests of each kernel path and of the Hopper
+wgmma kernel (sm_90 only), forced through torchext._testing.set_matmul_config
+(the FASTCOMM_MATMUL_* environment is read once per process).
 
 Accuracy is judged by ||out - ref|| / ||ref|| against a float64 reference
 computed from the same (rounded) inputs.
@@ -11,6 +12,7 @@ computed from the same (rounded) inputs.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -436,17 +438,51 @@ def _check_all_layouts(device, dtype, shapes, acts=("none", "gelu")):
             assert err < RTOL[dtype], (m, n, k, act, err)
 
 
+@pytest.fixture
+def matmul_settings() -> Iterator[Callable[..., None]]:
+    """torchext._testing.set_matmul_config, reset after the test."""
+    from torchext import _testing
+
+    yield _testing.set_matmul_config
+    _testing.reset_matmul_config()
+
+
+def test_matmul_settings_override(matmul_settings):
+    """The override replaces every setting (unset ones are auto) until reset; a bad value
+    is a ValueError naming its FASTCOMM_MATMUL_* variable."""
+    from torchext import _testing
+
+    matmul_settings(impl="simt", tile="small", group=512)
+    got = _testing.matmul_config()
+    assert got == {
+        "impl": "simt", "tile": "small", "sched": "auto", "epi": "auto", "raster": "auto",
+        "group": "512",
+    }, got  # fmt: skip
+    matmul_settings(epi="offload")
+    assert _testing.matmul_config()["impl"] == "auto"
+    for kw, var in (
+        ({"sched": "zigzag"}, "FASTCOMM_MATMUL_SCHED"),
+        ({"epi": "tma2"}, "FASTCOMM_MATMUL_EPI"),
+        ({"group": 128}, "FASTCOMM_MATMUL_GROUP"),
+        ({"group": 100000}, "FASTCOMM_MATMUL_GROUP"),
+        ({"group": "big"}, "FASTCOMM_MATMUL_GROUP"),
+    ):
+        with pytest.raises(ValueError, match=var):
+            matmul_settings(**kw)
+    with pytest.raises(ValueError, match="no matmul setting cluster"):
+        matmul_settings(cluster=2)
+
+
 @pytest.mark.cuda(1)
 @_skip_no_cuda
 @pytest.mark.parametrize("impl", ["auto", "mma", "simt"])
 @pytest.mark.parametrize("tile", ["auto", "large", "small"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_cuda_kernel_paths(monkeypatch, impl, tile, dtype):
+def test_cuda_kernel_paths(matmul_settings, impl, tile, dtype):
     """Each CUDA path on all operand layouts, odd and multi-tile shapes."""
     if impl == "mma" and _cuda_cc()[0] < 8:
         pytest.skip("mma.sync kernel needs sm_80+")
-    monkeypatch.setenv("FASTCOMM_MATMUL_IMPL", impl)
-    monkeypatch.setenv("FASTCOMM_MATMUL_TILE", tile)
+    matmul_settings(impl=impl, tile=tile)
     shapes = SHAPES + CUDA_SHAPES
     _check_all_layouts("cuda", dtype, shapes)
 
@@ -455,9 +491,9 @@ def test_cuda_kernel_paths(monkeypatch, impl, tile, dtype):
 @_skip_no_cuda
 @pytest.mark.parametrize("tile", ["auto", "large", "small"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_cuda_fp32_fp64_paths(monkeypatch, tile, dtype):
+def test_cuda_fp32_fp64_paths(matmul_settings, tile, dtype):
     """The CUDA-core kernel in both tilings (double always takes the 64x64 one)."""
-    monkeypatch.setenv("FASTCOMM_MATMUL_TILE", tile)
+    matmul_settings(tile=tile)
     probe = torch.empty(300, 520, device="cuda", dtype=dtype)
     name = torch.ops.fastcomm._kernel_name(probe, probe.t())
     wide = tile == "large" and dtype == torch.float32
@@ -502,19 +538,17 @@ def test_cuda_graph_capture():
 
 _is_sm90 = HAS_CUDA and _cuda_cc() == (9, 0)
 
-# Forced variants of the Hopper kernel (FASTCOMM_MATMUL_* settings): both
-# schedules, both cooperative tile widths, both epilogues and both tile orders.
+# Forced variants of the Hopper kernel (set_matmul_config): both schedules, both
+# cooperative tile widths, the three epilogues and both tile orders.
 WGMMA_VARIANTS = {
-    "coop256": {"SCHED": "coop", "TILE": "large", "EPI": "direct", "RASTER": "m"},
-    "coop256_tma": {"SCHED": "coop", "TILE": "large", "EPI": "tma", "RASTER": "n"},
-    "coop128_tma": {"SCHED": "coop", "TILE": "small", "EPI": "tma", "RASTER": "m"},
-    "pingpong": {"SCHED": "pingpong", "RASTER": "m"},
-    "pingpong_rn": {"SCHED": "pingpong", "RASTER": "n"},
-    "coop256_tma2": {"SCHED": "coop", "TILE": "large", "EPI": "tma2", "RASTER": "m"},
-    "coop256_offload": {"SCHED": "coop", "TILE": "large", "EPI": "offload", "RASTER": "m"},
-    "coop256_offload_rn": {"SCHED": "coop", "TILE": "large", "EPI": "offload", "RASTER": "n"},
-    "pingpong_w": {"SCHED": "pingpong", "TILE": "large", "RASTER": "m"},
-    "pingpong_w_rn": {"SCHED": "pingpong", "TILE": "large", "RASTER": "n"},
+    "coop256": {"sched": "coop", "tile": "large", "epi": "direct", "raster": "m"},
+    "coop256_tma": {"sched": "coop", "tile": "large", "epi": "tma", "raster": "m"},
+    "coop256_tma_rn": {"sched": "coop", "tile": "large", "epi": "tma", "raster": "n"},
+    "coop128_tma": {"sched": "coop", "tile": "small", "epi": "tma", "raster": "m"},
+    "pingpong": {"sched": "pingpong", "raster": "m"},
+    "pingpong_rn": {"sched": "pingpong", "raster": "n"},
+    "coop256_offload": {"sched": "coop", "tile": "large", "epi": "offload", "raster": "m"},
+    "coop256_offload_rn": {"sched": "coop", "tile": "large", "epi": "offload", "raster": "n"},
 }
 # One tile; tiny; odd edges; K of one slice; TMA-store edges (N % 8 == 0, M
 # and N not tile multiples, a warpgroup block wholly below M); many tiles per
@@ -535,69 +569,47 @@ WGMMA_SHAPES = [
 @pytest.mark.cuda(1)
 @pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("variant", sorted(WGMMA_VARIANTS))
-@pytest.mark.parametrize("cluster", ["1", "2"])
-@pytest.mark.parametrize("mn_major", ["1", "0"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_wgmma_kernel(monkeypatch, variant, cluster, mn_major, dtype):
-    """The Hopper kernel, forced (FASTCOMM_MATMUL_IMPL=wgmma raises if it cannot run), in
-    each variant; mn_major=0 copies M/N-major operands to K-major first; cluster=2 uses CTA
-    pairs with TMA multicast."""
-    monkeypatch.setenv("FASTCOMM_MATMUL_IMPL", "wgmma")
-    monkeypatch.setenv("FASTCOMM_MATMUL_WGMMA_MN", mn_major)
-    monkeypatch.setenv("FASTCOMM_MATMUL_CLUSTER", cluster)
-    for k, v in WGMMA_VARIANTS[variant].items():
-        monkeypatch.setenv(f"FASTCOMM_MATMUL_{k}", v)
+def test_cuda_wgmma_kernel(matmul_settings, variant, dtype):
+    """The Hopper kernel, forced (impl=wgmma raises if it cannot run), in each variant, on
+    K- and M/N-major operands (loaded transposed)."""
+    matmul_settings(impl="wgmma", **WGMMA_VARIANTS[variant])
     probe = torch.empty(4096, 4096, device="cuda", dtype=dtype)
     name = torch.ops.fastcomm._kernel_name(probe, probe)
-    sched = WGMMA_VARIANTS[variant]["SCHED"]
-    assert name.startswith(f"wgmma {sched}") and f"cluster {cluster}" in name, name
-    if "EPI" in WGMMA_VARIANTS[variant]:
-        assert f"epi {WGMMA_VARIANTS[variant]['EPI']} " in name, name
-    if sched == "pingpong":
-        wide = WGMMA_VARIANTS[variant].get("TILE") == "large"
-        assert (" 64x256 " in name) == wide, name
+    sched = WGMMA_VARIANTS[variant]["sched"]
+    assert name.startswith(f"wgmma {sched}"), name
+    if "epi" in WGMMA_VARIANTS[variant]:
+        assert f"epi {WGMMA_VARIANTS[variant]['epi']} " in name, name
     _check_all_layouts("cuda", dtype, WGMMA_SHAPES, acts=ACTS)
 
 
 @pytest.mark.cuda(1)
 @pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
-def test_cuda_wgmma_offload_fallback(monkeypatch):
-    """EPI=offload exists for the cooperative 128x256 tile only: the 128x128 tile falls
-    back to the lean TMA epilogue (and stays right), ping-pong keeps its direct stores."""
-    monkeypatch.setenv("FASTCOMM_MATMUL_IMPL", "wgmma")
-    monkeypatch.setenv("FASTCOMM_MATMUL_EPI", "offload")
-    monkeypatch.setenv("FASTCOMM_MATMUL_RASTER", "m")
+def test_cuda_wgmma_offload_fallback(matmul_settings):
+    """epi=offload exists for the cooperative 128x256 tile only: the 128x128 tile falls
+    back to the TMA epilogue (and stays right), ping-pong keeps its direct stores."""
     probe = torch.empty(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    monkeypatch.setenv("FASTCOMM_MATMUL_SCHED", "coop")
-    monkeypatch.setenv("FASTCOMM_MATMUL_TILE", "large")
+    offload = {"impl": "wgmma", "epi": "offload", "raster": "m"}
+    matmul_settings(**offload, sched="coop", tile="large")
     assert " epi offload " in torch.ops.fastcomm._kernel_name(probe, probe)
-    monkeypatch.setenv("FASTCOMM_MATMUL_TILE", "small")
+    matmul_settings(**offload, sched="coop", tile="small")
     name = torch.ops.fastcomm._kernel_name(probe, probe)
-    assert name.startswith("wgmma coop 128x128") and " epi tma2 " in name, name
-    monkeypatch.setenv("FASTCOMM_MATMUL_SCHED", "pingpong")
-    monkeypatch.delenv("FASTCOMM_MATMUL_TILE")
+    assert name.startswith("wgmma coop 128x128") and " epi tma " in name, name
+    _check_all_layouts("cuda", torch.bfloat16, [(300, 520, 1000)], acts=ACTS)
+    matmul_settings(**offload, sched="pingpong")
     name = torch.ops.fastcomm._kernel_name(probe, probe)
     assert name.startswith("wgmma pingpong") and " epi " not in name, name
-    monkeypatch.setenv("FASTCOMM_MATMUL_SCHED", "coop")
-    monkeypatch.setenv("FASTCOMM_MATMUL_TILE", "small")
-    _check_all_layouts("cuda", torch.bfloat16, [(300, 520, 1000)], acts=ACTS)
 
 
 @pytest.mark.cuda(1)
 @pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("raster", ["m", "n"])
-@pytest.mark.parametrize("cluster", ["1", "2"])
 @pytest.mark.parametrize("group", ["512", "768", "65536"])
-def test_cuda_wgmma_tile_groups(monkeypatch, raster, cluster, group):
-    """FASTCOMM_MATMUL_GROUP: groups of 2 or 3 tile columns / units of tile rows (a unit
-    is 1 row, or 2 with a cluster), the last group partial on these shapes, and one group
-    of everything; every tile is computed exactly once (the output is poisoned first)."""
-    monkeypatch.setenv("FASTCOMM_MATMUL_IMPL", "wgmma")
-    monkeypatch.setenv("FASTCOMM_MATMUL_SCHED", "coop")
-    monkeypatch.setenv("FASTCOMM_MATMUL_TILE", "large")
-    monkeypatch.setenv("FASTCOMM_MATMUL_RASTER", raster)
-    monkeypatch.setenv("FASTCOMM_MATMUL_CLUSTER", cluster)
-    monkeypatch.setenv("FASTCOMM_MATMUL_GROUP", group)
+def test_cuda_wgmma_tile_groups(matmul_settings, raster, group):
+    """The tile-group size (group): groups of 2 or 3 tile columns / 4 or 6 tile rows, the
+    last group partial on these shapes, and one group of everything; every tile is computed
+    exactly once (the output is poisoned first)."""
+    matmul_settings(impl="wgmma", sched="coop", tile="large", raster=raster, group=group)
     probe = torch.empty(4096, 4096, device="cuda", dtype=torch.bfloat16)
     name = torch.ops.fastcomm._kernel_name(probe, probe)
     assert f" raster {raster} group {group}" in name, name
@@ -608,12 +620,11 @@ def test_cuda_wgmma_tile_groups(monkeypatch, raster, cluster, group):
 
 @pytest.mark.cuda(1)
 @_skip_no_cuda
-def test_cuda_default_dispatch(monkeypatch):
-    """With no FASTCOMM_MATMUL_* settings: half types take the Hopper kernel on sm_90 for
-    problems that fill the GPU and the mma.sync kernel for small ones (and on other
-    sm_80+ GPUs); float32 the CUDA-core kernel. The default path's results are right."""
-    for k in ("IMPL", "TILE", "SCHED", "CLUSTER", "EPI", "RASTER", "GROUP", "WGMMA_MN"):
-        monkeypatch.delenv(f"FASTCOMM_MATMUL_{k}", raising=False)
+def test_cuda_default_dispatch(matmul_settings):
+    """With every setting auto: half types take the Hopper kernel on sm_90 for problems
+    that fill the GPU and the mma.sync kernel for small ones (and on other sm_80+ GPUs);
+    float32 the CUDA-core kernel. The default path's results are right."""
+    matmul_settings()
     bf = torch.bfloat16
     big = torch.empty(4096, 4096, device="cuda", dtype=bf)
     small = torch.empty(512, 512, device="cuda", dtype=bf)
@@ -623,8 +634,8 @@ def test_cuda_default_dispatch(monkeypatch):
         assert name_big.startswith("wgmma "), name_big
         assert name_small.startswith("mma "), name_small
         # the 128x256 tile: the offload epilogue where there is activation math to hide
-        assert name_big.startswith("wgmma coop 128x256") and " epi tma2 " in name_big, name_big
-        for act, epi in (("relu", "tma2"), ("gelu", "offload"), ("gelu_tanh", "offload"),
+        assert name_big.startswith("wgmma coop 128x256") and " epi tma " in name_big, name_big
+        for act, epi in (("relu", "tma"), ("gelu", "offload"), ("gelu_tanh", "offload"),
                          ("silu", "offload")):  # fmt: skip
             name = torch.ops.fastcomm._kernel_name(big, big, act)
             assert f" epi {epi} " in name, (act, name)
@@ -646,17 +657,35 @@ def test_cuda_default_dispatch(monkeypatch):
 
 @pytest.mark.cuda(1)
 @_skip_no_cuda
-def test_cuda_matmul_knob_errors(monkeypatch):
-    """A bad FASTCOMM_MATMUL_* value is an error that names the variable."""
-    a = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
-    monkeypatch.setenv("FASTCOMM_MATMUL_SCHED", "zigzag")
-    with pytest.raises(RuntimeError, match="FASTCOMM_MATMUL_SCHED"):
-        ops.matmul(a, a)
-    monkeypatch.delenv("FASTCOMM_MATMUL_SCHED")
-    for bad in ("128", "100000", "big"):
-        monkeypatch.setenv("FASTCOMM_MATMUL_GROUP", bad)
-        with pytest.raises(RuntimeError, match="FASTCOMM_MATMUL_GROUP"):
-            ops.matmul(a, a)
+def test_cuda_matmul_environment():
+    """The FASTCOMM_MATMUL_* environment, read at the first matmul of a process: a good
+    value forces its kernel, a bad one is an error naming the variable (at every call)."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import torch, torchext
+a = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+for _ in range(2):
+    try:
+        print(torch.ops.fastcomm._kernel_name(a, a))
+    except RuntimeError as e:
+        print("error:", str(e).splitlines()[0])
+"""
+    for setting, want in (
+        ("FASTCOMM_MATMUL_IMPL=simt", "simt 64x64"),
+        ("FASTCOMM_MATMUL_SCHED=zigzag", "error: fastcomm: FASTCOMM_MATMUL_SCHED=zigzag"),
+        ("FASTCOMM_MATMUL_GROUP=128", "error: fastcomm: FASTCOMM_MATMUL_GROUP=128"),
+    ):
+        name, value = setting.split("=")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FASTCOMM_MATMUL_")}
+        env[name] = value
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        )
+        lines = out.stdout.splitlines()
+        assert len(lines) == 2 and all(line.startswith(want) for line in lines), (setting, out)
 
 
 def test_kernel_name_cpu():

@@ -1,4 +1,4 @@
-"""The fused staging kernels of the CUDA multi-node all_reduce alone
+"""The staging kernels of the CUDA multi-node all_reduce alone
 (kernels/staged_kernels.cu: packToStaging, reduceFromStaging, gatherFromStaging,
 reached through the torchext._testing._staged_pack / _staged_reduce / _staged_gather).
 

@@ -8,12 +8,9 @@ data, many chunks with short and empty pieces, several ops in flight reusing the
 slots, the 16-bit wire dtypes, and that a dead or absent peer makes the others fail with a
 clear error instead of hanging.
 
-Both forms of the device steps run (StagedRail's `fused`, FASTCOMM_STAGED_KERNELS on a GPU):
-"fused" (one operation per step reading and writing the staging in place: packToStaging,
-reduceFromStaging, gatherFromStaging) and "copy" (copies through device scratch around the
-reduction and wire casts); both must give bit-identical results. The fused steps also run on
-three lanes ("fused3", FASTCOMM_CUDA_STREAMS=3 on a GPU: a worker thread per kind of step, each
-in chunk order, ordered against each other only by the flags), bit-identical too.
+Eager ops run their steps (packToStaging, reduceFromStaging, gatherFromStaging) on three lanes,
+as on a GPU: a worker thread per kind of step, each in chunk order, ordered against each other
+only by the flags.
 
 Captured mode (what a CUDA graph does on the GPU): the endpoint records the device operations
 of its ops once (capture_begin / issue / capture_end) and replays them; each replay hands the
@@ -65,20 +62,10 @@ def _done(store: Any, key: str, rank: int, ws: int) -> None:
         store.wait([f"{key}/left/{r}" for r in range(ws)], timedelta(seconds=60))
 
 
-# The forms of the device steps: the fused ones on one stream or on three lanes
-# (FASTCOMM_CUDA_STREAMS=3: a worker thread per lane here), and the copy ones.
-STEPS = {"fused": ("fused", 1), "fused3": ("fused", 3), "copy": ("copy", 1)}
-
-
-def _steps(name: str) -> dict[str, Any]:
-    kernels, streams = STEPS[name]
-    return {"kernels": kernels, "streams": streams}
-
-
-def correctness_fn(rank: int, ws: int, steps: str) -> dict[str, Any]:
+def correctness_fn(rank: int, ws: int) -> dict[str, Any]:
     store = _store(rank, ws)
     chk = Checker(f"rank {rank}")
-    ep = _endpoint(store, "plain", rank, ws, chunk_bytes=4096, timeout_s=30.0, **_steps(steps))
+    ep = _endpoint(store, "plain", rank, ws, chunk_bytes=4096, timeout_s=30.0)
     # one at a time: every dtype x op, sizes with 1 element, fewer elements than ranks, and
     # many chunks whose last one is short
     for dt_name in DTYPES:
@@ -110,12 +97,11 @@ def correctness_fn(rank: int, ws: int, steps: str) -> dict[str, Any]:
     return {}
 
 
-@pytest.mark.parametrize("steps", STEPS)
 @pytest.mark.parametrize("ws", [2, 3])
-def test_staged_rail_correctness(ws: int, steps: str) -> None:
+def test_staged_rail_correctness(ws: int) -> None:
     """Every dtype x op, odd sizes down to 1 element, 4 KiB chunks (many, with short and empty
-    pieces), 8 ops in flight: equal to the references, with either form of the device steps."""
-    run_ranks(ws, correctness_fn, steps, init=False, timeout_s=400)
+    pieces), 8 ops in flight: equal to the references."""
+    run_ranks(ws, correctness_fn, init=False, timeout_s=400)
 
 
 def _check_wire_rounding(
@@ -132,10 +118,10 @@ def _check_wire_rounding(
     return err
 
 
-def wire_fn(rank: int, ws: int, wire: str, steps: str) -> dict[str, Any]:
+def wire_fn(rank: int, ws: int, wire: str) -> dict[str, Any]:
     store = _store(rank, ws)
     chk = Checker(f"rank {rank}")
-    ep = _endpoint(store, f"wire-{wire}", rank, ws, chunk_bytes=8192, wire=wire, **_steps(steps))
+    ep = _endpoint(store, f"wire-{wire}", rank, ws, chunk_bytes=8192, wire=wire)
     eps = {"bf16": 2.0**-8, "fp16": 2.0**-11}[wire]
     results = {}
     for op in ("SUM", "AVG"):
@@ -163,20 +149,19 @@ def wire_fn(rank: int, ws: int, wire: str, steps: str) -> dict[str, Any]:
     return {}
 
 
-@pytest.mark.parametrize("steps", STEPS)
 @pytest.mark.parametrize("wire", ["bf16", "fp16"])
-def test_staged_rail_wire_dtype(wire: str, steps: str) -> None:
+def test_staged_rail_wire_dtype(wire: str) -> None:
     """float32 SUM/AVG over a 16-bit wire: within its rounding of the float64 reference and
     bit-identical on every rank; integers exact."""
-    run_ranks(3, wire_fn, wire, steps, init=False, timeout_s=300)
+    run_ranks(3, wire_fn, wire, init=False, timeout_s=300)
 
 
-def window_fn(rank: int, ws: int, window: int, lag: int, streams: int) -> dict[str, Any]:
+def window_fn(rank: int, ws: int, window: int, lag: int) -> dict[str, Any]:
     store = _store(rank, ws)
     chk = Checker(f"rank {rank}")
     endpoints = {
         wire: _endpoint(store, f"window-{window}-{lag}-{wire}", rank, ws, chunk_bytes=4096,
-                        window=window, lag=lag, streams=streams, wire=wire)
+                        window=window, lag=lag, wire=wire)
         for wire in ("none", "bf16")
     }  # fmt: skip
     cases = [
@@ -208,15 +193,13 @@ def window_fn(rank: int, ws: int, window: int, lag: int, streams: int) -> dict[s
     return {}
 
 
-@pytest.mark.parametrize(
-    "window,lag,streams", [(3, 1, 1), (3, 2, 1), (3, 1, 3), (16, 2, 1), (16, 15, 1), (16, 2, 3)]
-)
-def test_staged_rail_window(window: int, lag: int, streams: int) -> None:
+@pytest.mark.parametrize("window,lag", [(3, 1), (3, 2), (16, 2), (16, 15)])
+def test_staged_rail_window(window: int, lag: int) -> None:
     """The fewest chunk slots the schedule allows (3) and many (16, FASTCOMM_CUDA_WINDOW), with
     the all-gather steps right behind the reductions (lag 1) or as late as the window allows
-    (FASTCOMM_CUDA_LAG), on one stream or three lanes: ops of many chunks, all in flight, equal
-    to the references; every flag at rest after."""
-    run_ranks(2, window_fn, window, lag, streams, init=False, timeout_s=240)
+    (FASTCOMM_CUDA_LAG): ops of many chunks, all in flight, equal to the references; every flag
+    at rest after."""
+    run_ranks(2, window_fn, window, lag, init=False, timeout_s=240)
 
 
 def test_staged_rail_window_out_of_range() -> None:
@@ -232,7 +215,7 @@ def small_op_chunks_fn(rank: int, ws: int) -> dict[str, Any]:
 
     store = _store(rank, ws)
     chk = Checker(f"rank {rank}")
-    ep = _endpoint(store, "small", rank, ws, chunk_bytes=4 << 20, **_steps("fused3"))
+    ep = _endpoint(store, "small", rank, ws, chunk_bytes=4 << 20)
     # (elements, dtype, chunks): an op of up to 4 chunks' worth is cut into 4 chunks of at
     # least 256 KiB; larger ones keep the 4 MiB chunks
     cases = [
@@ -262,54 +245,6 @@ def test_staged_rail_small_op_chunks() -> None:
     """Small ops are cut into 4 chunks of at least 256 KiB (so their steps overlap), larger
     ones keep the configured chunk: the proxy's timeline shows the chunks; results exact."""
     run_ranks(2, small_op_chunks_fn, init=False, env={"FASTCOMM_TIMELINE": "1"}, timeout_s=240)
-
-
-def fused_vs_copy_fn(rank: int, ws: int) -> dict[str, Any]:
-    store = _store(rank, ws)
-    chk = Checker(f"rank {rank}")
-    cases = [
-        ("none", torch.float32, "SUM", 9001),
-        ("none", torch.float16, "AVG", 7777),
-        ("none", torch.int8, "PRODUCT", 5003),
-        ("none", torch.float64, "MIN", 1),
-        ("none", torch.uint8, "MAX", 4099),
-        ("none", torch.int32, "AVG", 3001),
-        ("bf16", torch.float32, "SUM", 12_345),
-        ("bf16", torch.float32, "AVG", 2),
-        ("fp16", torch.float32, "AVG", 6007),
-        ("fp16", torch.int64, "SUM", 2049),  # not float32: never on the wire dtype
-    ]
-    eps = {}
-    for wire in ("none", "bf16", "fp16"):
-        for steps in STEPS:
-            eps[wire, steps] = _endpoint(
-                store, f"cmp-{wire}-{steps}", rank, ws, chunk_bytes=4096, wire=wire,
-                **_steps(steps),
-            )  # fmt: skip
-    for i, (wire, dt, op, n) in enumerate(cases):
-        x = gen(f"cmp/{i}", rank, (n,), dt, op)
-        out = {}
-        for steps in STEPS:
-            t = x.clone()
-            ep = eps[wire, steps]
-            ep.wait(ep.issue(t, op))
-            out[steps] = t
-        for steps in ("fused3", "copy"):
-            same = torch.equal(out["fused"].view(torch.uint8), out[steps].view(torch.uint8))
-            chk.true(same, f"{wire} wire, {dt} {op} of {n}: {steps} and fused steps differ")
-    for ep in eps.values():
-        ep.close()
-    _done(store, "cmp", rank, ws)
-    chk.raise_if_failed()
-    return {}
-
-
-def test_staged_rail_fused_equals_copy() -> None:
-    """The fused steps give the very bytes the copy steps do, on one lane or three: dtypes,
-    ops (AVG too), wire dtypes, sizes of 1 element to many chunks with a short last one."""
-    # nine endpoints per rank: few transport threads each on small CI machines
-    env = {"FASTCOMM_TCP_THREADS": "1", "FASTCOMM_TCP_SOCKETS": "2"}
-    run_ranks(3, fused_vs_copy_fn, init=False, env=env, timeout_s=300)
 
 
 TIMEOUT_S = 4.0
@@ -355,11 +290,9 @@ def _lose_peer(
     return out
 
 
-def failure_fn(rank: int, ws: int, mode: str, streams: int) -> dict[str, Any]:
+def failure_fn(rank: int, ws: int, mode: str) -> dict[str, Any]:
     store = _store(rank, ws)
-    ep = _endpoint(
-        store, f"fail-{mode}", rank, ws, chunk_bytes=4096, streams=streams, timeout_s=TIMEOUT_S
-    )
+    ep = _endpoint(store, f"fail-{mode}", rank, ws, chunk_bytes=4096, timeout_s=TIMEOUT_S)
     n = 50_001
     t = torch.ones(n)
     ep.wait(ep.issue(t, "SUM"))  # all connected and working
@@ -372,14 +305,13 @@ def failure_fn(rank: int, ws: int, mode: str, streams: int) -> dict[str, Any]:
     return _lose_peer(store, ep, "failure", rank, ws, mode, ops)
 
 
-@pytest.mark.parametrize("streams", [1, 3])
 @pytest.mark.parametrize("mode", ["dies", "sleeps"])
-def test_staged_rail_dead_or_absent_peer(mode: str, streams: int) -> None:
+def test_staged_rail_dead_or_absent_peer(mode: str) -> None:
     """Rank 1 of 3 exits, or stays alive without issuing: the others raise within the timeout
-    (+ grace) naming all_reduce, rank [1] and the timeout, and closing returns promptly, with
-    the device steps on one stream or three lanes (all of them released)."""
+    (+ grace) naming all_reduce, rank [1] and the timeout, and closing returns promptly (every
+    lane released)."""
     res = run_ranks(
-        3, failure_fn, mode, streams, init=False,
+        3, failure_fn, mode, init=False,
         expect_fail={1: 17} if mode == "dies" else None, timeout_s=120,
     )  # fmt: skip
     if mode == "dies":
@@ -399,10 +331,10 @@ def test_staged_rail_dead_or_absent_peer(mode: str, streams: int) -> None:
 REPLAYS = 4
 
 
-def capture_fn(rank: int, ws: int, steps: str) -> dict[str, Any]:
+def capture_fn(rank: int, ws: int) -> dict[str, Any]:
     store = _store(rank, ws)
     chk = Checker(f"rank {rank}")
-    ep = _endpoint(store, "capture", rank, ws, chunk_bytes=4096, timeout_s=30.0, **_steps(steps))
+    ep = _endpoint(store, "capture", rank, ws, chunk_bytes=4096, timeout_s=30.0)
 
     def eager(key: str, n: int, dt: torch.dtype, op: str) -> tuple[Any, torch.Tensor, list[Any]]:
         inputs = [gen(key, r, (n,), dt, op) for r in range(ws)]
@@ -470,13 +402,13 @@ def capture_fn(rank: int, ws: int, steps: str) -> dict[str, Any]:
     return {}
 
 
-@pytest.mark.parametrize("steps", STEPS)
 @pytest.mark.parametrize("ws", [2, 3])
-def test_staged_rail_captured_replays(ws: int, steps: str) -> None:
-    """Ops recorded once and replayed with fresh data, eager ops of other sizes interleaved
-    and in flight with the replays, two replays in flight: every result equals its reference
-    and every flag is back at its initial value after each round."""
-    run_ranks(ws, capture_fn, steps, init=False, timeout_s=300)
+def test_staged_rail_captured_replays(ws: int) -> None:
+    """Ops recorded once (on one stream) and replayed with fresh data, eager ops (on three
+    lanes) of other sizes interleaved and in flight with the replays, two replays in flight:
+    every result equals its reference and every flag is back at its initial value after each
+    round."""
+    run_ranks(ws, capture_fn, init=False, timeout_s=300)
 
 
 def capture_failure_fn(rank: int, ws: int, mode: str) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Correctness smoke run of every fastcomm matmul kernel variant on one GPU.
 
-For each variant (the FASTCOMM_MATMUL_* settings of benchmarks/bench_matmul.py's
-``Variant``, plus a few tile-order / operand-layout extras): both ops on odd
+For each variant (the matmul settings of benchmarks/bench_matmul.py's
+``Variant``, forced through torchext._testing, plus the other tile order): both ops on odd
 and multi-tile shapes, every operand layout, every activation, float16 and
 bfloat16 (and float32 on the paths that take it), against a float64
 reference on fresh random data, outputs poisoned with NaN first. One line per
@@ -10,8 +10,8 @@ variant: the kernel it ran, worst error over tolerance, OK / FAIL. Exit status
 1 when any variant fails. Runs in well under a minute on an H200; ``--quick``
 (small shapes only) fits under compute-sanitizer.
 
-    python benchmarks/tools/matmul_smoke.py                      # all variants for this GPU
-    python benchmarks/tools/matmul_smoke.py --variants coop,pingpong_c2 --quick
+    python scripts/matmul_smoke.py                      # all variants for this GPU
+    python scripts/matmul_smoke.py --variants coop,pingpong --quick
 """
 
 from __future__ import annotations
@@ -33,17 +33,11 @@ SMALL = [(1, 1, 1), (7, 13, 5), (33, 65, 17), (129, 200, 72), (130, 264, 136)]
 # Edges with TMA stores (N % 8 == 0), several tiles per CTA (ping-pong turns,
 # stage phases wrapping), long K.
 LARGE = [(300, 520, 1000), (1000, 1512, 700), (2304, 2304, 256), (257, 1024, 4096)]
-# Settings beyond the benchmark's variants: the other tile order, and the
-# copy-to-K-major fallback for transposed operands.
+# Settings beyond the benchmark's variants: the other tile order.
 EXTRAS = {
-    "coop_tma+raster_n": ("coop_tma", {"FASTCOMM_MATMUL_RASTER": "n"}),
-    "pingpong+raster_n": ("pingpong", {"FASTCOMM_MATMUL_RASTER": "n"}),
-    "pingpong_c2+raster_n": ("pingpong_c2", {"FASTCOMM_MATMUL_RASTER": "n"}),
-    "pingpong_w+raster_n": ("pingpong_w", {"FASTCOMM_MATMUL_RASTER": "n"}),
-    "coop_tma2+raster_n": ("coop_tma2", {"FASTCOMM_MATMUL_RASTER": "n"}),
-    "coop_off+raster_n": ("coop_off", {"FASTCOMM_MATMUL_RASTER": "n"}),
-    "pingpong_w+mn_copy": ("pingpong_w", {"FASTCOMM_MATMUL_WGMMA_MN": "0"}),
-    "coop+mn_copy": ("coop", {"FASTCOMM_MATMUL_WGMMA_MN": "0"}),
+    "coop_tma+raster_n": ("coop_tma", {"raster": "n"}),
+    "pingpong+raster_n": ("pingpong", {"raster": "n"}),
+    "coop_off+raster_n": ("coop_off", {"raster": "n"}),
 }
 
 
@@ -121,15 +115,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         names = ["auto", "simt", "simt_wide"] + (["mma"] if cc[0] >= 8 else [])
         if cc == (9, 0):
-            names += [v for v in Variant.ENV if v not in names and v != "wgmma"] + list(EXTRAS)
+            names += [v for v in Variant.SETTINGS if v not in names and v != "wgmma"]
+            names += list(EXTRAS)
     shapes = SMALL if args.quick else SMALL + LARGE
     torch.manual_seed(0)
     failed = 0
     for name in names:
         base, extra = EXTRAS.get(name, (name, {}))
-        # Variant restores every FASTCOMM_MATMUL_* knob on exit, the extras too.
-        with Variant(base):
-            os.environ.update(extra)
+        variant = Variant(base)
+        variant.settings.update(extra)
+        with variant:
             dtypes = [torch.float16, torch.bfloat16]
             if base in ("auto", "simt", "simt_wide"):
                 dtypes.append(torch.float32)

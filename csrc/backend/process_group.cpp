@@ -9,7 +9,6 @@
 #include <future>
 #include <numeric>
 
-#include "common/affinity.hpp"
 #include "common/logging.hpp"
 #include "common/reduce.hpp"
 #include "common/store_util.hpp"
@@ -140,8 +139,6 @@ ProcessGroupFastComm::ProcessGroupFastComm(const c10::intrusive_ptr<c10d::Store>
   options_->group_name = groupName_;
   if (cfg_.crashBacktrace) installCrashBacktrace();
   if (cfg_.timeline) Timeline::setEnabled(true);
-  // Before any of the group's threads start (they pin themselves).
-  affinity::configure(cfg_);
   // The agreed settings ride along with the host ids: group rank 0's hold.
   std::vector<std::string> settings;
   topo_ = Topology::exchange(store_, rank, size, localHostId(cfg_), timeout_,

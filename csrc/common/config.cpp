@@ -52,25 +52,6 @@ std::string oneOf(const char* name, const char* text, std::initializer_list<cons
   throw std::invalid_argument(msg);
 }
 
-bool flag(const char* name, bool dflt) {
-  const char* v = env(name);
-  if (v == nullptr) return dflt;
-  std::string s = lower(v);
-  return !(s == "0" || s == "false" || s == "off" || s == "no");
-}
-
-// The launcher's LOCAL_RANK / LOCAL_WORLD_SIZE: torch's own variables, so a
-// value that is no non-negative integer is not ours to reject: -1 (unset).
-int launcherInt(const char* text) {
-  char* end = nullptr;
-  long v = std::strtol(text, &end, 10);
-  return (end != text && *end == '\0' && v >= 0 && v < (1 << 20)) ? static_cast<int>(v) : -1;
-}
-
-}  // namespace
-
-namespace {
-
 std::string bytesText(int64_t v) {
   if (v >= (1 << 30) && v % (1 << 30) == 0) return std::to_string(v >> 30) + "G";
   if (v >= (1 << 20) && v % (1 << 20) == 0) return std::to_string(v >> 20) + "M";
@@ -190,8 +171,6 @@ const std::vector<Setting>& settings() {
                        bounded("FASTCOMM_CUDA_WINDOW", t, kCudaWindowMin, kCudaWindowMax);
                  },
                  [](const Config& c) { return std::to_string(c.cudaWindow); }});
-    v.push_back(bytes("FASTCOMM_CUDA_SEGMENT_BYTES", A, &Config::cudaSegmentBytes, "0",
-                      "staged rail: intra-node steps in segments of this size (0: whole tensor)"));
     v.push_back(count("FASTCOMM_TCP_SOCKETS", A, &Config::tcpSocketsPerPeer, 1, 64, "8",
                       "sockets per peer connection of the tcp transport"));
     v.push_back(count("FASTCOMM_IB_QPS_PER_PEER", A, &Config::ibQpsPerPeer, 1, 16, "2",
@@ -212,22 +191,6 @@ const std::vector<Setting>& settings() {
                    c.cudaLag = bounded("FASTCOMM_CUDA_LAG", t, 1, kCudaWindowMax - 1);
                  },
                  [](const Config& c) { return std::to_string(c.cudaLag); }});
-    v.push_back({{"FASTCOMM_CUDA_STREAMS", L, "3",
-                  "staged rail device steps on 1 or 3 streams (eager ops)"},
-                 [](Config& c, const char* t) {
-                   c.cudaStreams = static_cast<int>(bounded("FASTCOMM_CUDA_STREAMS", t, 1, 3));
-                 },
-                 [](const Config& c) { return std::to_string(c.cudaStreams); }});
-    v.push_back({{"FASTCOMM_STAGED_KERNELS", L, "fused", "staged rail steps: `fused` or `copy`"},
-                 [](Config& c, const char* t) {
-                   std::string v = lower(t);
-                   if (v != "fused" && v != "copy")
-                     throw std::invalid_argument(
-                         std::string("fastcomm: FASTCOMM_STAGED_KERNELS=") + t +
-                         " is not one of fused copy");
-                   c.stagedFused = v == "fused";
-                 },
-                 [](const Config& c) { return std::string(c.stagedFused ? "fused" : "copy"); }});
     v.push_back({{"FASTCOMM_STAGED_MEMORY", L, "`auto` (`host` under `FASTCOMM_IB_EMULATE=1`)",
                   "staged rail staging: `auto` (GPU memory where the transport moves it, else "
                   "pinned host) or `host`"},
@@ -243,8 +206,6 @@ const std::vector<Setting>& settings() {
                  [](const Config& c) { return std::string(c.stagedHostOnly ? "host" : "auto"); }});
     v.push_back(bytes("FASTCOMM_SPIN_US", L, &Config::spinMicros,
                       "20 if cores > local ranks, else 0", "spin before sleeping on a futex"));
-    v.push_back(choice("FASTCOMM_CPU_AFFINITY", L, &Config::cpuAffinity, {"none", "local"},
-                       "none", "`local`: busy threads on the local rank's share of the cores"));
     v.push_back(onOff("FASTCOMM_BLOCKING_WAIT", L, &Config::blockingWait, "0",
                       "`1`: `work.wait()` on CUDA blocks the host until done or failed"));
     v.push_back(onOff("FASTCOMM_CUDA_TIMING", L, &Config::cudaTiming, "0",
@@ -301,8 +262,6 @@ const std::vector<Setting>& settings() {
     v.push_back(onOff("FASTCOMM_CRASH_BACKTRACE", D, &Config::crashBacktrace, "0",
                       "`1`: native stack on a segfault; `kill -USR2 <pid>` prints every "
                       "thread's stack"));
-    v.push_back(text("FASTCOMM_IB_EMU_FAIL", D, &Config::ibEmuFail, "",
-                     "fault injection into the ib emulation"));
     return v;
   }();
   return all;
@@ -315,8 +274,6 @@ Config Config::fromEnv() {
   for (const Setting& s : settings()) {
     if (const char* v = env(s.info.variable)) s.parse(c, v);
   }
-  if (const char* v = env("LOCAL_RANK")) c.launcherLocalRank = launcherInt(v);
-  if (const char* v = env("LOCAL_WORLD_SIZE")) c.launcherLocalWorldSize = launcherInt(v);
   if (c.cudaLag >= c.cudaWindow) {
     throw std::invalid_argument("fastcomm: FASTCOMM_CUDA_LAG=" + std::to_string(c.cudaLag) +
                                 " is not from 1 to FASTCOMM_CUDA_WINDOW - 1 (" +
@@ -395,37 +352,58 @@ const char* tierName(Tier tier) {
   return "?";
 }
 
+namespace {
+
+const char* const kMatmulSettings[] = {"impl", "tile", "sched", "epi", "raster", "group"};
+
+// "tile" -> "FASTCOMM_MATMUL_TILE".
+std::string matmulVar(const std::string& name) {
+  std::string var = "FASTCOMM_MATMUL_";
+  for (char ch : name) var += static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+  return var;
+}
+
+}  // namespace
+
 MatmulConfig MatmulConfig::fromEnv() {
   MatmulConfig c;
-  if (const char* v = env("FASTCOMM_MATMUL_IMPL"))
-    c.impl = oneOf("FASTCOMM_MATMUL_IMPL", v, {"auto", "wgmma", "mma", "simt"});
-  if (const char* v = env("FASTCOMM_MATMUL_TILE"))
-    c.tile = oneOf("FASTCOMM_MATMUL_TILE", v, {"auto", "large", "small"});
-  if (const char* v = env("FASTCOMM_MATMUL_SCHED"))
-    c.sched = oneOf("FASTCOMM_MATMUL_SCHED", v, {"auto", "coop", "pingpong"});
-  if (const char* v = env("FASTCOMM_MATMUL_CLUSTER"))
-    c.cluster = oneOf("FASTCOMM_MATMUL_CLUSTER", v, {"auto", "1", "2"});
-  if (const char* v = env("FASTCOMM_MATMUL_EPI"))
-    c.epi = oneOf("FASTCOMM_MATMUL_EPI", v, {"auto", "direct", "tma", "tma2", "offload"});
-  if (const char* v = env("FASTCOMM_MATMUL_RASTER"))
-    c.raster = oneOf("FASTCOMM_MATMUL_RASTER", v, {"auto", "m", "n"});
-  if (const char* v = env("FASTCOMM_MATMUL_GROUP")) {
-    const int64_t g = parseBytes("FASTCOMM_MATMUL_GROUP", v);
+  for (const char* name : kMatmulSettings) {
+    if (const char* v = env(matmulVar(name).c_str())) c.set(name, v);
+  }
+  return c;
+}
+
+void MatmulConfig::set(const std::string& name, const std::string& value) {
+  const std::string n = lower(name);
+  const std::string var = matmulVar(n);
+  const char* v = value.c_str();
+  if (n == "impl") {
+    impl = oneOf(var.c_str(), v, {"auto", "wgmma", "mma", "simt"});
+  } else if (n == "tile") {
+    tile = oneOf(var.c_str(), v, {"auto", "large", "small"});
+  } else if (n == "sched") {
+    sched = oneOf(var.c_str(), v, {"auto", "coop", "pingpong"});
+  } else if (n == "epi") {
+    epi = oneOf(var.c_str(), v, {"auto", "direct", "tma", "offload"});
+  } else if (n == "raster") {
+    raster = oneOf(var.c_str(), v, {"auto", "m", "n"});
+  } else if (n == "group") {
+    const int64_t g = parseBytes(var.c_str(), v);
     if (g != 0 && (g < 256 || g > 65536)) {
-      throw std::invalid_argument(std::string("fastcomm: FASTCOMM_MATMUL_GROUP=") + v +
+      throw std::invalid_argument("fastcomm: " + var + "=" + value +
                                   " is not 0 (auto) or from 256 to 65536");
     }
-    c.group = static_cast<int>(g);
+    group = static_cast<int>(g);
+  } else {
+    throw std::invalid_argument("fastcomm: no matmul setting " + name +
+                                " (impl, tile, sched, epi, raster, group)");
   }
-  c.wgmmaMnMajor = flag("FASTCOMM_MATMUL_WGMMA_MN", true);
-  return c;
 }
 
 std::string MatmulConfig::describe() const {
   std::ostringstream os;
-  os << "matmul impl=" << impl << " tile=" << tile << " sched=" << sched << " cluster=" << cluster
-     << " epi=" << epi << " raster=" << raster << " group=" << group
-     << " wgmma_mn=" << wgmmaMnMajor;
+  os << "matmul impl=" << impl << " tile=" << tile << " sched=" << sched << " epi=" << epi
+     << " raster=" << raster << " group=" << group;
   return os.str();
 }
 

@@ -34,9 +34,14 @@ struct AgreedSettings {
   bool cudaHier = true;
   int64_t cudaHierMinBytes = 1 << 20;
   bool cudaInterHost = false;
+  // The staged rail's chunk (bytes on the wire per rank's shard) is larger than
+  // the host chunk: every chunk costs kernel launches and stream waits.
   int64_t cudaChunkBytes = 4 << 20;
+  // Chunks in flight (kCudaWindowMin..Max). Larger is not faster: more bytes
+  // in flight is more host memory touched per chunk, not more overlap.
   int64_t cudaWindow = 6;
-  int64_t cudaSegmentBytes = 0;
+  // 8 sockets per peer with 8 progress threads (LocalSettings::tcpThreads):
+  // each thread drives one socket of a peer; one stream cannot fill a link.
   int tcpSocketsPerPeer = 8;
   int ibQpsPerPeer = 2;
   bool ibEmulate = false;
@@ -47,15 +52,17 @@ struct AgreedSettings {
 struct LocalSettings {
   std::string hostIdOverride;
   int64_t cudaLag = 3;
-  int cudaStreams = 3;
-  bool stagedFused = true;
+  // Staging in pinned host memory, or in device memory where the transport
+  // moves it (ib with GPUDirect RDMA). Host by default under the ib
+  // emulation, whose software HCA moves device memory with CUDA copies of its
+  // own and can deadlock in the driver against the application's blocking
+  // copies; a real NIC's DMA takes no CUDA lock.
   bool stagedHostOnly = false;
   bool stagedMemoryExplicit = false;  // FASTCOMM_STAGED_MEMORY was set
   int64_t spinMicros = -1;            // -1: chosen from the core count
-  std::string cpuAffinity = "none";
-  int launcherLocalRank = -1;       // LOCAL_RANK, -1 when unset
-  int launcherLocalWorldSize = -1;  // LOCAL_WORLD_SIZE, -1 when unset
-  bool blockingWait = false;
+  bool blockingWait = false;  // as TORCH_NCCL_BLOCKING_WAIT
+  // Off by default, as ProcessGroupNCCL's TORCH_NCCL_ENABLE_TIMING: a pair of
+  // timing events costs GPU time on every collective.
   bool cudaTiming = false;
   int tcpThreads = 8;
   int64_t tcpSocketBufferBytes = 0;
@@ -70,7 +77,6 @@ struct DebugSettings {
   LogLevel logLevel = LogLevel::Warn;
   bool timeline = false;
   bool crashBacktrace = false;
-  std::string ibEmuFail;
 };
 
 struct Config : AgreedSettings, LocalSettings, DebugSettings {
@@ -99,36 +105,38 @@ std::vector<SettingInfo> settingsTable();
 const char* tierName(Tier tier);
 
 // Kernel choices of the fused matmul ops (torch.ops.fastcomm.matmul / linear
-// on CUDA). Read on every call, unlike Config, so that tests and benchmarks can
-// switch kernels inside one process; logged (FASTCOMM_LOG=INFO) when it changes.
-// Every field's "auto" leaves the choice to the dispatcher's heuristic.
+// on CUDA), for debugging: every field's "auto" (the default) leaves the
+// choice to the dispatcher's heuristic. Read from the environment once per
+// process, at the first matmul (ops/matmul_config.hpp; tests override it
+// through torchext._testing.set_matmul_config).
 struct MatmulConfig {
   // FASTCOMM_MATMUL_IMPL: auto | wgmma | mma | simt. Forcing wgmma or mma
   // raises where that kernel cannot run instead of falling back.
   std::string impl = "auto";
-  // FASTCOMM_MATMUL_TILE: auto | large | small (mma.sync: 128x128 / 64x64;
-  // Hopper: the cooperative 128x256 / 128x128 tile, which implies sched=coop
-  // unless sched=pingpong is set too: then large = the 64x256 ping-pong tile).
+  // FASTCOMM_MATMUL_TILE: auto | large | small (CUDA cores and mma.sync:
+  // 128x128 / 64x64; Hopper: the cooperative 128x256 / 128x128 tile, which
+  // implies sched=coop).
   std::string tile = "auto";
   // FASTCOMM_MATMUL_SCHED: auto | coop | pingpong (Hopper consumer schedule).
   std::string sched = "auto";
-  // FASTCOMM_MATMUL_CLUSTER: auto | 1 | 2 (Hopper CTA pairs sharing B via multicast).
-  std::string cluster = "auto";
-  // FASTCOMM_MATMUL_EPI: auto | direct | tma | tma2 | offload (Hopper cooperative
-  // epilogue stores; tma2: the TMA epilogue with bias prefetch and lean
-  // activations; offload: tma2's math and stores moved to the producer
-  // warpgroup's idle warps, under the next tile's MMAs, 128 x 256 tile only).
+  // FASTCOMM_MATMUL_EPI: auto | direct | tma | offload (Hopper cooperative
+  // epilogue: stores from registers; through shared memory and TMA, with the
+  // bias prefetched and lean activations; offload: that math and the stores
+  // moved to the producer warpgroup's idle warps, under the next tile's MMAs,
+  // 128 x 256 tile only).
   std::string epi = "auto";
   // FASTCOMM_MATMUL_RASTER: auto | m | n (Hopper tile order: row or column groups).
   std::string raster = "auto";
   // FASTCOMM_MATMUL_GROUP: rows (raster m) or columns (raster n) of C per
   // group of the Hopper tile order, 256..65536; 0 = auto (2048).
   int group = 0;
-  // FASTCOMM_MATMUL_WGMMA_MN=0: copy M-/N-major operands to K-major before the
-  // Hopper kernel instead of loading them transposed.
-  bool wgmmaMnMajor = true;
 
+  // Every FASTCOMM_MATMUL_* variable that is set, through set().
   static MatmulConfig fromEnv();
+  // Sets the field of FASTCOMM_MATMUL_<NAME> (name: "impl", "tile", "sched",
+  // "epi", "raster" or "group", any case) from `value` as that variable would;
+  // throws std::invalid_argument naming the variable.
+  void set(const std::string& name, const std::string& value);
   std::string describe() const;
 };
 

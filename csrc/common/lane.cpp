@@ -1,6 +1,6 @@
 #include "common/lane.hpp"
 
-#include "common/affinity.hpp"
+#include "common/thread_name.hpp"
 
 namespace fastcomm {
 
@@ -26,7 +26,7 @@ void SerialLane::submit(std::function<void()> job) {
 }
 
 void SerialLane::loop() {
-  affinity::enterBusyThread(name_);
+  nameThisThread(name_);
   while (true) {
     std::function<void()> job;
     {

@@ -97,7 +97,6 @@ InterPlan InterPlan::agree(const c10::intrusive_ptr<c10d::Store>& store, int ran
   plan.cudaChunkBytes = cfg.cudaChunkBytes;
   plan.cudaWindow = cfg.cudaWindow;
   plan.cudaHierMinBytes = cfg.cudaHierMinBytes;
-  plan.cudaSegmentBytes = cfg.cudaSegmentBytes;
   return plan;
 }
 

@@ -24,7 +24,6 @@ struct InterPlan {
   int64_t cudaChunkBytes = 0;    // its pipeline chunk
   int64_t cudaWindow = 0;        // its chunks in flight
   int64_t cudaHierMinBytes = 0;  // smaller all_reduces stay on the flat NCCL comm
-  int64_t cudaSegmentBytes = 0;  // 0: whole-tensor intra-node steps; else segments
 
   // Every rank reports whether ib is usable here; rank 0 decides (ib only
   // when all `size` ranks can use it) and publishes, everyone (rank 0 too)

@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <sstream>
 
-#include "common/affinity.hpp"
+#include "common/thread_name.hpp"
 #include "common/logging.hpp"
 #include "common/timeline.hpp"
 
@@ -23,12 +23,9 @@ constexpr auto kReasonWait = std::chrono::seconds(2);
 
 constexpr const char* kThread = "fc-cuda-proxy";
 
-// Small ops: at least this many chunks, of at least kMinChunkBytes. On 2x
-// H200 as 2 x 1 (TCP loopback, 3 streams), 1 MiB ran in 0.45-0.51 ms in 256
-// KiB chunks against 0.97-1.01 ms in one, 2 MiB in 0.57 ms (512 KiB chunks)
-// against 0.84-0.89, while 16 MiB was fastest in 4 chunks of 4 MiB (1.8-2.0
-// ms; 2.1-2.5 ms in 16 of 1 MiB): every chunk costs the proxy and the stream
-// a fixed share (benchmarks/results/2026-11-22-2xH200-2x1-streams-s11.md).
+// Small ops: at least this many chunks, of at least kMinChunkBytes, so that
+// their steps overlap; not more, since every chunk costs the proxy and the
+// stream a fixed share.
 constexpr int64_t kSmallOpChunks = 4;
 constexpr int64_t kMinChunkBytes = 256 << 10;
 
@@ -107,21 +104,9 @@ HierLayout StagedRail::layoutFor(int64_t shardElems, at::ScalarType dt, RedOp op
   return HierLayout::make(shardElems, static_cast<int>(railRanks_.size()), chunk, wsize);
 }
 
-int64_t StagedRail::scratchBytes(int64_t shardElems, at::ScalarType dt, RedOp op) const {
-  if (fused_) return 0;  // the fused steps read and write the staging in place
-  const HierLayout l = layoutFor(shardElems, dt, op);
-  const bool wire = wireFor(dt, op);
-  const int64_t peers = l.rails - 1;
-  const int64_t wsize = wire ? 2 : static_cast<int64_t>(c10::elementSize(dt));
-  // received pieces; for a 16-bit wire also the packed casts and the result
-  return roundUp(peers * l.qMax * wsize, 256) +
-         (wire ? roundUp(peers * l.qMax * 2, 256) + roundUp(l.qMax * 2, 256) : 0);
-}
-
 StagedRail::StagedRail(StagedDevice& device, std::vector<int> railRanks, int me, int groupRank,
-                       int groupSize, int64_t chunkBytes, int64_t window, int64_t lag, int streams,
-                       WireDtype wire, bool fused, const c10::intrusive_ptr<c10d::Store>& store,
-                       Hooks hooks)
+                       int groupSize, int64_t chunkBytes, int64_t window, int64_t lag,
+                       WireDtype wire, const c10::intrusive_ptr<c10d::Store>& store, Hooks hooks)
     : dev_(device),
       railRanks_(std::move(railRanks)),
       me_(me),
@@ -131,9 +116,7 @@ StagedRail::StagedRail(StagedDevice& device, std::vector<int> railRanks, int me,
       window_(window),
       // Rank 0's window may be smaller than this rank's: the lag must stay below it.
       lag_(std::min(lag, window - 1)),
-      streams_(streams),
       wire_(wire),
-      fused_(fused),
       store_(store),
       hooks_(std::move(hooks)),
       gate_(std::make_shared<Gate>()) {
@@ -143,8 +126,6 @@ StagedRail::StagedRail(StagedDevice& device, std::vector<int> railRanks, int me,
               "fastcomm: internal: bad rail");
   TORCH_CHECK(window_ >= kCudaWindowMin && window_ <= kCudaWindowMax && lag_ >= 1,
               "fastcomm: internal: staged window ", window_, " or lag ", lag_, " out of range");
-  TORCH_CHECK(streams_ == 1 || streams_ == 3, "fastcomm: internal: staged streams ", streams_,
-              " is not 1 or 3");
   for (int j = 0; j < rails - 1; ++j) peers_.push_back(railRanks_[peerNode(j, me_)]);
   staging_ = stagingFor(rails, chunkBytes_, window_);
   for (int64_t w = 0; w < window_; ++w) storeFlag(dev_.hostFlag(kFlagFree, w), 1);
@@ -245,85 +226,42 @@ bool StagedRail::anyPeerPiece(const HierLayout& l, int64_t k) const {
 }
 
 void StagedRail::issueP(const HierLayout& l, int64_t k, int64_t slot, char* shard, int64_t esize,
-                        bool wire, char* dPack) {
+                        bool wire) {
   dev_.waitFlag(kFlagFree, slot);
-  char* chunk = shard + l.chunkOff(k) * esize;
-  if (fused_) {
-    if (anyPeerPiece(l, k)) {
-      dev_.packToStaging(wire ? wire_ : WireDtype::None, esize, chunk, sendSlot(slot, 0),
-                         staging_.pieceBytes, l, k, me_);
-    }
-    dev_.setFlag(kFlagPacked, slot);
-    return;
-  }
-  if (wire) dev_.pack(wire_, reinterpret_cast<const float*>(chunk), dPack, l, k, me_);
-  const int64_t wsize = wire ? 2 : esize;
-  for (int j = 0; j < static_cast<int>(peers_.size()); ++j) {
-    const int p = peerNode(j, me_);
-    const int64_t len = l.pieceLen(k, p);
-    if (len == 0) continue;
-    const char* src = wire ? dPack + j * l.qMax * wsize : chunk + l.pieceOff(k, p) * esize;
-    dev_.copyToHost(sendSlot(slot, j), src, len * wsize);
+  if (anyPeerPiece(l, k)) {
+    dev_.packToStaging(wire ? wire_ : WireDtype::None, esize, shard + l.chunkOff(k) * esize,
+                       sendSlot(slot, 0), staging_.pieceBytes, l, k, me_);
   }
   dev_.setFlag(kFlagPacked, slot);
 }
 
 void StagedRail::issueA(const HierLayout& l, int64_t k, int64_t slot, char* shard,
-                        at::ScalarType dt, RedOp op, bool wire, char* dRecv, char* dOut) {
+                        at::ScalarType dt, RedOp op, bool wire) {
   dev_.waitFlag(kFlagRsIn, slot);
   const int64_t esize = static_cast<int64_t>(c10::elementSize(dt));
-  const int64_t wsize = wire ? 2 : esize;
   const int64_t len = l.pieceLen(k, me_);
-  const int peers = static_cast<int>(peers_.size());
-  const int64_t divisor = op == RedOp::Avg ? groupSize_ : 0;
-  char* own = shard + (l.chunkOff(k) + l.pieceOff(k, me_)) * esize;
-  if (fused_) {
-    if (len > 0) {
-      dev_.reduceFromStaging(dt, op, wire ? wire_ : WireDtype::None, own, recvSlot(slot, 0),
-                             staging_.pieceBytes, peers, len, divisor, agSendSlot(slot));
-    }
-    dev_.setFlag(kFlagReduced, slot);
-    return;
-  }
   if (len > 0) {
-    // Every peer sent its copy of this rank's piece: R-1 rows of equal length.
-    dev_.copyToDevice2D(dRecv, l.qMax * wsize, recvSlot(slot, 0), staging_.pieceBytes, len * wsize,
-                        peers);
-    dev_.reduce(dt, op, wire ? wire_ : WireDtype::None, own, dRecv, l.qMax, peers, len, divisor,
-                dOut);
-    dev_.copyToHost(agSendSlot(slot), wire ? dOut : own, len * wsize);
+    char* own = shard + (l.chunkOff(k) + l.pieceOff(k, me_)) * esize;
+    const int64_t divisor = op == RedOp::Avg ? groupSize_ : 0;
+    dev_.reduceFromStaging(dt, op, wire ? wire_ : WireDtype::None, own, recvSlot(slot, 0),
+                           staging_.pieceBytes, static_cast<int>(peers_.size()), len, divisor,
+                           agSendSlot(slot));
   }
   dev_.setFlag(kFlagReduced, slot);
 }
 
 void StagedRail::issueB(const HierLayout& l, int64_t k, int64_t slot, char* shard, int64_t esize,
-                        bool wire, char* dPack) {
+                        bool wire) {
   dev_.waitFlag(kFlagAgIn, slot);
-  char* chunk = shard + l.chunkOff(k) * esize;
-  const int64_t wsize = wire ? 2 : esize;
-  const bool any = anyPeerPiece(l, k);
-  if (fused_) {
-    if (any) {
-      dev_.gatherFromStaging(wire ? wire_ : WireDtype::None, esize, agRecvSlot(slot, 0),
-                             staging_.pieceBytes, chunk, l, k, me_);
-    }
-    dev_.setFlag(kFlagGathered, slot);
-    return;
+  if (anyPeerPiece(l, k)) {
+    dev_.gatherFromStaging(wire ? wire_ : WireDtype::None, esize, agRecvSlot(slot, 0),
+                           staging_.pieceBytes, shard + l.chunkOff(k) * esize, l, k, me_);
   }
-  for (int j = 0; j < static_cast<int>(peers_.size()); ++j) {
-    const int p = peerNode(j, me_);
-    const int64_t len = l.pieceLen(k, p);
-    if (len == 0) continue;
-    char* dst = wire ? dPack + j * l.qMax * wsize : chunk + l.pieceOff(k, p) * esize;
-    dev_.copyToDevice(dst, agRecvSlot(slot, j), len * wsize);
-  }
-  if (wire && any) dev_.unpack(wire_, dPack, reinterpret_cast<float*>(chunk), l, k, me_);
   dev_.setFlag(kFlagGathered, slot);
 }
 
 void StagedRail::allreduce(char* shard, int64_t shardElems, at::ScalarType dt, RedOp op,
-                           char* scratch, const OpContext& ctx,
-                           std::function<void(std::exception_ptr)> failWork) {
+                           const OpContext& ctx, std::function<void(std::exception_ptr)> failWork) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (failed_.load()) {
@@ -335,11 +273,6 @@ void StagedRail::allreduce(char* shard, int64_t shardElems, at::ScalarType dt, R
   const bool wire = wireFor(dt, op);
   const int64_t wsize = wire ? 2 : esize;
   const HierLayout l = layoutFor(shardElems, dt, op);
-  const int64_t peers = l.rails - 1;
-  // Device scratch of the copy steps (the fused ones have none).
-  char* dRecv = fused_ ? nullptr : scratch;
-  char* dPack = fused_ ? nullptr : dRecv + roundUp(peers * l.qMax * wsize, 256);
-  char* dOut = fused_ ? nullptr : dPack + (wire ? roundUp(peers * l.qMax * 2, 256) : 0);
 
   const bool capture = dev_.capturing();
   Op desc;
@@ -374,9 +307,9 @@ void StagedRail::allreduce(char* shard, int64_t shardElems, at::ScalarType dt, R
 
   // The schedule (see the header): P of the first window_ chunks, then for
   // each chunk t its reduction A(t), the all-gather copies B(t - lag_) and
-  // the send copies P of the chunk that reuses B's slot. With lanes, each
-  // step goes to its own, in this same order.
-  const bool lanes = streams_ == 3 && fused_ && !capture;
+  // the staging P of the chunk that reuses B's slot. Eager ops put each step
+  // on its lane, in this same order; captured ones keep one stream.
+  const bool lanes = !capture;
   auto lane = [&](int which) {
     if (lanes) dev_.useLane(which);
   };
@@ -384,15 +317,15 @@ void StagedRail::allreduce(char* shard, int64_t shardElems, at::ScalarType dt, R
   auto slotOf = [&](int64_t k) { return (first + k) % window_; };
   auto P = [&](int64_t k) {
     lane(kLaneP);
-    issueP(l, k, slotOf(k), shard, esize, wire, dPack);
+    issueP(l, k, slotOf(k), shard, esize, wire);
   };
   auto A = [&](int64_t k) {
     lane(kLaneA);
-    issueA(l, k, slotOf(k), shard, dt, op, wire, dRecv, dOut);
+    issueA(l, k, slotOf(k), shard, dt, op, wire);
   };
   auto B = [&](int64_t k) {
     lane(kLaneB);
-    issueB(l, k, slotOf(k), shard, esize, wire, dPack);
+    issueB(l, k, slotOf(k), shard, esize, wire);
   };
   if (lanes) dev_.forkLanes();
   for (int64_t k = 0; k < std::min(window_, n); ++k) P(k);
@@ -447,7 +380,7 @@ void StagedRail::enqueueFromStream(void* hostOp) {
 }
 
 void StagedRail::proxyLoop() {
-  affinity::enterBusyThread(kThread);  // the name its timeline rows carry
+  nameThisThread(kThread);  // the name its timeline rows carry
   // Precise short naps: the default 50 us timer slack would stretch every
   // poll interval.
   prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);

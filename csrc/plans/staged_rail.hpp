@@ -6,7 +6,7 @@
 // and pipelined in chunks, the device reducing what arrives.
 // plans/cuda/cuda_hier.* runs it on a GPU (between NCCL's reduce-scatter and
 // all-gather); tests run the same code on the CPU with an emulated device
-// (csrc/python/staged_bindings.cpp).
+// (csrc/testing/staged_rail_bindings.cpp).
 //
 // Per chunk k (kernels/staged_layout.hpp: each chunk of the shard is cut into one
 // piece per rail member, piece p owned by the member on node p):
@@ -17,23 +17,15 @@
 //   A(k): the device reduces those into the own piece and stages the result;
 //   net:  the proxy sends it to every peer and receives theirs;
 //   B(k): the device puts those in place.
-// Each step runs one of two ways (StagedRail's `fused`, FASTCOMM_STAGED_KERNELS):
-//   fused: one device operation per step that reads and writes the staging
-//          in place (StagedDevice::packToStaging, reduceFromStaging,
-//          gatherFromStaging: on a GPU, kernels on mapped pinned or device
-//          staging), so a chunk costs the stream 3 data operations, the
-//          same for every rail size and wire dtype;
-//   copy:  copies between the staging and device scratch around the
-//          reduction and wire-cast kernels: per chunk 2 (R-1) + 3 data
-//          operations, 2 more with a wire dtype.
-// On one in-order stream every operation waits for all those before it, so
-// fewer operations per chunk block each other less.
+// Each step is one device operation that reads and writes the staging in
+// place (StagedDevice::packToStaging, reduceFromStaging, gatherFromStaging:
+// on a GPU, kernels on mapped pinned or device staging), so a chunk costs 3
+// data operations, the same for every rail size and wire dtype.
 //
-// Streams (StagedRail's `streams`, FASTCOMM_CUDA_STREAMS): 1 puts every step
-// on the op's stream; 3 puts the fused steps on three lanes (P, A, B: each in
-// chunk order on a stream of its own, forked from the op's stream and joined
-// back at its end), so a step waiting for the network holds back only its
-// own kind: P(k + W) no longer waits behind the all-gather arrival of chunk
+// Streams: an eager op puts its steps on three lanes (P, A, B: each in chunk
+// order on a stream of its own, forked from the op's stream and joined back
+// at its end), so a step waiting for the network holds back only its own
+// kind: P(k + W) does not wait behind the all-gather arrival of chunk
 // k - lag, nor B(k) behind the reduce-scatter arrival of chunk k + lag. The
 // order of the data is kept by the flags alone: A(k) and B(k) touch
 // disjoint parts of the chunk (this rank's piece, the peers' pieces); B(k)
@@ -47,12 +39,12 @@
 // wait depends only on steps earlier in that order (what makes one stream
 // safe); the earliest unfinished step is then always at the head of its
 // queue. A CUDA graph replays its nodes in an order of its own choosing, so
-// captured ops (and the copy form, whose P and B share device scratch) keep
-// one stream.
-// The caller's thread issues all device work of an op at once, in one
-// stream, in a fixed order in which P of later chunks comes before A/B of
-// earlier ones, so the copies of one chunk, the network of another and the
-// reduction of a third overlap. Device steps that need the network wait on
+// a captured op puts all its steps on the op's stream (one in-order stream
+// is deadlock-free by the same argument).
+// The caller's thread issues all device work of an op at once, in a fixed
+// order in which P of later chunks comes before A/B of earlier ones, so the
+// staging of one chunk, the network of another and the reduction of a third
+// overlap. Device steps that need the network wait on
 // flags in host memory (wait for 1, then reset to 0, so every slot is
 // reusable and a replay sees the same values); the device reports finished
 // steps by setting flags the proxy polls. Only the proxy thread releases the
@@ -157,7 +149,8 @@ enum StagedFlag : int {
   kStagedFlagKinds
 };
 
-// The device side: operations run in issue order on one stream.
+// The device side: operations run in issue order on the stream of the lane
+// in use (useLane).
 class StagedDevice {
  public:
   virtual ~StagedDevice() = default;
@@ -165,25 +158,8 @@ class StagedDevice {
   virtual uint32_t* hostFlag(int kind, int64_t slot) = 0;
   virtual void waitFlag(int kind, int64_t slot) = 0;  // wait for 1, then reset to 0
   virtual void setFlag(int kind, int64_t slot) = 0;   // 1, after the earlier work is visible
-  virtual void copyToHost(void* dst, const void* src, int64_t bytes) = 0;
-  virtual void copyToDevice(void* dst, const void* src, int64_t bytes) = 0;
-  // `rows` rows of `width` bytes.
-  virtual void copyToDevice2D(void* dst, int64_t dpitch, const void* src, int64_t spitch,
-                              int64_t width, int64_t rows) = 0;
-  // own[i] = own[i] op recv[j * stride + i] (j < nPeers, i < n), then divided
-  // by `divisor` when > 0 (AVG). With a wire dtype (float32 sums), `recv`
-  // holds wire values and the result, rounded to the wire dtype, lands both
-  // in own[] and in wireOut[].
-  virtual void reduce(at::ScalarType dt, RedOp op, WireDtype wire, void* own, const void* recv,
-                      int64_t stride, int nPeers, int64_t n, int64_t divisor, void* wireOut) = 0;
-  // The pieces of chunk k for the peers, float32 -> packed wire slots, and back.
-  virtual void pack(WireDtype wire, const float* chunk, void* out, const HierLayout& l, int64_t k,
-                    int me) = 0;
-  virtual void unpack(WireDtype wire, const void* in, float* chunk, const HierLayout& l, int64_t k,
-                      int me) = 0;
-
-  // The fused steps: each one device operation that reads and writes the
-  // staging in place. Staging piece slots lie `pitch` bytes apart, slot j
+  // The steps: each one device operation that reads and writes the staging
+  // in place. Staging piece slots lie `pitch` bytes apart, slot j
   // holding node peerNode(j, me)'s piece; `chunk` is chunk k's first element
   // of `esize` bytes. With a wire dtype the data is float32 and the slots
   // hold wire values.
@@ -208,8 +184,8 @@ class StagedDevice {
   // the call may run.
   virtual void hostCall(void (*fn)(void*), void* arg) = 0;
 
-  // Lanes (StagedRail's `streams` = 3): the fused steps P, A and B of an op
-  // each on a stream of their own. forkLanes(): lanes A and B start after
+  // Lanes (eager ops; see the header): the steps P, A and B of an op each on
+  // a stream of their own. forkLanes(): lanes A and B start after
   // everything issued so far (on the op's stream, which is lane P);
   // useLane(): later operations go to that lane; joinLanes(): the op's
   // stream waits for lanes A and B, and later operations go to it again.
@@ -261,17 +237,12 @@ class StagedRail {
   // `s.device`; `deviceMemoryMoves` says whether both of the rail's
   // transports can move device memory (Transport::supportsDeviceMemory).
   using StagingAllocator = std::function<void(Staging& s, bool deviceMemoryMoves)>;
-  // Device scratch one all_reduce of a shard of `shardElems` needs (copy
-  // steps: received pieces, packed wire casts; fused steps: none).
-  int64_t scratchBytes(int64_t shardElems, at::ScalarType dt, RedOp op) const;
 
   // `railRanks[n]` is the group rank of this rank's rail member on node n
-  // (itself at `me`). `groupSize` divides AVG results. `fused`: the device
-  // steps of the fused form (see the header), else the copy form. `streams`:
-  // 1, or 3 for the lanes of the fused steps (see the header).
+  // (itself at `me`). `groupSize` divides AVG results.
   StagedRail(StagedDevice& device, std::vector<int> railRanks, int me, int groupRank, int groupSize,
-             int64_t chunkBytes, int64_t window, int64_t lag, int streams, WireDtype wire,
-             bool fused, const c10::intrusive_ptr<c10d::Store>& store, Hooks hooks);
+             int64_t chunkBytes, int64_t window, int64_t lag, WireDtype wire,
+             const c10::intrusive_ptr<c10d::Store>& store, Hooks hooks);
   ~StagedRail();
 
   // Connects to the rail peers with two transports (reduce-scatter and
@@ -285,11 +256,10 @@ class StagedRail {
   // Issues the rail phase of an all_reduce of `shard` (device memory, in
   // place) onto the device and hands its op to the proxy (while the device
   // captures: on every replay, see the header). The caller holds the group's
-  // issue lock (so calls come in one order on every rank). `scratch` holds
-  // scratchBytes() of device memory for this op (under capture: memory that
-  // lives as long as the graph). `failWork` may be empty.
-  void allreduce(char* shard, int64_t shardElems, at::ScalarType dt, RedOp op, char* scratch,
-                 const OpContext& ctx, std::function<void(std::exception_ptr)> failWork);
+  // issue lock (so calls come in one order on every rank). `failWork` may be
+  // empty.
+  void allreduce(char* shard, int64_t shardElems, at::ScalarType dt, RedOp op, const OpContext& ctx,
+                 std::function<void(std::exception_ptr)> failWork);
 
   bool wireFor(at::ScalarType dt, RedOp op) const {
     return wire_ != WireDtype::None && dt == at::kFloat && (op == RedOp::Sum || op == RedOp::Avg);
@@ -297,11 +267,8 @@ class StagedRail {
   // The chunks and pieces of one all_reduce: chunks of about chunkBytes of
   // what crosses the network, i.e. of 16-bit elements on a 16-bit wire
   // (twice the float32 elements per chunk), since the per-chunk costs (the
-  // proxy's posts and flags, the device's waits) are paid per wire chunk: on
-  // 4x H200 as 2 x 2 at 256 MiB with bf16 on the wire, 8 MiB float32 chunks
-  // (4 MiB on the wire) ran 55.8 GB/s busbw against ~44-46 with 4 MiB ones
-  // (benchmarks/results/2026-11-22-4xH200-2x2-bf16-wire-chunks.md). Small
-  // ops take smaller chunks (at least 4, of at least 256 KiB; the .cpp says
+  // proxy's posts and flags, the device's waits) are paid per wire chunk.
+  // Small ops take smaller chunks (at least 4, of at least 256 KiB; the .cpp says
   // why), so their steps overlap too.
   HierLayout layoutFor(int64_t shardElems, at::ScalarType dt, RedOp op) const;
   bool failed() const { return failed_.load(); }
@@ -309,9 +276,7 @@ class StagedRail {
   bool hasCaptured() const { return !captured_.empty(); }
   int64_t stagingBytes() const { return staging_.bytes; }
   bool stagingOnDevice() const { return staging_.device; }
-  bool fused() const { return fused_; }
   int64_t lag() const { return lag_; }
-  int streams() const { return streams_; }
   std::string transportName() const;
 
   // From the group's abort: closes the transports (requests in flight fail,
@@ -346,12 +311,10 @@ class StagedRail {
   std::string laggingNote(const Op& op);
   void publishReason(const std::string& why);
 
-  void issueP(const HierLayout& l, int64_t k, int64_t slot, char* shard, int64_t esize, bool wire,
-              char* dPack);
+  void issueP(const HierLayout& l, int64_t k, int64_t slot, char* shard, int64_t esize, bool wire);
   void issueA(const HierLayout& l, int64_t k, int64_t slot, char* shard, at::ScalarType dt,
-              RedOp op, bool wire, char* dRecv, char* dOut);
-  void issueB(const HierLayout& l, int64_t k, int64_t slot, char* shard, int64_t esize, bool wire,
-              char* dPack);
+              RedOp op, bool wire);
+  void issueB(const HierLayout& l, int64_t k, int64_t slot, char* shard, int64_t esize, bool wire);
   bool anyPeerPiece(const HierLayout& l, int64_t k) const;  // chunk k has a peer's piece
   char* sendSlot(int64_t slot, int j) const;                // pieces for peer j
   char* recvSlot(int64_t slot, int j) const;                // this rank's piece from peer j
@@ -369,9 +332,7 @@ class StagedRail {
   // chunk k + lag_, so the stream does not sit waiting for the network of a
   // chunk it just reduced while later chunks' pieces already arrived.
   int64_t lag_;
-  int streams_;  // 1, or 3: the lanes (see the header)
   WireDtype wire_;
-  bool fused_;
   c10::intrusive_ptr<c10d::Store> store_;  // the group's (failure reasons)
   Hooks hooks_;
   std::unique_ptr<transport::Transport> rsNet_, agNet_;

@@ -4,13 +4,9 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/python.h>
 
-#include <map>
-#include <optional>
-#include <utility>
 #include <vector>
 
 #include "backend/process_group.hpp"
-#include "common/affinity.hpp"
 #include "common/timeline.hpp"
 
 #ifdef FASTCOMM_WITH_CUDA
@@ -88,25 +84,4 @@ PYBIND11_MODULE(_C, m) {
     return py::none();
 #endif
   });
-
-  m.def(
-      "_affinity_slice",
-      [](const std::vector<int>& allowed, int localRank, int localSize,
-         const std::optional<std::map<int, std::pair<int, int>>>& cores) {
-        if (!cores) {
-          return fastcomm::affinity::sliceOfCores(allowed, localRank, localSize,
-                                                  fastcomm::affinity::sysfsCoreOf);
-        }
-        return fastcomm::affinity::sliceOfCores(allowed, localRank, localSize, [&](int cpu) {
-          auto it = cores->find(cpu);
-          TORCH_CHECK(it != cores->end(), "fastcomm: no core given for CPU ", cpu);
-          return it->second;
-        });
-      },
-      py::arg("allowed"), py::arg("local_rank"), py::arg("local_size"),
-      py::arg("cores") = py::none(),
-      "FASTCOMM_CPU_AFFINITY=local's slice of `allowed` for a local rank: whole cores (a map "
-      "CPU -> (package, core), default: this host's sysfs), sorted.");
-
-
 }

@@ -18,6 +18,8 @@ void bindStagedRail(pybind11::module_& m);
 void bindStagedKernels(pybind11::module_& m);
 // The settings table of common/config.hpp.
 void bindConfig(pybind11::module_& m);
+// set_matmul_config / reset_matmul_config: the matmul kernel choices (tests/test_ops.py).
+void bindMatmul(pybind11::module_& m);
 
 }  // namespace testing
 }  // namespace fastcomm

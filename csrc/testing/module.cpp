@@ -11,4 +11,5 @@ PYBIND11_MODULE(_testing, m) {
   fastcomm::testing::bindStagedRail(m);
   fastcomm::testing::bindStagedKernels(m);
   fastcomm::testing::bindConfig(m);
+  fastcomm::testing::bindMatmul(m);
 }

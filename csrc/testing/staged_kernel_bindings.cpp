@@ -1,5 +1,5 @@
 // The staged rail's chunk/piece layout (kernels/staged_layout.hpp) and, in
-// CUDA builds, its fused staging kernels alone (kernels/staged_kernels.hpp),
+// CUDA builds, its staging kernels alone (kernels/staged_kernels.hpp),
 // for tests/test_hier_layout.py and tests/test_staged_kernels.py.
 #include <pybind11/stl.h>
 #include <torch/python.h>
@@ -46,7 +46,7 @@ hierk::Op opOf(const std::string& op) {
   return hierk::Op::Max;
 }
 
-// The fused staging kernels alone, on the current stream, with
+// The staging kernels alone, on the current stream, with
 // the tensors' own addresses (storage offsets included, so tests choose the
 // alignment). Staging tensors are bytes in device or pinned host memory.
 void bindKernels(py::module_& m) {
@@ -95,7 +95,7 @@ namespace testing {
 void bindStagedKernels(py::module_& m) {
   m.def(
       "_hier_layout",
-      [](int64_t shard, int rails, int64_t chunkBytes, int64_t esize, int me, bool packed) {
+      [](int64_t shard, int rails, int64_t chunkBytes, int64_t esize) {
         using fastcomm::HierLayout;
         const HierLayout l = HierLayout::make(shard, rails, chunkBytes, esize);
         py::dict d;
@@ -113,20 +113,13 @@ void bindStagedKernels(py::module_& m) {
           c["len"] = l.chunkLen(k);
           c["q"] = l.q(k);
           c["pieces"] = pieces;
-          if (packed) {
-            py::list map;
-            for (int64_t i = 0; i < (rails - 1) * l.qMax; ++i)
-              map.append(fastcomm::packedToChunk(l, k, me, i));
-            c["packed"] = map;
-          }
           chunks.append(c);
         }
         d["chunks"] = chunks;
         return d;
       },
       "the chunk/piece layout of the CUDA multi-node all_reduce.", py::arg("shard"),
-      py::arg("rails"), py::arg("chunk_bytes"), py::arg("esize"), py::arg("me") = 0,
-      py::arg("packed") = false);
+      py::arg("rails"), py::arg("chunk_bytes"), py::arg("esize"));
 #ifdef FASTCOMM_WITH_CUDA
   bindKernels(m);
 #endif

@@ -1,8 +1,8 @@
 // Test-only: the rail phase of the CUDA multi-node all_reduce
 // (plans/staged_rail.hpp) on the CPU. An emulated device runs the device
-// operations in issue order on one thread per lane (one stream, or three
-// with `streams` = 3), its waits polling host flags as cuStreamWaitValue32
-// polls them on a GPU, so the proxy, the schedule, the flag protocol, the
+// operations in issue order on one thread per lane (three for eager ops, one
+// under capture, as on a GPU), its waits polling host flags as
+// cuStreamWaitValue32 polls them on a GPU, so the proxy, the schedule, the flag protocol, the
 // transports and the failure handling are the very code the GPU runs,
 // checked without one (tests/test_staged_rail.py).
 #include "testing/bindings.hpp"
@@ -121,60 +121,7 @@ class EmulatedDevice final : public StagedDevice {
     uint32_t* f = hostFlag(kind, slot);
     enqueue([f] { storeFlag(f, 1); });
   }
-  void copyToHost(void* dst, const void* src, int64_t bytes) override {
-    enqueue([=] { std::memcpy(dst, src, bytes); });
-  }
-  void copyToDevice(void* dst, const void* src, int64_t bytes) override {
-    enqueue([=] { std::memcpy(dst, src, bytes); });
-  }
-  void copyToDevice2D(void* dst, int64_t dpitch, const void* src, int64_t spitch, int64_t width,
-                      int64_t rows) override {
-    enqueue([=] {
-      for (int64_t r = 0; r < rows; ++r)
-        std::memcpy(static_cast<char*>(dst) + r * dpitch,
-                    static_cast<const char*>(src) + r * spitch, width);
-    });
-  }
-  void reduce(at::ScalarType dt, RedOp op, WireDtype wire, void* own, const void* recv,
-              int64_t stride, int nPeers, int64_t n, int64_t divisor, void* wireOut) override {
-    enqueue([=] {
-      if (wire != WireDtype::None) {
-        float* o = static_cast<float*>(own);
-        for (int64_t i = 0; i < n; ++i) {
-          float acc = o[i];
-          for (int j = 0; j < nPeers; ++j) acc += wireToFloat(wire, recv, j * stride + i);
-          if (divisor > 0) acc /= static_cast<float>(divisor);
-          o[i] = floatToWire(wire, wireOut, i, acc);
-        }
-        return;
-      }
-      const int64_t esize = static_cast<int64_t>(c10::elementSize(dt));
-      std::vector<const void*> ins{own};
-      for (int j = 0; j < nPeers; ++j)
-        ins.push_back(static_cast<const char*>(recv) + j * stride * esize);
-      reduceInto(own, ins.data(), static_cast<int>(ins.size()), n, dt, op,
-                 divisor > 0 ? static_cast<int>(divisor) : 1);
-    });
-  }
-  void pack(WireDtype wire, const float* chunk, void* out, const HierLayout& l, int64_t k,
-            int me) override {
-    enqueue([=] {
-      for (int64_t i = 0; i < (l.rails - 1) * l.qMax; ++i) {
-        const int64_t src = packedToChunk(l, k, me, i);
-        if (src >= 0) floatToWire(wire, out, i, chunk[src]);
-      }
-    });
-  }
-  void unpack(WireDtype wire, const void* in, float* chunk, const HierLayout& l, int64_t k,
-              int me) override {
-    enqueue([=] {
-      for (int64_t i = 0; i < (l.rails - 1) * l.qMax; ++i) {
-        const int64_t dst = packedToChunk(l, k, me, i);
-        if (dst >= 0) chunk[dst] = wireToFloat(wire, in, i);
-      }
-    });
-  }
-  // The fused steps, each one operation (what one kernel does on a GPU).
+  // The steps, each one operation (what one kernel does on a GPU).
   void packToStaging(WireDtype wire, int64_t esize, const void* chunk, void* slots, int64_t pitch,
                      const HierLayout& l, int64_t k, int me) override {
     enqueue([=] {
@@ -363,15 +310,11 @@ class StagedRailEndpoint {
  public:
   StagedRailEndpoint(const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix,
                      int rank, int size, int64_t chunkBytes, int64_t window, int64_t lag,
-                     int streams, const std::string& wire, const std::string& kernels,
-                     std::chrono::milliseconds timeout)
+                     const std::string& wire, std::chrono::milliseconds timeout)
       : timeout_(timeout), rails_(size), chunkBytes_(chunkBytes), dev_(window) {
     TORCH_CHECK(window >= kCudaWindowMin && window <= kCudaWindowMax,
                 "fastcomm: staged rail test: window must be from ", kCudaWindowMin, " to ",
                 kCudaWindowMax);
-    TORCH_CHECK(streams == 1 || streams == 3, "fastcomm: staged rail test: streams must be 1 or 3");
-    TORCH_CHECK(kernels == "fused" || kernels == "copy",
-                "fastcomm: staged rail test: kernels must be fused or copy, not ", kernels);
     auto group = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
     std::vector<int> ranks(size);
     for (int r = 0; r < size; ++r) ranks[r] = r;
@@ -381,8 +324,7 @@ class StagedRailEndpoint {
       if (rail_) rail_->abort(why);
     };
     rail_ = std::make_unique<StagedRail>(dev_, ranks, rank, rank, size, chunkBytes, window, lag,
-                                         streams, parseWireDtype(wire), kernels == "fused", group,
-                                         hooks);
+                                         parseWireDtype(wire), group, hooks);
     const Config cfg = Config::fromEnv();
     if (cfg.timeline) Timeline::setEnabled(true);  // as a process group would
     rail_->connect("tcp", cfg, c10::make_intrusive<c10d::PrefixStore>("rail", group),
@@ -403,25 +345,20 @@ class StagedRailEndpoint {
                 "fastcomm: staged rail test: a non-empty contiguous CPU tensor is needed");
     const RedOp op = redOpOf(opName);
     const auto ctx = OpContext::start("all_reduce", ++seq_, timeout_);
-    at::Tensor scratch = at::empty({rail_->scratchBytes(t.numel(), t.scalar_type(), op)},
-                                   t.options().dtype(at::kByte));
     if (capture_) {
       // The graph keeps its buffers (as a CUDA graph's memory pool does); a
       // failure in a replay fails the replays of it in flight.
       capture_->keep.push_back(t);
-      capture_->keep.push_back(scratch);
       std::weak_ptr<Graph> g = capture_;
-      rail_->allreduce(static_cast<char*>(t.data_ptr()), t.numel(), t.scalar_type(), op,
-                       static_cast<char*>(scratch.data_ptr()), ctx, [g](std::exception_ptr e) {
+      rail_->allreduce(static_cast<char*>(t.data_ptr()), t.numel(), t.scalar_type(), op, ctx,
+                       [g](std::exception_ptr e) {
                          if (auto graph = g.lock()) graph->fail(e);
                        });
       return -1;
     }
     auto p = std::make_shared<Pending>();
     p->tensor = t;
-    p->scratch = scratch;
-    rail_->allreduce(static_cast<char*>(t.data_ptr()), t.numel(), t.scalar_type(), op,
-                     static_cast<char*>(scratch.data_ptr()), ctx,
+    rail_->allreduce(static_cast<char*>(t.data_ptr()), t.numel(), t.scalar_type(), op, ctx,
                      [p](std::exception_ptr e) { p->fail(e); });
     dev_.marker([p] { p->finish(); });
     const int64_t id = nextTicket_++;
@@ -502,7 +439,7 @@ class StagedRailEndpoint {
     std::condition_variable cv;
     bool done = false;
     std::exception_ptr error;
-    at::Tensor tensor, scratch;
+    at::Tensor tensor;
     void fail(std::exception_ptr e) {
       std::lock_guard<std::mutex> lock(mu);
       if (!error) error = e;
@@ -551,16 +488,14 @@ void bindStagedRail(py::module_& m) {
   py::class_<StagedRailEndpoint>(m, "_StagedRailEndpoint")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix,
                        int rank, int size, int64_t chunkBytes, int64_t window, int64_t lag,
-                       int streams, const std::string& wire, const std::string& kernels,
-                       double timeoutS) {
+                       const std::string& wire, double timeoutS) {
              return std::make_unique<StagedRailEndpoint>(
-                 store, prefix, rank, size, chunkBytes, window, lag, streams, wire, kernels,
+                 store, prefix, rank, size, chunkBytes, window, lag, wire,
                  std::chrono::milliseconds(static_cast<int64_t>(timeoutS * 1000)));
            }),
            py::arg("store"), py::arg("prefix"), py::arg("rank"), py::arg("size"),
            py::arg("chunk_bytes"), py::arg("window") = Config().cudaWindow,
-           py::arg("lag") = Config().cudaLag, py::arg("streams") = Config().cudaStreams,
-           py::arg("wire") = "none", py::arg("kernels") = "fused", py::arg("timeout_s") = 30.0,
+           py::arg("lag") = Config().cudaLag, py::arg("wire") = "none", py::arg("timeout_s") = 30.0,
            py::call_guard<py::gil_scoped_release>())
       .def("issue", &StagedRailEndpoint::issue, py::arg("tensor"), py::arg("op") = "SUM",
            py::call_guard<py::gil_scoped_release>())

@@ -18,7 +18,7 @@
 #include <thread>
 #include <unordered_map>
 
-#include "common/affinity.hpp"
+#include "common/thread_name.hpp"
 #include "common/logging.hpp"
 #include "common/store_util.hpp"
 #include "inter/ib/device.hpp"
@@ -1105,7 +1105,7 @@ void Engine::timers() {
 }
 
 void Engine::run() {
-  affinity::enterBusyThread("fc-ib");
+  nameThisThread("fc-ib");
   std::vector<Completion> wcs(64);
   auto nextTimer = Clock::now() + kTimerPeriod;
   while (!stop_.load(std::memory_order_acquire)) {

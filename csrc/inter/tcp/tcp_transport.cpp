@@ -22,7 +22,7 @@
 #include <thread>
 #include <unordered_map>
 
-#include "common/affinity.hpp"
+#include "common/thread_name.hpp"
 #include "common/logging.hpp"
 #include "common/store_util.hpp"
 #include "inter/notifier.hpp"
@@ -494,7 +494,7 @@ class TcpConnection : public Connection {
 
 void Worker::run() {
   tlsWorker_ = this;
-  affinity::enterBusyThread("fc-tcp" + std::to_string(id_));
+  nameThisThread("fc-tcp" + std::to_string(id_));
   constexpr int kMaxEvents = 64;
   epoll_event evs[kMaxEvents];
   while (!stop_.load(std::memory_order_acquire)) {

@@ -10,9 +10,9 @@
 //   2. otherwise the mma.sync tensor-core kernel (kernels/matmul_sm80.cu) on
 //      sm_80+;
 //   3. otherwise the CUDA-core kernel (kernels/matmul_simt.cu).
-// The FASTCOMM_MATMUL_* knobs (common/config.hpp, MatmulConfig) force a path,
-// tile, schedule, cluster size, epilogue or tile order; they are read on
-// every call so that tests and benchmarks can switch kernels in one process.
+// The FASTCOMM_MATMUL_* settings (common/config.hpp, MatmulConfig; read once,
+// ops/matmul_config.hpp) force a path, tile, schedule, epilogue or tile order,
+// for debugging.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -20,43 +20,20 @@
 #include <torch/library.h>
 
 #include <cstdint>
-#include <mutex>
 #include <optional>
-#include <stdexcept>
 #include <string>
 #include <string_view>
 
 #include "common/config.hpp"
-#include "common/logging.hpp"
 #include "kernels/matmul_api.h"
 #include "ops/matmul_common.h"
+#include "ops/matmul_config.hpp"
 
 namespace fastcomm {
 namespace ops {
 namespace {
 
 namespace kc = ::fastcomm::ops::cuda;
-
-// The knobs of this call; logged when they differ from the last call's.
-MatmulConfig matmul_config() {
-  MatmulConfig c;
-  try {
-    c = MatmulConfig::fromEnv();
-  } catch (const std::invalid_argument& e) {
-    TORCH_CHECK(false, e.what());
-  }
-  if (logLevel() >= LogLevel::Info) {
-    static std::mutex mu;
-    static std::string last;
-    std::string d = c.describe();
-    std::lock_guard<std::mutex> lock(mu);
-    if (d != last) {
-      FASTCOMM_LOG(Info, d);
-      last = std::move(d);
-    }
-  }
-  return c;
-}
 
 kc::Tile to_tile(const std::string& v) {
   return v == "large" ? kc::Tile::kLarge : v == "small" ? kc::Tile::kSmall : kc::Tile::kAuto;
@@ -68,10 +45,8 @@ kc::WgmmaOptions wgmma_options(const MatmulConfig& c) {
             : c.sched == "pingpong" ? kc::WgmmaSched::kPingpong
                                     : kc::WgmmaSched::kAuto;
   o.tile = to_tile(c.tile);
-  o.cluster = c.cluster == "1" ? 1 : c.cluster == "2" ? 2 : 0;
   o.epi = c.epi == "direct"    ? kc::WgmmaEpi::kDirect
           : c.epi == "tma"     ? kc::WgmmaEpi::kTma
-          : c.epi == "tma2"    ? kc::WgmmaEpi::kTmaLean
           : c.epi == "offload" ? kc::WgmmaEpi::kOffload
                                : kc::WgmmaEpi::kAuto;
   o.raster = c.raster == "m"   ? kc::Raster::kM
@@ -134,15 +109,14 @@ bool try_layout(const at::Tensor& t, int unit_dim, Operand& op) {
 
 // Prepares t [R][C] for a tensor-core kernel. `k_dim` is the dimension of t
 // that is the GEMM's K (1 for A [M][K], 0 for B [K][N]); K-major (unit
-// stride along k_dim) is preferred, M/N-major is taken when allowed, and
-// anything else is copied into a K-major buffer with a padded leading
-// dimension.
-Operand prepare_tc_operand(const at::Tensor& t, int k_dim, bool allow_mn_major) {
+// stride along k_dim) or M/N-major is taken as it is, anything else is
+// copied into a K-major buffer with a padded leading dimension.
+Operand prepare_tc_operand(const at::Tensor& t, int k_dim) {
   {
     Operand op;
     if (try_layout(t, k_dim, op)) return op;
   }
-  if (allow_mn_major) {
+  {
     Operand op;
     if (try_layout(t, 1 - k_dim, op)) return op;
   }
@@ -226,22 +200,22 @@ at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias
   args.bias = o.bias.defined() ? o.bias.const_data_ptr() : nullptr;
   args.c = o.out.mutable_data_ptr();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(p.A.device().index()).stream();
-  const MatmulConfig cfg = matmul_config();
+  const MatmulConfig cfg = matmulConfig();
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
 
   cudaError_t err = cudaSuccess;
   switch (choose_path(args, cfg, prop)) {
     case Path::kWgmma: {
-      Operand a = prepare_tc_operand(p.A, 1, cfg.wgmmaMnMajor);
-      Operand b = prepare_tc_operand(p.B, 0, cfg.wgmmaMnMajor);
+      Operand a = prepare_tc_operand(p.A, 1);
+      Operand b = prepare_tc_operand(p.B, 0);
       fill_ab(args, a, b);
-      TORCH_INTERNAL_ASSERT(kc::gemm_wgmma_supported(args, cfg.wgmmaMnMajor));
+      TORCH_INTERNAL_ASSERT(kc::gemm_wgmma_supported(args));
       err = kc::launch_gemm_wgmma_sm90(args, prop->multiProcessorCount, wgmma_options(cfg), stream);
       break;
     }
     case Path::kMma: {
-      Operand a = prepare_tc_operand(p.A, 1, true);
-      Operand b = prepare_tc_operand(p.B, 0, true);
+      Operand a = prepare_tc_operand(p.A, 1);
+      Operand b = prepare_tc_operand(p.B, 0);
       fill_ab(args, a, b);
       TORCH_INTERNAL_ASSERT(kc::gemm_mma_supported(args));
       err = kc::launch_gemm_mma_sm80(args, prop->multiProcessorCount, to_tile(cfg.tile), stream);
@@ -256,7 +230,7 @@ at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias
 }
 
 // fastcomm::_kernel_name(a, b, activation): the kernel matmul(a, b) would
-// run here with the current FASTCOMM_MATMUL_* settings and that activation
+// run here with the current matmul settings and that activation
 // in its epilogue (tests, benchmark reports).
 std::string kernel_name_cuda(const at::Tensor& a, const at::Tensor& b,
                              c10::string_view activation) {
@@ -269,7 +243,7 @@ std::string kernel_name_cuda(const at::Tensor& a, const at::Tensor& b,
   // 512-byte aligned: any aligned address stands for it here.
   alignas(16) static const char aligned_c[16] = {};
   args.c = const_cast<char*>(aligned_c);
-  const MatmulConfig cfg = matmul_config();
+  const MatmulConfig cfg = matmulConfig();
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
   switch (choose_path(args, cfg, prop)) {
     case Path::kWgmma:

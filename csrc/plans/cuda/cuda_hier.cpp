@@ -20,12 +20,8 @@ namespace fastcomm {
 namespace {
 
 // After a failure, how long shutdown waits for the comm stream to drain
-// before leaking the staging rather than freeing it under the copy engines
-// or kernels.
+// before leaking the staging rather than freeing it under the kernels.
 constexpr auto kDrainLimit = std::chrono::seconds(10);
-// Most segments of one segmented all_reduce (each is a rail op of its own,
-// with its own pipeline ramp: more would cost more than they overlap).
-constexpr int64_t kMaxSegments = 16;
 
 constexpr int64_t kFlagStride = 16;  // uint32 words per flag: one 64-byte line each
 // Flags are laid out for the largest window, whatever the plan's is.
@@ -111,7 +107,7 @@ uint32_t loadFlag(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIR
 // the rail's device: every operation goes to `stream` (the group's comm
 // stream, set for each all_reduce), or with lanes to the lane's stream.
 //
-// Memory ordering of the fused steps, whose kernels read and write the
+// Memory ordering of the steps, whose kernels read and write the
 // staging directly (mapped pinned host memory, or device memory that the
 // transport moves: GPUDirect RDMA or the ib emulation's cudaMemcpy):
 // - Device -> proxy: a kernel's stores to the staging are followed on the
@@ -122,7 +118,7 @@ uint32_t loadFlag(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIR
 //   semantics to __threadfence_system() but is scoped to the stream rather
 //   than a CUDA thread" (CUstreamWriteValue_flags), i.e. every store of the
 //   finished kernel is visible system-wide (to the proxy, to the NIC) before
-//   the flag is. This is what already made the copy engines' copies visible.
+//   the flag is.
 //   The kernels store to the staging with st.global.wt (write through L2 to
 //   system memory; PTX ISA, "Cache Operators"), so nothing waits in L2.
 // - Proxy -> device: the proxy writes the flag (release) only after the
@@ -151,17 +147,13 @@ struct CudaHier::Resources : StagedDevice {
   std::string stagingWhy;         // where the staging is, and why (describe())
   bool leak = false;              // the GPU may still use the memory: never free
   cudaStream_t stream = nullptr;  // the op's (lane P)
-  // Where operations go now: `stream`, or a lane's (FASTCOMM_CUDA_STREAMS=3).
+  // Where operations go now: `stream`, or a lane's (eager ops).
   cudaStream_t active = nullptr;
   // Lanes A and B, and the events that fork them from `stream` and join
-  // them back (reused by every op, like the segments' events).
+  // them back, reused by every op (a wait takes the event's last record at
+  // the time it is issued, so re-recording is safe).
   cudaStream_t laneA = nullptr, laneB = nullptr;
   cudaEvent_t laneFork = nullptr, laneJoinA = nullptr, laneJoinB = nullptr;
-  // Segmented all_reduces (FASTCOMM_CUDA_SEGMENT_BYTES): the stream of their
-  // intra-node NCCL steps, and events reused by every call (a wait takes the
-  // event's last record at the time it is issued, so re-recording is safe).
-  cudaStream_t side = nullptr;
-  std::vector<cudaEvent_t> events;
 
   CUdeviceptr flagDev(int kind, int64_t slot) const {
     return flagsDev + static_cast<CUdeviceptr>((kind * kCudaWindowMax + slot) * kFlagStride *
@@ -187,32 +179,6 @@ struct CudaHier::Resources : StagedDevice {
     // so the proxy sees their data once it sees the flag.
     cuCheck(writeValue(active, flagDev(kind, slot), 1, CU_STREAM_WRITE_VALUE_DEFAULT),
             "cuStreamWriteValue32");
-  }
-  // The staging may be host or device memory: the copies let the runtime
-  // tell (cudaMemcpyDefault, unified addressing).
-  void copyToHost(void* dst, const void* src, int64_t bytes) override {
-    cudaCheck(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, active), "copy to staging");
-  }
-  void copyToDevice(void* dst, const void* src, int64_t bytes) override {
-    cudaCheck(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, active), "copy from staging");
-  }
-  void copyToDevice2D(void* dst, int64_t dpitch, const void* src, int64_t spitch, int64_t width,
-                      int64_t rows) override {
-    cudaCheck(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, rows, cudaMemcpyDefault, active),
-              "copy from staging");
-  }
-  void reduce(at::ScalarType dt, RedOp op, WireDtype wire, void* own, const void* recv,
-              int64_t stride, int nPeers, int64_t n, int64_t divisor, void* wireOut) override {
-    hierk::reduce(elemOf(dt), kernelOp(op), kernelWire(wire), own, recv, stride, nPeers, n, divisor,
-                  wireOut, active);
-  }
-  void pack(WireDtype wire, const float* chunk, void* out, const HierLayout& l, int64_t k,
-            int me) override {
-    hierk::pack(kernelWire(wire), chunk, out, l, k, me, active);
-  }
-  void unpack(WireDtype wire, const void* in, float* chunk, const HierLayout& l, int64_t k,
-              int me) override {
-    hierk::unpack(kernelWire(wire), in, chunk, l, k, me, active);
   }
   void packToStaging(WireDtype wire, int64_t esize, const void* chunk, void* slots, int64_t pitch,
                      const HierLayout& l, int64_t k, int me) override {
@@ -254,19 +220,8 @@ struct CudaHier::Resources : StagedDevice {
     cudaCheck(cudaLaunchHostFunc(stream, fn, arg), "cudaLaunchHostFunc");
   }
 
-  static std::unique_ptr<Resources> make(int rails, int64_t chunkBytes, int64_t window,
-                                         bool segmented) {
+  static std::unique_ptr<Resources> make(int rails, int64_t chunkBytes, int64_t window) {
     auto r = std::make_unique<Resources>();
-    if (segmented) {
-      // Before the vote, like the staging: a rank that cannot make them
-      // keeps every rank on the flat path (the segment count must agree).
-      cudaCheck(cudaStreamCreateWithFlags(&r->side, cudaStreamNonBlocking), "cudaStreamCreate");
-      r->events.resize(2 + 2 * kMaxSegments);
-      for (auto& e : r->events)
-        cudaCheck(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
-    }
-    // The lanes' streams, made for every rank: cheap, and FASTCOMM_CUDA_STREAMS
-    // is local.
     cudaCheck(cudaStreamCreateWithFlags(&r->laneA, cudaStreamNonBlocking), "cudaStreamCreate");
     cudaCheck(cudaStreamCreateWithFlags(&r->laneB, cudaStreamNonBlocking), "cudaStreamCreate");
     for (cudaEvent_t* e : {&r->laneFork, &r->laneJoinA, &r->laneJoinB})
@@ -296,7 +251,7 @@ struct CudaHier::Resources : StagedDevice {
     cudaCheck(cudaHostGetDevicePointer(&dev, r->flags, 0), "cudaHostGetDevicePointer");
     r->flagsDev = reinterpret_cast<CUdeviceptr>(dev);
 
-    // Mapped, so kernels reach it (the fused steps); allocated before the
+    // Mapped, so kernels reach it; allocated before the
     // vote, so a rank that cannot get it keeps every rank on the flat path.
     r->stagingBytes = StagedRail::stagingFor(rails, chunkBytes, window).bytes;
     cudaCheck(cudaHostAlloc(reinterpret_cast<void**>(&r->pinnedStaging), r->stagingBytes,
@@ -401,9 +356,6 @@ struct CudaHier::Resources : StagedDevice {
 
   ~Resources() override {
     if (leak) return;
-    for (cudaEvent_t e : events)
-      if (e != nullptr) cudaEventDestroy(e);
-    if (side != nullptr) cudaStreamDestroy(side);
     for (cudaEvent_t e : {laneFork, laneJoinA, laneJoinB})
       if (e != nullptr) cudaEventDestroy(e);
     for (cudaStream_t l : {laneA, laneB})
@@ -433,8 +385,7 @@ std::unique_ptr<CudaHier> CudaHier::create(const c10::intrusive_ptr<c10d::Store>
   std::unique_ptr<Resources> res;
   std::string problem;
   try {
-    res = Resources::make(topo.numNodes(), plan.cudaChunkBytes, plan.cudaWindow,
-                          plan.cudaSegmentBytes > 0 && topo.localSize > 1);
+    res = Resources::make(topo.numNodes(), plan.cudaChunkBytes, plan.cudaWindow);
   } catch (const std::exception& e) {
     problem = errorText(e);
     if (problem.empty()) problem = "unknown error";
@@ -483,8 +434,7 @@ std::unique_ptr<CudaHier> CudaHier::create(const c10::intrusive_ptr<c10d::Store>
   for (const auto& node : topo.nodeRanks) rail.push_back(node[topo.localRank]);
   h->rail_ = std::make_unique<StagedRail>(
       *h->res_, std::move(rail), topo.myNode, topo.rank, topo.size, plan.cudaChunkBytes,
-      plan.cudaWindow, cfg.cudaLag, cfg.cudaStreams, parseWireDtype(plan.wireDtype),
-      cfg.stagedFused, store, std::move(hooks));
+      plan.cudaWindow, cfg.cudaLag, parseWireDtype(plan.wireDtype), store, std::move(hooks));
   Resources* r = h->res_.get();
   h->rail_->connect(plan.transport, cfg,
                     c10::make_intrusive<c10d::PrefixStore>("fastcomm/cuda_hier", store), ctx,
@@ -513,17 +463,11 @@ std::string CudaHier::describe() const {
      << " rail peer(s) per rank over " << rail_->transportName() << " through "
      << (rail_->stagingOnDevice() ? "device" : "pinned host") << " staging, pipelined in chunks of "
      << plan_.cudaChunkBytes << " B (window " << plan_.cudaWindow << ", lag " << rail_->lag()
-     << "), reduction on the GPU, "
-     << (rail_->fused() ? "fused staging kernels" : "copy-engine staging copies")
-     << (rail_->fused() && rail_->streams() == 3 ? " on 3 streams" : "")
+     << "), reduction on the GPU, staging kernels on 3 streams (1 in a CUDA graph)"
      << (plan_.wireDtype != "none" ? ", float32 sums as " + plan_.wireDtype + " on the wire" : "")
-     << (topo_.localSize > 1 ? ", NCCL all-gather in the node" : "")
-     << (res_->side != nullptr
-             ? " (in segments of about " + std::to_string(plan_.cudaSegmentBytes) +
-                   " B, the node's steps on a second stream under the rail's)"
-             : std::string())
-     << "; " << (rail_->stagingBytes() >> 20) << " MiB of staging per rank (here "
-     << res_->stagingWhy << ")";
+     << (topo_.localSize > 1 ? ", NCCL all-gather in the node" : "") << "; "
+     << (rail_->stagingBytes() >> 20) << " MiB of staging per rank (here " << res_->stagingWhy
+     << ")";
   return os.str();
 }
 
@@ -540,15 +484,6 @@ void CudaHier::allreduce(const at::Tensor& t, RedOp op, cudaStream_t s, const Op
   const at::ScalarType dt = t.scalar_type();
   const int64_t esize = static_cast<int64_t>(t.element_size());
   const int64_t numel = t.numel();
-  if (res_->side != nullptr) {
-    // The same count on every rank: the plan and the tensor size agree.
-    const int64_t seg = plan_.cudaSegmentBytes;
-    const int64_t G = std::min(kMaxSegments, (numel * esize + seg - 1) / seg);
-    if (G > 1) {
-      allreduceSegmented(t, op, s, ctx, std::move(failWork), G);
-      return;
-    }
-  }
   const int64_t S = (numel + L - 1) / L;  // shard elements
   at::Tensor flat = t.view({-1});
   at::Tensor buf = flat;
@@ -565,77 +500,11 @@ void CudaHier::allreduce(const at::Tensor& t, RedOp op, cudaStream_t s, const Op
                                 intra_, s),
               intra_, ctx.name);
   }
-  // Device scratch from the caching allocator, on this stream.
-  at::Tensor scratch = at::empty({rail_->scratchBytes(S, dt, op)}, t.options().dtype(at::kByte));
   res_->stream = res_->active = s;
-  rail_->allreduce(shard, S, dt, op, static_cast<char*>(scratch.data_ptr()), ctx,
-                   std::move(failWork));
+  rail_->allreduce(shard, S, dt, op, ctx, std::move(failWork));
   if (L > 1) {
     ncclCheck(ncclAllGather(shard, base, S, ncclType(dt), intra_, s), intra_, ctx.name);
   }
-  if (!buf.is_same(flat)) flat.copy_(buf.narrow(0, 0, numel));
-}
-
-// G segments of L equal shards each (the tensor padded to G x L x Sg
-// elements where it does not divide). The node's NCCL steps go to the side
-// stream, forked from and joined back to `s` (so a capture covers them), in
-// the order RS(0), RS(1), AG(0), RS(2), AG(1), ...: the reduce-scatter of
-// segment g + 1 and the all-gather of segment g - 1 run while the rail moves
-// segment g on `s`. Every cross-stream wait is on work issued earlier (RS(g)
-// before rail(g), rail(g) before AG(g)), the rule that keeps the rail's
-// stream waits deadlock-free where streams share a hardware queue (header).
-// Each segment is a rail op of its own; the op sequence is the same on every
-// rank, as the issue lock orders the calls.
-void CudaHier::allreduceSegmented(const at::Tensor& t, RedOp op, cudaStream_t s,
-                                  const OpContext& ctx,
-                                  std::function<void(std::exception_ptr)> failWork, int64_t G) {
-  const int L = topo_.localSize;
-  const at::ScalarType dt = t.scalar_type();
-  const int64_t esize = static_cast<int64_t>(t.element_size());
-  const int64_t numel = t.numel();
-  const int64_t Sg = (numel + G * L - 1) / (G * L);  // shard elements per segment
-  at::Tensor flat = t.view({-1});
-  at::Tensor buf = flat;
-  if (Sg * G * L != numel) {
-    buf = at::empty({Sg * G * L}, t.options());
-    buf.narrow(0, 0, numel).copy_(flat);
-    buf.narrow(0, numel, Sg * G * L - numel).zero_();
-  }
-  char* base = static_cast<char*>(buf.data_ptr());
-  const int64_t segBytes = Sg * L * esize;
-  auto segment = [&](int64_t g) { return base + g * segBytes; };
-  auto shardOf = [&](int64_t g) { return segment(g) + topo_.localRank * Sg * esize; };
-  // One scratch for all segments: their rail steps run in order on `s`.
-  at::Tensor scratch = at::empty({rail_->scratchBytes(Sg, dt, op)}, t.options().dtype(at::kByte));
-  cudaStream_t side = res_->side;
-  const std::vector<cudaEvent_t>& ev = res_->events;
-  cudaEvent_t fork = ev[0], join = ev[1];
-  auto rsDone = [&](int64_t g) { return ev[2 + g]; };
-  auto railDone = [&](int64_t g) { return ev[2 + kMaxSegments + g]; };
-  auto rs = [&](int64_t g) {
-    ncclCheck(ncclReduceScatter(segment(g), shardOf(g), Sg, ncclType(dt),
-                                ncclRedOp(op, dt, NcclAvg::AsSum), intra_, side),
-              intra_, ctx.name);
-    cudaCheck(cudaEventRecord(rsDone(g), side), "cudaEventRecord");
-  };
-  auto ag = [&](int64_t g) {
-    cudaCheck(cudaStreamWaitEvent(side, railDone(g), 0), "cudaStreamWaitEvent");
-    ncclCheck(ncclAllGather(shardOf(g), segment(g), Sg, ncclType(dt), intra_, side), intra_,
-              ctx.name);
-  };
-  cudaCheck(cudaEventRecord(fork, s), "cudaEventRecord");  // the padding copy, earlier work
-  cudaCheck(cudaStreamWaitEvent(side, fork, 0), "cudaStreamWaitEvent");
-  rs(0);
-  res_->stream = res_->active = s;
-  for (int64_t g = 0; g < G; ++g) {
-    cudaCheck(cudaStreamWaitEvent(s, rsDone(g), 0), "cudaStreamWaitEvent");
-    rail_->allreduce(shardOf(g), Sg, dt, op, static_cast<char*>(scratch.data_ptr()), ctx, failWork);
-    cudaCheck(cudaEventRecord(railDone(g), s), "cudaEventRecord");
-    if (g + 1 < G) rs(g + 1);
-    ag(g);
-  }
-  cudaCheck(cudaEventRecord(join, side), "cudaEventRecord");
-  cudaCheck(cudaStreamWaitEvent(s, join, 0), "cudaStreamWaitEvent");
   if (!buf.is_same(flat)) flat.copy_(buf.narrow(0, 0, numel));
 }
 

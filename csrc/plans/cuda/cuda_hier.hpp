@@ -6,30 +6,27 @@
 // The host CPU never adds big data; a proxy thread only moves bytes, and the
 // caller's thread never waits.
 //
-// On the GPU, the rail phase's device steps run on the group's comm stream
-// after the reduce-scatter: by default one kernel per step that reads and
-// writes the staging in place (FASTCOMM_STAGED_KERNELS=fused; with `copy`,
-// cudaMemcpyAsync between the shard and the staging around the reduction and
-// wire-cast kernels; all in kernels/staged_kernels.cu), the staging allocated
-// once (FASTCOMM_STAGED_MEMORY), and the flags as stream memory operations on
+// On the GPU, the rail phase's device steps follow the reduce-scatter: one
+// kernel per step that reads and writes the staging in place
+// (kernels/staged_kernels.cu), the staging allocated once
+// (FASTCOMM_STAGED_MEMORY), and the flags as stream memory operations on
 // mapped pinned memory (cuStreamWaitValue32 / cuStreamWriteValue32, through
 // cudaGetDriverEntryPoint, so fastcomm does not link libcuda). Only the proxy
 // releases the stream's waits, from host-observed progress, so no wait ever
 // depends on GPU work issued later on another stream (which could deadlock
 // where CUDA maps several streams onto one hardware queue: the warning of
-// cuStreamWaitValue32). This is why there are no separate copy streams: the
-// device steps of one chunk still overlap the network of the others. With
-// FASTCOMM_CUDA_STREAMS=3 the three kinds of fused step run on streams of
-// their own, issued in that same single order (plans/staged_rail.hpp,
-// "Streams", says why that stays deadlock-free).
+// cuStreamWaitValue32). An eager op runs the three kinds of step on streams
+// of their own forked from the group's comm stream, issued in one order
+// (plans/staged_rail.hpp, "Streams", says why that stays deadlock-free); a
+// captured op runs them all on the comm stream.
 //
 // Failures abort the group (the CUDA collectives' abort: works fail, NCCL
 // communicators abort); the rail then keeps releasing the stream's waits, and
 // shutdown frees the staging only once the comm stream drained.
 //
-// CUDA graphs: everything above can be captured (NCCL calls, copies to and
-// from the staging, kernels, stream memory operations on mapped memory,
-// scratch and padding from the caching allocator, i.e. the graph's pool),
+// CUDA graphs: everything above can be captured (NCCL calls, kernels,
+// stream memory operations on mapped memory, padding from the caching
+// allocator, i.e. the graph's pool),
 // and the rail adds a host node that hands each replay's op to the proxy
 // (plans/staged_rail.hpp). The set-up cannot be captured: the first
 // all_reduce that takes this path must be eager (the caller checks).
@@ -101,9 +98,6 @@ class CudaHier {
  private:
   CudaHier(const Topology& topo, const InterPlan& plan, at::Device device,
            std::unique_ptr<Resources> res);
-  // allreduce() in G segments (FASTCOMM_CUDA_SEGMENT_BYTES; the .cpp says how).
-  void allreduceSegmented(const at::Tensor& t, RedOp op, cudaStream_t stream, const OpContext& ctx,
-                          std::function<void(std::exception_ptr)> failWork, int64_t G);
 
   Topology topo_;
   InterPlan plan_;
