@@ -145,7 +145,6 @@ Config Config::fromEnv() {
   c.ibGdr = flag("FASTCOMM_IB_GDR", true);
   c.ibEmulate = flag("FASTCOMM_IB_EMULATE", false);
   if (!c.stagedMemoryExplicit) c.stagedHostOnly = c.ibEmulate;  // see config.hpp
-  if (const char* v = env("FASTCOMM_IB_EMU_FAIL")) c.ibEmuFail = v;
   c.check = flag("FASTCOMM_CHECK", false);
   c.crashBacktrace = flag("FASTCOMM_CRASH_BACKTRACE", false);
   c.timeline = flag("FASTCOMM_TIMELINE", false);
@@ -175,8 +174,7 @@ std::string Config::describe() const {
      << " socket_ifname=" << (socketIfname.empty() ? "<auto>" : socketIfname)
      << " ib_hca=" << (ibHca.empty() ? "<any>" : ibHca) << " ib_gid_index=" << ibGidIndex
      << " ib_qps_per_peer=" << ibQpsPerPeer << " ib_gdr=" << ibGdr << " ib_emulate=" << ibEmulate
-     << (ibEmuFail.empty() ? "" : " ib_emu_fail=" + ibEmuFail) << " check=" << check
-     << " blocking_wait=" << blockingWait << " cuda_timing=" << cudaTiming
+     << " check=" << check << " blocking_wait=" << blockingWait << " cuda_timing=" << cudaTiming
      << " cuda_hier=" << cudaHier << " cuda_inter=" << (cudaInterHost ? "host" : "nccl")
      << " cuda_chunk_bytes=" << cudaChunkBytes << " cuda_window=" << cudaWindow
      << " cuda_lag=" << cudaLag << " cuda_streams=" << cudaStreams

@@ -148,9 +148,6 @@ struct Config {
   // FASTCOMM_IB_EMULATE=1: the ib transport runs on the software RC device
   // (fcemu0) instead of libibverbs; every rank then has a usable device.
   bool ibEmulate = false;
-  // FASTCOMM_IB_EMU_FAIL: fault injection into the emulation
-  // ("qp_error:after=N", "bad_rkey:after=N"), for tests.
-  std::string ibEmuFail;
   // FASTCOMM_TIMELINE=1: record pipeline phases (torchext.timeline()).
   bool timeline = false;
   // FASTCOMM_CRASH_BACKTRACE=1: print a native backtrace on a segfault.

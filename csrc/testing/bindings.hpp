@@ -16,6 +16,8 @@ void bindTransport(pybind11::module_& m);
 void bindStagedRail(pybind11::module_& m);
 // The staged rail's chunk/piece layout and, in CUDA builds, its kernels alone.
 void bindStagedKernels(pybind11::module_& m);
+// ib_emu_fail: fault injection into the emulated RC device (tests/test_ib.py).
+void bindIbEmu(pybind11::module_& m);
 
 }  // namespace testing
 }  // namespace fastcomm

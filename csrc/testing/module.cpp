@@ -10,4 +10,5 @@ PYBIND11_MODULE(_testing, m) {
   fastcomm::testing::bindTransport(m);
   fastcomm::testing::bindStagedRail(m);
   fastcomm::testing::bindStagedKernels(m);
+  fastcomm::testing::bindIbEmu(m);
 }

@@ -36,9 +36,7 @@
 //   of the QP) the requester gets IBV_WC_RETRY_EXC_ERR. A QP in the error
 //   state completes everything outstanding with IBV_WC_WR_FLUSH_ERR, in order.
 //   Completions of one QP come in posting order.
-// - FASTCOMM_IB_EMU_FAIL injects faults: "qp_error:after=N" moves the QP of
-//   this process's (N+1)-th data write to the error state
-//   (IBV_EVENT_QP_FATAL), "bad_rkey:after=N" corrupts that write's rkey.
+// - Tests inject faults through emu_fault.hpp (none by default).
 #include <dirent.h>
 #include <fcntl.h>
 #include <linux/futex.h>
@@ -68,6 +66,7 @@
 
 #include "common/logging.hpp"
 #include "inter/ib/device.hpp"
+#include "inter/ib/emu_fault.hpp"
 #include "inter/ib/gpu_memory.hpp"
 
 namespace fastcomm {
@@ -300,36 +299,9 @@ std::shared_ptr<Segment> mapPeer(const Gid& gid) {
 
 // ----------------------------------------------------------------------------- fault injection
 
-struct Fault {
-  enum Kind { None, QpError, BadRkey } kind = None;
-  int64_t after = 0;
-};
-
-Fault parseFault(const std::string& spec) {
-  Fault f;
-  if (spec.empty()) return f;
-  auto colon = spec.find(':');
-  std::string kind = spec.substr(0, colon);
-  if (kind == "qp_error") {
-    f.kind = Fault::QpError;
-  } else if (kind == "bad_rkey") {
-    f.kind = Fault::BadRkey;
-  } else {
-    throw std::invalid_argument("fastcomm: FASTCOMM_IB_EMU_FAIL=" + spec +
-                                ": expected qp_error:after=N or bad_rkey:after=N");
-  }
-  if (colon != std::string::npos) {
-    std::string rest = spec.substr(colon + 1);
-    if (rest.compare(0, 6, "after=") != 0) {
-      throw std::invalid_argument("fastcomm: FASTCOMM_IB_EMU_FAIL=" + spec +
-                                  ": expected qp_error:after=N or bad_rkey:after=N");
-    }
-    f.after = std::strtoll(rest.c_str() + 6, nullptr, 10);
-  }
-  return f;
-}
-
-std::atomic<int64_t> gDataWrites{0};  // data writes posted by this process
+std::mutex gFaultMu;
+FaultPlan gFaultPlan;                 // guarded by gFaultMu
+std::atomic<int64_t> gDataWrites{0};  // data writes posted since setFaultPlan()
 
 // ----------------------------------------------------------------------------- CQ
 
@@ -450,7 +422,7 @@ class QpCore {
 
 class EmuDevice : public Device {
  public:
-  explicit EmuDevice(const Config& cfg);
+  EmuDevice();
   ~EmuDevice() override;
 
   const PortInfo& port() const override { return port_; }
@@ -491,7 +463,7 @@ class EmuDevice : public Device {
     (void)r;
   }
   Segment& segment() { return *seg_; }
-  const Fault& fault() const { return fault_; }
+  const FaultPlan& fault() const { return fault_; }
 
   // Moves `qp` (locked) to the error state and flushes its queues.
   void errorLocked(QpCore& qp);
@@ -517,7 +489,7 @@ class EmuDevice : public Device {
   gpu::DeviceCopier* copierFor(int device);
 
   PortInfo port_;
-  Fault fault_;
+  FaultPlan fault_;
   std::shared_ptr<Segment> seg_;
   uint32_t ctx_ = 0;
 
@@ -604,20 +576,21 @@ class EmuQp : public Qp {
       return EINVAL;
     }
     if (q.outstandingSends() + n > q.maxSend) return ENOMEM;
-    const Fault& f = q.dev->fault();
+    const FaultPlan& f = q.dev->fault();
     for (int i = 0; i < n; ++i) {
       PendingWr p;
       p.wr = wrs[i];
       p.msn = q.nextMsn++;
-      if (f.kind != Fault::None && wrs[i].withImm && wrs[i].length > 0) {
+      if (f.kind != FaultPlan::None && wrs[i].withImm && wrs[i].length > 0) {
         if (gDataWrites.fetch_add(1) == f.after) {
-          FASTCOMM_LOG(Warn, "ib emulation: FASTCOMM_IB_EMU_FAIL: "
-                                 << (f.kind == Fault::QpError ? "QP " : "corrupting the rkey of ")
-                                 << (f.kind == Fault::QpError
-                                         ? std::to_string(q.qpn) + " goes to the error state"
-                                         : "a write on QP " + std::to_string(q.qpn))
-                                 << " after " << f.after << " data writes");
-          if (f.kind == Fault::BadRkey) {
+          FASTCOMM_LOG(Warn,
+                       "ib emulation: injected fault: "
+                           << (f.kind == FaultPlan::QpError ? "QP " : "corrupting the rkey of ")
+                           << (f.kind == FaultPlan::QpError
+                                   ? std::to_string(q.qpn) + " goes to the error state"
+                                   : "a write on QP " + std::to_string(q.qpn))
+                           << " after " << f.after << " data writes");
+          if (f.kind == FaultPlan::BadRkey) {
             p.wr.rkey ^= 0x00a5a500u;
           } else {
             p.injectFatal = true;
@@ -656,7 +629,11 @@ class EmuQp : public Qp {
   std::shared_ptr<QpCore> core_;
 };
 
-EmuDevice::EmuDevice(const Config& cfg) : fault_(parseFault(cfg.ibEmuFail)) {
+EmuDevice::EmuDevice() {
+  {
+    std::lock_guard<std::mutex> lock(gFaultMu);
+    fault_ = gFaultPlan;
+  }
   static std::atomic<uint32_t> counter{0};
   const uint32_t ns = pidNamespace();
   const int pid = static_cast<int>(getpid());
@@ -1123,7 +1100,13 @@ PortInfo portInfo() {
   return p;
 }
 
-std::unique_ptr<Device> open(const Config& cfg) { return std::make_unique<EmuDevice>(cfg); }
+std::unique_ptr<Device> open(const Config&) { return std::make_unique<EmuDevice>(); }
+
+void setFaultPlan(const FaultPlan& plan) {
+  std::lock_guard<std::mutex> lock(gFaultMu);
+  gFaultPlan = plan;
+  gDataWrites.store(0);
+}
 
 }  // namespace emu
 }  // namespace ib
