@@ -5,7 +5,7 @@ queue-pair faults failing every rank with a clear error and no hang, device sele
 spanning simulated nodes, and an extension that loads without rdma-core.
 
 There is no RDMA hardware here: the ranks run the ib protocol on the software RC device
-(FASTCOMM_IB_EMULATE=1, csrc/inter/ib/emu_device.cpp).
+(FASTCOMM_IB_EMULATE=1, csrc/inter/ib/emu_device.hpp).
 """
 
 from __future__ import annotations
@@ -309,10 +309,15 @@ def test_device_memory_beside_busy_stream() -> None:
 # ------------------------------------------------------------------------------ faults
 
 
-def _fault(rank: int, world: int, injector: int, needles: dict[int, list[str]]) -> float:
+def _fault(
+    rank: int, world: int, injector: int, fault: str, needles: dict[int, list[str]]
+) -> float:
     import torch
+    import torchext._testing as T
 
     chk = Checker(f"rank {rank}")
+    if rank == injector:
+        T.ib_emu_fail(fault)  # before the transport opens its device
     store = _store(rank, world)
     ep = _endpoint(store, rank, world, "ib", timeout=timedelta(seconds=60))
     peers = [p for p in range(world) if p != rank]
@@ -373,15 +378,21 @@ def _fault(rank: int, world: int, injector: int, needles: dict[int, list[str]]) 
     ],
 )
 def test_injected_fault_fails_both_ranks(fault: str, needles: dict[int, list[str]]) -> None:
-    """FASTCOMM_IB_EMU_FAIL on rank 1: a QP going to the error state, or a write with a
-    corrupted rkey, fails the transfers on both ranks within seconds, each error naming
-    the other rank and what the hardware would report."""
-
-    def env(rank: int) -> dict[str, str]:
-        return {**EMU, **({"FASTCOMM_IB_EMU_FAIL": fault} if rank == 1 else {})}
-
-    res = run_ranks(2, _fault, 1, needles, init=False, timeout_s=120, env=env)
+    """A fault injected on rank 1 (torchext._testing.ib_emu_fail): a QP going to the error
+    state, or a write with a corrupted rkey, fails the transfers on both ranks within
+    seconds, each error naming the other rank and what the hardware would report."""
+    res = run_ranks(2, _fault, 1, fault, needles, init=False, timeout_s=120, env=EMU)
     assert all(t < 15 for t in res), res
+
+
+def test_fault_spec_is_checked() -> None:
+    """ib_emu_fail rejects a spec it does not know instead of injecting nothing."""
+    import torchext._testing as T
+
+    for bad in ["qp_eror:after=3", "qp_error:afterwards=3", "bad_rkey:after=", "qp_error:after=-1"]:
+        with pytest.raises(ValueError, match="expected qp_error:after=N"):
+            T.ib_emu_fail(bad)
+    T.ib_emu_fail("none")
 
 
 # ------------------------------------------------------------------------------ device choice

@@ -61,6 +61,10 @@ QP_FAULT_TIMEOUT_S = 8.0
 
 
 def qp_fault_fn(rank: int, ws: int) -> dict[str, Any]:
+    if rank == 2:
+        import torchext._testing as T
+
+        T.ib_emu_fail("qp_error:after=30")  # before the group opens its transport
     dist.init_process_group(BACKEND, timeout=timedelta(seconds=QP_FAULT_TIMEOUT_S))
     store = dist.distributed_c10d._get_default_store()
     out: dict[str, Any] = {}
@@ -83,16 +87,13 @@ def qp_fault_fn(rank: int, ws: int) -> dict[str, Any]:
 
 def test_injected_qp_error_fails_every_rank() -> None:
     """ib over 2x2 nodes; rank 2's queue pair to its rail peer (rank 0) enters the error
-    state in the middle of the all_reduces (FASTCOMM_IB_EMU_FAIL). Ranks 2 and 0 raise at
-    once, naming all_reduce, each other and what the device reported; ranks 1 and 3, whose
-    own rail is intact, raise by the group timeout naming the ranks they wait for. Nobody
-    hangs, and destroy_process_group() returns."""
+    state in the middle of the all_reduces (torchext._testing.ib_emu_fail). Ranks 2 and 0
+    raise at once, naming all_reduce, each other and what the device reported; ranks 1 and
+    3, whose own rail is intact, raise by the group timeout naming the ranks they wait for.
+    Nobody hangs, and destroy_process_group() returns."""
 
     def env(rank: int) -> dict[str, str]:
-        e = {"FASTCOMM_HOST_ID": f"simnode{rank // 2}", **IB_ENV}
-        if rank == 2:
-            e["FASTCOMM_IB_EMU_FAIL"] = "qp_error:after=30"
-        return e
+        return {"FASTCOMM_HOST_ID": f"simnode{rank // 2}", **IB_ENV}
 
     res = run_ranks(4, qp_fault_fn, init=False, timeout_s=120, env=env)
     for rank, r in enumerate(res):

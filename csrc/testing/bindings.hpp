@@ -20,6 +20,8 @@ void bindStagedKernels(pybind11::module_& m);
 void bindConfig(pybind11::module_& m);
 // set_matmul_config / reset_matmul_config: the matmul kernel choices (tests/test_ops.py).
 void bindMatmul(pybind11::module_& m);
+// ib_emu_fail: fault injection into the emulated RC device (tests/test_ib.py).
+void bindIbEmu(pybind11::module_& m);
 
 }  // namespace testing
 }  // namespace fastcomm

@@ -12,4 +12,5 @@ PYBIND11_MODULE(_testing, m) {
   fastcomm::testing::bindStagedKernels(m);
   fastcomm::testing::bindConfig(m);
   fastcomm::testing::bindMatmul(m);
+  fastcomm::testing::bindIbEmu(m);
 }

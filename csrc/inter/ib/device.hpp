@@ -3,7 +3,7 @@
 //  - verbs_device.cpp: rdma-core's libibverbs, opened at run time with dlopen
 //    (so fastcomm loads where rdma-core is absent) and compiled only when
 //    <infiniband/verbs.h> is found at build time;
-//  - emu_device.cpp: a software RC device (FASTCOMM_IB_EMULATE=1) that works
+//  - emu_device.hpp: a software RC device (FASTCOMM_IB_EMULATE=1) that works
 //    across the processes of one machine, so the whole ib protocol runs in CI
 //    where there is no RDMA hardware.
 //
@@ -239,7 +239,7 @@ struct GdrSupport {
 };
 GdrSupport detectGdr(const Config& cfg, const Device& dev);
 
-// The two implementations (verbs_device.cpp, emu_device.cpp).
+// The two implementations (verbs_device.cpp, emu_device.hpp).
 namespace verbs {
 // False with the reason when libibverbs cannot be used on this machine.
 bool load(std::string* why);

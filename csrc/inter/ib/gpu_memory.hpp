@@ -40,13 +40,12 @@ int dmaBufFd(void* p, size_t n, int device);
 // The emulated HCA's "DMA" to and from the memory of one CUDA device.
 //
 // The emulation's wires are plain POSIX shared memory: pageable, never
-// page-locked. The first version copied between them and device memory with
-// cudaMemcpyAsync straight from and to that pageable memory, and the staged
-// multi-node all_reduce with device staging hung on its first call on every
-// rank: the comm stream sits in a cuStreamWaitValue32 that the rail's proxy
-// releases only once the transport delivered (plans/staged_rail.hpp), and
-// delivering needs the HCA thread's copies. Nothing lets such a copy run
-// while the context is otherwise held up:
+// page-locked. A cudaMemcpyAsync straight between them and device memory can
+// hang the staged multi-node all_reduce with device staging: the comm stream
+// sits in a cuStreamWaitValue32 that the rail's proxy releases only once the
+// transport delivered (plans/staged_rail.hpp), and delivering needs the HCA
+// thread's copies. Nothing lets such a copy run while the context is
+// otherwise held up:
 // - CUDA Runtime API, "API synchronization behavior", for cudaMemcpyAsync:
 //   "For transfers between device memory and pageable host memory, the
 //   function might be synchronous with respect to host" and "If pageable
@@ -69,9 +68,9 @@ int dmaBufFd(void* p, size_t n, int device);
 //   scheduler does not serialize them in an improper order." The HCA's copy
 //   is such a task: the comm stream's wait is (through the proxy) ordered
 //   after it, and no event can say so.
-// (The other half was on the issuing thread: the first launch of a kernel
-// behind those waits loaded it lazily, which may synchronize the context;
-// kernels/staged_kernels.hpp, preload.) A hardware NIC's DMA is no
+// (On the issuing thread, the first launch of a kernel behind those waits
+// loads it lazily, which may synchronize the context: kernels/staged_kernels.hpp
+// preloads.) A hardware NIC's DMA is no
 // CUDA work at all; the closest the emulation gets is to keep every copy an
 // ordinary, fully asynchronous stream operation that needs nothing else:
 // - device <-> a page-locked bounce buffer only ("For all other transfers,

@@ -1,0 +1,183 @@
+// One connection of the tcp transport: its requests (Op), its sockets with
+// their frame queues (Sock), and the per-peer protocol state (Peer): message
+// numbers, CTS matching, size mismatches, failure. The progress threads
+// (worker.hpp) move the bytes; Peer decides where they go.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "inter/notifier.hpp"
+#include "inter/request.hpp"
+#include "inter/tcp/socket.hpp"
+#include "inter/tcp/wire.hpp"
+#include "inter/transport.hpp"
+
+namespace fastcomm {
+namespace transport {
+namespace tcp {
+
+struct Op {
+  Op(bool send, char* data, int64_t bytes, uint64_t seq)
+      : isSend(send), data(data), bytes(bytes), seq(seq), framesLeft(stripeCount(bytes)) {}
+
+  const bool isSend;
+  char* const data;
+  const int64_t bytes;
+  const uint64_t seq;
+  std::atomic<int64_t> framesLeft;
+  std::atomic<OpStatus> status{OpStatus::Pending};
+  std::string error;  // written before status becomes Failed, never after
+
+  // Guarded by the peer's mutex. `pins` counts progress threads inside a
+  // syscall on this buffer: a failure waits for them (deferredError) so the
+  // caller never frees a buffer the kernel still writes into.
+  int pins = 0;
+  std::string deferredError;
+};
+
+using TcpRequest = OpRequest<Op>;
+
+class Peer;
+class Worker;
+
+struct OutFrame {
+  FrameHeader hdr{};
+  std::shared_ptr<Op> op;  // DATA: the send whose buffer `payload` points into
+  const char* payload = nullptr;
+  size_t sent = 0;  // bytes of header + payload already written
+};
+
+struct Sock {
+  Peer* peer = nullptr;
+  Worker* worker = nullptr;
+  int index = 0;
+  Fd fd;
+
+  // Only the owning worker thread touches these.
+  bool registered = false;  // in the worker's epoll set
+  bool eof = false;         // the peer closed its end (read side drained)
+  bool wantOut = false;     // EPOLLOUT requested
+  FrameHeader rhdr{};
+  size_t rgot = 0;          // header bytes read so far
+  std::shared_ptr<Op> rop;  // receive the current DATA payload lands in
+  char* rdst = nullptr;
+  size_t rleft = 0;
+  OutFrame cur;  // the frame being written
+  bool hasCur = false;
+
+  // Guarded by mu: frames queued by any thread. Control frames (CTS,
+  // MISMATCH) go before queued data so that a large send on this socket does
+  // not delay the other direction's flow control.
+  std::mutex mu;
+  std::deque<OutFrame> ctrl;
+  std::deque<OutFrame> data;
+
+  bool dirty = false;  // guarded by the worker's mutex: in its dirty list
+};
+
+// The state of one connection: its sockets and the requests of both directions.
+class Peer {
+ public:
+  Peer(int rank, std::string addr, std::shared_ptr<Notifier> notifier)
+      : rank_(rank), addr_(std::move(addr)), notifier_(std::move(notifier)) {}
+
+  int rank() const { return rank_; }
+  const std::string& addr() const { return addr_; }
+  bool failed() const { return failed_.load(std::memory_order_acquire); }
+  std::vector<std::unique_ptr<Sock>>& socks() { return socks_; }
+
+  std::string describe() const {
+    return "tcp connection to rank " + std::to_string(rank_) + " (" + addr_ + ")";
+  }
+
+  std::unique_ptr<Request> post(bool send, char* data, int64_t bytes);
+
+  // The receiver posted receive #seq of `posted` bytes.
+  void onCts(uint64_t seq, uint64_t posted);
+
+  // The sender of message #seq sent `size` bytes, which did not match.
+  void onMismatch(uint64_t seq, uint64_t size);
+
+  // The receive a DATA frame lands in; null (and the connection failed) when
+  // the frame fits no posted receive.
+  std::shared_ptr<Op> dataTarget(const FrameHeader& h);
+
+  // Marks `op`'s buffer in use by a syscall; false when the op is over.
+  bool pin(const std::shared_ptr<Op>& op);
+  void unpin(const std::shared_ptr<Op>& op);
+
+  // One frame of `op` was fully written or read.
+  void frameDone(const std::shared_ptr<Op>& op);
+
+  // One more socket reached a clean end of stream; true when all did.
+  bool socketEof() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return ++eofSockets_ == socks_.size();
+  }
+
+  // Fails every pending and future request of this connection.
+  void fail(const std::string& why) {
+    std::lock_guard<std::mutex> lock(mu_);
+    failLocked(why);
+  }
+
+  // Transport::close(): from now on no request touches the sockets or the
+  // workers (which are about to stop).
+  void markClosed() {
+    std::lock_guard<std::mutex> lock(mu_);
+    failLocked(describe() + " was closed by this rank (the transport was closed)");
+  }
+
+  void closeSockets();
+
+ private:
+  Sock* sockFor(uint64_t seq) { return socks_[seq % socks_.size()].get(); }
+
+  std::unique_ptr<Request> failedRequest(bool send, char* data, int64_t bytes);
+  void startSendLocked(const std::shared_ptr<Op>& op, int64_t posted);
+  void queueLocked(Sock* s, OutFrame f, bool control);
+  void finishLocked(const std::shared_ptr<Op>& op, OpStatus st, const std::string& err);
+  void failLocked(const std::string& why);
+
+  const int rank_;
+  const std::string addr_;
+  std::shared_ptr<Notifier> notifier_;
+  std::vector<std::unique_ptr<Sock>> socks_;
+
+  std::mutex mu_;
+  std::atomic<bool> failed_{false};
+  std::string error_;
+  uint64_t sendSeq_ = 0;
+  uint64_t recvSeq_ = 0;
+  std::map<uint64_t, std::shared_ptr<Op>> sends_;
+  std::map<uint64_t, std::shared_ptr<Op>> recvs_;
+  std::map<uint64_t, int64_t> earlyCts_;  // CTS that came before their isend
+  size_t eofSockets_ = 0;
+};
+
+class TcpConnection : public Connection {
+ public:
+  explicit TcpConnection(std::shared_ptr<Peer> peer) : peer_(std::move(peer)) {}
+  int peer() const override { return peer_->rank(); }
+  std::unique_ptr<Request> isend(const void* data, int64_t bytes, const MemoryRegion* mr) override {
+    // The buffer is only read; Op keeps one pointer type for both directions.
+    return peer_->post(true, static_cast<char*>(const_cast<void*>(data)), bytes);
+  }
+  std::unique_ptr<Request> irecv(void* data, int64_t bytes, const MemoryRegion* mr) override {
+    return peer_->post(false, static_cast<char*>(data), bytes);
+  }
+
+ private:
+  std::shared_ptr<Peer> peer_;
+};
+
+}  // namespace tcp
+}  // namespace transport
+}  // namespace fastcomm
