@@ -175,8 +175,6 @@ const std::vector<Setting>& settings() {
                       "sockets per peer connection of the tcp transport"));
     v.push_back(count("FASTCOMM_IB_QPS_PER_PEER", A, &Config::ibQpsPerPeer, 1, 16, "2",
                       "RC queue pairs per connection of the ib transport"));
-    v.push_back(onOff("FASTCOMM_IB_EMULATE", A, &Config::ibEmulate, "0",
-                      "`1`: the ib transport runs on a software RC device (no NIC needed)"));
     v.push_back(onOff("FASTCOMM_CHECK", A, &Config::check, "0",
                       "`1`: before each CPU collective, ranks compare op, dtype, sizes, root and "
                       "reduce op and name the odd rank"));
@@ -239,6 +237,8 @@ const std::vector<Setting>& settings() {
                  [](const Config& c) { return std::to_string(c.ibGidIndex); }});
     v.push_back(onOff("FASTCOMM_IB_GDR", L, &Config::ibGdr, "1",
                       "`0`: no GPUDirect RDMA even where detected"));
+    v.push_back(onOff("FASTCOMM_IB_EMULATE", L, &Config::ibEmulate, "0",
+                      "`1`: the ib transport runs on a software RC device (no NIC needed)"));
     // ---- diagnostics and tests
     v.push_back({{"FASTCOMM_LOG", D, "WARN",
                   "`WARN`, `INFO` (topology, paths, config at init), `DEBUG`"},

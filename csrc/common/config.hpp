@@ -44,7 +44,6 @@ struct AgreedSettings {
   // each thread drives one socket of a peer; one stream cannot fill a link.
   int tcpSocketsPerPeer = 8;
   int ibQpsPerPeer = 2;
-  bool ibEmulate = false;
   bool check = false;
 };
 
@@ -70,6 +69,9 @@ struct LocalSettings {
   std::string ibHca;
   int ibGidIndex = -1;
   bool ibGdr = true;
+  // The ib transport on the software RC device: this rank's device choice
+  // (FASTCOMM_TRANSPORT=auto takes ib only where every rank has one).
+  bool ibEmulate = false;
 };
 
 // Diagnostics and tests.
