@@ -13,6 +13,7 @@
 #include <sstream>
 #include <thread>
 
+#include "intra/nccl/nccl_collectives.hpp"
 #include "intra/nccl/nccl_utils.hpp"
 #include "common/deadline.hpp"
 #include "common/logging.hpp"
@@ -31,38 +32,6 @@ constexpr auto kWatchdogPeriod = std::chrono::milliseconds(100);
 constexpr auto kHeartbeatPeriod = std::chrono::milliseconds(1000);
 constexpr int64_t kStaleHeartbeatMs = 3000;
 
-// Data movement needs no arithmetic: any dtype moves as bytes.
-ncclDataType_t moveType(const at::Tensor& t, int64_t& count) {
-  count = t.numel() * static_cast<int64_t>(t.element_size());
-  return ncclUint8;
-}
-
-// NCCL has no bitwise reductions; bool XOR is parity. These reduce locally
-// after gathering every rank's contribution.
-bool needsLocalReduce(RedOp op, at::ScalarType t) {
-  if (op == RedOp::BAnd || op == RedOp::BOr || op == RedOp::BXor) {
-    return !(t == at::kBool && op != RedOp::BXor);
-  }
-  return false;
-}
-
-// rows: [n, ...] gathered contributions; returns their reduction over dim 0.
-at::Tensor reduceRows(const at::Tensor& rows, RedOp op) {
-  if (rows.scalar_type() == at::kBool) {  // only BXOR gets here
-    return rows.to(at::kInt).sum(0).remainder(2).to(at::kBool);
-  }
-  at::Tensor acc = rows[0].clone();
-  for (int64_t i = 1; i < rows.size(0); ++i) {
-    if (op == RedOp::BAnd)
-      acc.bitwise_and_(rows[i]);
-    else if (op == RedOp::BOr)
-      acc.bitwise_or_(rows[i]);
-    else
-      acc.bitwise_xor_(rows[i]);
-  }
-  return acc;
-}
-
 bool isCapturing(cudaStream_t s) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(s, &status));
@@ -74,19 +43,6 @@ int64_t unixMillis() {
              std::chrono::system_clock::now().time_since_epoch())
       .count();
 }
-
-// A contiguous stand-in for `t`, copied back on the comm stream by finish().
-struct DeviceContig {
-  at::Tensor orig, work;
-  explicit DeviceContig(const at::Tensor& t)
-      : orig(t), work(t.is_contiguous() ? t : at::empty_like(t, at::MemoryFormat::Contiguous)) {}
-  void load() const {
-    if (!work.is_same(orig)) work.copy_(orig);
-  }
-  void finish() const {
-    if (!work.is_same(orig)) orig.copy_(work);
-  }
-};
 
 class CudaWork;
 
@@ -152,6 +108,7 @@ class CudaCollectives::Impl {
   void abort(const std::string& why);
   void checkHealthy();
   std::exception_ptr error();
+  nccl::Call call(ncclComm_t comm, cudaStream_t s) const;
 
   at::Device device_;
   int rank_, size_;
@@ -468,7 +425,7 @@ WorkPtr CudaCollectives::Impl::launchHier(const CudaOpInfo& info, const at::Tens
     failWork = [failTarget](std::exception_ptr e) { failTarget->fail(e); };
   }
   Body body = [hier, t, op, ctx, failWork](ncclComm_t, cudaStream_t s) {
-    DeviceContig c(t);
+    nccl::DeviceContig c(t);
     c.load();
     hier->allreduce(c.work, op, s, ctx, failWork);
     c.finish();
@@ -698,250 +655,92 @@ void CudaCollectives::cancelCoalescing() { impl_->cancelCoalescing(); }
 void CudaCollectives::shutdown() { impl_->shutdown(); }
 void CudaCollectives::abort() { impl_->abort("fastcomm: process group aborted"); }
 
-namespace {
-// One contiguous buffer holding `inputs` back to back (the tensor itself when
-// there is one), made on the comm stream.
-at::Tensor flatInput(const Tensors& inputs) {
-  if (inputs.size() == 1) return inputs[0].contiguous();
-  std::vector<at::Tensor> flats;
-  for (const auto& i : inputs) flats.push_back(i.reshape({-1}));
-  return at::cat(flats);
-}
-}  // namespace
-
 bool CudaCollectives::currentStreamCapturing(at::Device device) {
   return isCapturing(at::cuda::getCurrentCUDAStream(device.index()).stream());
+}
+
+nccl::Call CudaCollectives::Impl::call(ncclComm_t comm, cudaStream_t s) const {
+  return nccl::Call{comm, s, rank_, size_};
 }
 
 WorkPtr CudaCollectives::allreduce(Tensors tensors, RedOp op, const CudaOpInfo& info) {
   if (tensors.size() == 1 && impl_->useHier(tensors[0], op, info)) {
     return impl_->launchHier(info, tensors[0], op);
   }
-  const int size = impl_->size_;
-  return impl_->launch(
-      info, tensors, tensors, [tensors, op, size](ncclComm_t comm, cudaStream_t s) {
-        for (const auto& t : tensors) {
-          DeviceContig c(t);
-          c.load();
-          if (needsLocalReduce(op, t.scalar_type())) {
-            at::Tensor rows = at::empty({size, t.numel()}, t.options());
-            int64_t n;
-            auto type = moveType(c.work, n);
-            ncclCheck(ncclAllGather(c.work.data_ptr(), rows.data_ptr(), n, type, comm, s), comm,
-                      "all_reduce");
-            c.work.view({-1}).copy_(reduceRows(rows, op));
-          } else if (t.numel() > 0) {
-            ncclCheck(
-                ncclAllReduce(c.work.data_ptr(), c.work.data_ptr(), t.numel(),
-                              ncclType(t.scalar_type()), ncclRedOp(op, t.scalar_type()), comm, s),
-                comm, "all_reduce");
-          }
-          c.finish();
-        }
-      });
+  Impl* impl = impl_.get();
+  return impl->launch(info, tensors, tensors, [impl, tensors, op](ncclComm_t c, cudaStream_t s) {
+    nccl::allreduce(impl->call(c, s), tensors, op);
+  });
 }
 
 WorkPtr CudaCollectives::broadcast(at::Tensor tensor, int root, const CudaOpInfo& info) {
-  return impl_->launch(info, {tensor}, {tensor}, [tensor, root](ncclComm_t comm, cudaStream_t s) {
-    DeviceContig c(tensor);
-    c.load();
-    int64_t n;
-    auto type = moveType(c.work, n);
-    ncclCheck(ncclBroadcast(c.work.data_ptr(), c.work.data_ptr(), n, type, root, comm, s), comm,
-              "broadcast");
-    c.finish();
+  Impl* impl = impl_.get();
+  return impl->launch(info, {tensor}, {tensor}, [impl, tensor, root](ncclComm_t c, cudaStream_t s) {
+    nccl::broadcast(impl->call(c, s), tensor, root);
   });
 }
 
 WorkPtr CudaCollectives::reduce(at::Tensor tensor, RedOp op, int root, const CudaOpInfo& info) {
-  const int size = impl_->size_;
-  const int me = impl_->rank_;
-  return impl_->launch(
-      info, {tensor}, {tensor}, [tensor, op, root, size, me](ncclComm_t comm, cudaStream_t s) {
-        DeviceContig c(tensor);
-        c.load();
-        if (needsLocalReduce(op, tensor.scalar_type())) {
-          at::Tensor rows = at::empty({size, tensor.numel()}, tensor.options());
-          int64_t n;
-          auto type = moveType(c.work, n);
-          ncclCheck(ncclAllGather(c.work.data_ptr(), rows.data_ptr(), n, type, comm, s), comm,
-                    "reduce");
-          if (me == root) c.work.view({-1}).copy_(reduceRows(rows, op));
-        } else if (tensor.numel() > 0) {
-          ncclCheck(ncclReduce(c.work.data_ptr(), c.work.data_ptr(), tensor.numel(),
-                               ncclType(tensor.scalar_type()), ncclRedOp(op, tensor.scalar_type()),
-                               root, comm, s),
-                    comm, "reduce");
-        }
-        if (me == root) c.finish();
-      });
+  Impl* impl = impl_.get();
+  return impl->launch(info, {tensor}, {tensor},
+                      [impl, tensor, op, root](ncclComm_t c, cudaStream_t s) {
+                        nccl::reduce(impl->call(c, s), tensor, op, root);
+                      });
 }
 
 WorkPtr CudaCollectives::allgather(Tensors outputs, at::Tensor input, const CudaOpInfo& info) {
-  const int size = impl_->size_;
-  return impl_->launch(
-      info, {input}, outputs, [outputs, input, size](ncclComm_t comm, cudaStream_t s) {
-        at::Tensor src = input.contiguous();
-        const bool flat = outputs.size() == 1 && outputs[0].is_contiguous();
-        at::Tensor dst = flat ? outputs[0] : at::empty({size, input.numel()}, input.options());
-        int64_t n;
-        auto type = moveType(src, n);
-        ncclCheck(ncclAllGather(src.data_ptr(), dst.data_ptr(), n, type, comm, s), comm,
-                  "all_gather");
-        if (!flat) {
-          if (outputs.size() == 1) {
-            outputs[0].copy_(dst.view(outputs[0].sizes()));
-          } else {
-            for (int i = 0; i < size; ++i) outputs[i].copy_(dst[i].view(outputs[i].sizes()));
-          }
-        }
-      });
+  Impl* impl = impl_.get();
+  return impl->launch(info, {input}, outputs, [impl, outputs, input](ncclComm_t c, cudaStream_t s) {
+    nccl::allgather(impl->call(c, s), outputs, input);
+  });
 }
 
 WorkPtr CudaCollectives::gather(Tensors outputs, at::Tensor input, int root,
                                 const CudaOpInfo& info) {
-  const int size = impl_->size_;
-  const int me = impl_->rank_;
-  return impl_->launch(
-      info, {input}, outputs, [outputs, input, root, size, me](ncclComm_t comm, cudaStream_t s) {
-        at::Tensor src = input.contiguous();
-        int64_t n;
-        auto type = moveType(src, n);
-        std::vector<DeviceContig> dsts;
-        for (const auto& o : outputs) dsts.emplace_back(o);
-        ncclCheck(ncclGroupStart(), comm, "gather");
-        if (me == root) {
-          for (int i = 0; i < size; ++i) {
-            if (i == me) {
-              C10_CUDA_CHECK(cudaMemcpyAsync(dsts[i].work.data_ptr(), src.data_ptr(), n,
-                                             cudaMemcpyDeviceToDevice, s));
-            } else {
-              ncclCheck(ncclRecv(dsts[i].work.data_ptr(), n, type, i, comm, s), comm, "gather");
-            }
-          }
-        } else {
-          ncclCheck(ncclSend(src.data_ptr(), n, type, root, comm, s), comm, "gather");
-        }
-        ncclCheck(ncclGroupEnd(), comm, "gather");
-        for (const auto& d : dsts) d.finish();
-      });
+  Impl* impl = impl_.get();
+  return impl->launch(info, {input}, outputs,
+                      [impl, outputs, input, root](ncclComm_t c, cudaStream_t s) {
+                        nccl::gather(impl->call(c, s), outputs, input, root);
+                      });
 }
 
 WorkPtr CudaCollectives::scatter(at::Tensor output, Tensors inputs, int root,
                                  const CudaOpInfo& info) {
-  const int size = impl_->size_;
-  const int me = impl_->rank_;
-  return impl_->launch(
-      info, inputs, {output}, [output, inputs, root, size, me](ncclComm_t comm, cudaStream_t s) {
-        DeviceContig dst(output);
-        int64_t n;
-        auto type = moveType(dst.work, n);
-        ncclCheck(ncclGroupStart(), comm, "scatter");
-        std::vector<at::Tensor> srcs;
-        if (me == root) {
-          for (int i = 0; i < size; ++i) {
-            srcs.push_back(inputs[i].contiguous());
-            if (i == me) {
-              C10_CUDA_CHECK(cudaMemcpyAsync(dst.work.data_ptr(), srcs[i].data_ptr(), n,
-                                             cudaMemcpyDeviceToDevice, s));
-            } else {
-              ncclCheck(ncclSend(srcs[i].data_ptr(), n, type, i, comm, s), comm, "scatter");
-            }
-          }
-        } else {
-          ncclCheck(ncclRecv(dst.work.data_ptr(), n, type, root, comm, s), comm, "scatter");
-        }
-        ncclCheck(ncclGroupEnd(), comm, "scatter");
-        dst.finish();
-      });
+  Impl* impl = impl_.get();
+  return impl->launch(info, inputs, {output},
+                      [impl, output, inputs, root](ncclComm_t c, cudaStream_t s) {
+                        nccl::scatter(impl->call(c, s), output, inputs, root);
+                      });
 }
 
 WorkPtr CudaCollectives::reduceScatter(at::Tensor output, Tensors inputs, RedOp op,
                                        const CudaOpInfo& info) {
-  const int size = impl_->size_;
-  return impl_->launch(
-      info, inputs, {output}, [output, inputs, op, size](ncclComm_t comm, cudaStream_t s) {
-        at::Tensor src = flatInput(inputs);
-        DeviceContig dst(output);
-        const int64_t count = output.numel();
-        if (needsLocalReduce(op, output.scalar_type())) {
-          // Every rank's block for me, then a local reduction.
-          at::Tensor rows = at::empty({size, count}, output.options());
-          const int64_t n = count * static_cast<int64_t>(output.element_size());
-          ncclCheck(ncclGroupStart(), comm, "reduce_scatter");
-          for (int i = 0; i < size; ++i) {
-            ncclCheck(
-                ncclSend(static_cast<char*>(src.data_ptr()) + i * n, n, ncclUint8, i, comm, s),
-                comm, "reduce_scatter");
-            ncclCheck(ncclRecv(rows[i].data_ptr(), n, ncclUint8, i, comm, s), comm,
-                      "reduce_scatter");
-          }
-          ncclCheck(ncclGroupEnd(), comm, "reduce_scatter");
-          dst.work.view({-1}).copy_(reduceRows(rows, op));
-        } else if (count > 0) {
-          ncclCheck(ncclReduceScatter(src.data_ptr(), dst.work.data_ptr(), count,
-                                      ncclType(output.scalar_type()),
-                                      ncclRedOp(op, output.scalar_type()), comm, s),
-                    comm, "reduce_scatter");
-        }
-        dst.finish();
-      });
+  Impl* impl = impl_.get();
+  return impl->launch(info, inputs, {output},
+                      [impl, output, inputs, op](ncclComm_t c, cudaStream_t s) {
+                        nccl::reduceScatter(impl->call(c, s), output, inputs, op);
+                      });
 }
 
 WorkPtr CudaCollectives::alltoall(Tensors outputs, Tensors inputs, std::vector<int64_t> sendCounts,
                                   std::vector<int64_t> recvCounts, const CudaOpInfo& info) {
-  const int size = impl_->size_;
-  return impl_->launch(info, inputs, outputs, [=](ncclComm_t comm, cudaStream_t s) {
-    const int64_t es = static_cast<int64_t>(inputs[0].element_size());
-    at::Tensor src = flatInput(inputs);
-    const int64_t recvTotal = std::accumulate(recvCounts.begin(), recvCounts.end(), int64_t{0});
-    const bool flatOut = outputs.size() == 1 && outputs[0].is_contiguous();
-    at::Tensor dst = flatOut ? outputs[0] : at::empty({recvTotal}, inputs[0].options());
-    ncclCheck(ncclGroupStart(), comm, "all_to_all");
-    int64_t so = 0, ro = 0;
-    for (int i = 0; i < size; ++i) {
-      if (sendCounts[i] > 0)
-        ncclCheck(ncclSend(static_cast<char*>(src.data_ptr()) + so * es, sendCounts[i] * es,
-                           ncclUint8, i, comm, s),
-                  comm, "all_to_all");
-      if (recvCounts[i] > 0)
-        ncclCheck(ncclRecv(static_cast<char*>(dst.data_ptr()) + ro * es, recvCounts[i] * es,
-                           ncclUint8, i, comm, s),
-                  comm, "all_to_all");
-      so += sendCounts[i];
-      ro += recvCounts[i];
-    }
-    ncclCheck(ncclGroupEnd(), comm, "all_to_all");
-    if (!flatOut) {
-      if (outputs.size() == 1) {
-        outputs[0].copy_(dst.view(outputs[0].sizes()));
-      } else {
-        int64_t off = 0;
-        for (int i = 0; i < size; ++i) {
-          outputs[i].copy_(dst.narrow(0, off, recvCounts[i]).view(outputs[i].sizes()));
-          off += recvCounts[i];
-        }
-      }
-    }
+  Impl* impl = impl_.get();
+  return impl->launch(info, inputs, outputs, [=](ncclComm_t c, cudaStream_t s) {
+    nccl::alltoall(impl->call(c, s), outputs, inputs, sendCounts, recvCounts);
   });
 }
 
 WorkPtr CudaCollectives::send(at::Tensor tensor, int peer, const CudaOpInfo& info) {
-  return impl_->launch(info, {tensor}, {tensor}, [tensor, peer](ncclComm_t comm, cudaStream_t s) {
-    at::Tensor src = tensor.contiguous();
-    int64_t n;
-    auto type = moveType(src, n);
-    ncclCheck(ncclSend(src.data_ptr(), n, type, peer, comm, s), comm, "send");
+  Impl* impl = impl_.get();
+  return impl->launch(info, {tensor}, {tensor}, [impl, tensor, peer](ncclComm_t c, cudaStream_t s) {
+    nccl::send(impl->call(c, s), tensor, peer);
   });
 }
 
 WorkPtr CudaCollectives::recv(at::Tensor tensor, int peer, const CudaOpInfo& info) {
-  return impl_->launch(info, {tensor}, {tensor}, [tensor, peer](ncclComm_t comm, cudaStream_t s) {
-    DeviceContig dst(tensor);
-    int64_t n;
-    auto type = moveType(dst.work, n);
-    ncclCheck(ncclRecv(dst.work.data_ptr(), n, type, peer, comm, s), comm, "recv");
-    dst.finish();
+  Impl* impl = impl_.get();
+  return impl->launch(info, {tensor}, {tensor}, [impl, tensor, peer](ncclComm_t c, cudaStream_t s) {
+    nccl::recv(impl->call(c, s), tensor, peer);
   });
 }
 

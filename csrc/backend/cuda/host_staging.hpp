@@ -19,11 +19,12 @@
 #include <utility>
 #include <vector>
 
+#include "backend/host_path.hpp"
 #include "common/deadline.hpp"
 
 namespace fastcomm {
 
-class HostStaging {
+class HostStaging : public HostMirrors {
  public:
   // `inputs` are read by the collective, `outputs` written by it; a tensor in
   // both lists gets one mirror, copied in and back.
@@ -31,10 +32,10 @@ class HostStaging {
                                             const std::vector<at::Tensor>& outputs);
 
   // The pinned, contiguous mirror of `device` (one of the staged tensors).
-  at::Tensor host(const at::Tensor& device) const;
+  at::Tensor host(const at::Tensor& device) const override;
 
-  void waitForInputs(const OpContext& ctx);
-  void copyOutputsBack(const OpContext& ctx);
+  void waitForInputs(const OpContext& ctx) override;
+  void copyOutputsBack(const OpContext& ctx) override;
 
   HostStaging(at::Device device, c10::cuda::CUDAStream stream);
 

@@ -32,12 +32,6 @@ enum class NcclAvg { Native, AsSum };
 // locally).
 ncclRedOp_t ncclRedOp(RedOp op, at::ScalarType t, NcclAvg avg = NcclAvg::Native);
 
-// Creates a communicator of `nranks` ranks (this one being `rank`) from a
-// unique id that rank 0 publishes under `prefix` + "uid". Each of
-// `readyRanks` (group ranks) announces itself under `prefix` + "ready/<r>"
-// first, and the blocking ncclCommInitRank starts only once all did, so a
-// rank that never comes is named (as `what` failing) instead of hanging the
-// others. `groupRank` is this process's group rank.
 // Aborts `comms` (null entries skipped) concurrently, one thread each.
 // ncclCommAbort sets the communicator's abort flag and then frees its
 // resources, which waits for the device (NCCL issues #829, #1013): one after
@@ -46,6 +40,12 @@ ncclRedOp_t ncclRedOp(RedOp op, at::ScalarType t, NcclAvg avg = NcclAvg::Native)
 // set, every stuck kernel returns, and all the waits end.
 void ncclAbortAll(const std::vector<ncclComm_t>& comms);
 
+// Creates a communicator of `nranks` ranks (this one being `rank`) from a
+// unique id that rank 0 publishes under `prefix` + "uid". Each of
+// `readyRanks` (group ranks) announces itself under `prefix` + "ready/<r>"
+// first, and the blocking ncclCommInitRank starts only once all did, so a
+// rank that never comes is named (as `what` failing) instead of hanging the
+// others. `groupRank` is this process's group rank.
 ncclComm_t ncclCommFromStore(const c10::intrusive_ptr<c10d::Store>& store,
                              const std::string& prefix, int nranks, int rank,
                              const std::vector<int>& readyRanks, int groupRank,
