@@ -1,0 +1,396 @@
+// Epilogues of the Hopper (sm_90a) GEMM: bias, activation and cast fused into
+// the store of a tile, from registers (direct), through shared memory and TMA
+// stores (tma), or handed to the producer warpgroup's idle warps (offload).
+// Included by matmul_sm90_kernel.cuh.
+#pragma once
+
+#include "matmul_device.cuh"
+#include "matmul_sm90_launch.h"
+#include "matmul_sm90_ptx.cuh"
+
+namespace fastcomm {
+namespace ops {
+namespace cuda {
+namespace sm90 {
+
+using namespace detail;
+
+constexpr int kBM = 128;                     // tile rows
+constexpr int kBK = 64;                      // K per stage: 64 x 2 bytes = one 128-byte swizzle row
+constexpr int kThreads = 384;                // producer + 2 consumer warpgroups
+constexpr int kEpiChunkBytes = 64 * 64 * 2;  // TMA-store epilogue: 64 x 64 output chunks
+
+// ---- epilogues -------------------------------------------------------------------------
+//
+// Accumulator layout of wgmma m64nNk16 (float32): in warp w of the
+// warpgroup, lane l holds for each 8-column block j the elements
+// (16w + l/4, 8j + 2(l%4) + {0,1}) in d[4j], d[4j+1] and the same two
+// columns of row 16w + l/4 + 8 in d[4j+2], d[4j+3]. Sub-tile mi of a
+// ping-pong accumulator covers rows 64 mi .. 64 mi + 63.
+
+// Straight from registers: bias + activation + cast, paired 4-byte stores.
+// block_row / n0: the first row and column of the warpgroup's block in C;
+// wtid: the thread's index in the warpgroup. `interior`: the whole block lies
+// inside C, stores and bias loads may be paired; then one unmasked path with
+// constant offsets runs, small enough to stay in the instruction cache. Edge
+// blocks take the masked path, which checks every pair.
+template <typename T, Act ACT, int MSUB, int BN>
+__device__ __forceinline__ void epilogue_direct(const GemmArgs& p, const float (&acc)[MSUB][BN / 2],
+                                                int block_row, int n0, int wtid, bool interior,
+                                                bool pair_ok, bool bias_paired) {
+  const T* bias = static_cast<const T*>(p.bias);
+  // The thread's offsets derive from an opaque copy of its index, inside each
+  // activation's instance of this function: otherwise the compiler hoists
+  // them (and the addresses built on them) out of the activation switch and
+  // the tile loop, and keeps them live across the main loop next to the
+  // accumulators (spills).
+  const int et = static_cast<int>(opaque_u32(static_cast<uint32_t>(wtid)));
+  const int row0 = block_row + (et / 32) * 16 + ((et % 32) >> 2);
+  const int col0 = n0 + (et & 3) * 2;
+  if (interior) {
+    T* const c = static_cast<T*>(p.c) + static_cast<int64_t>(row0) * p.ldc + col0;
+    const int64_t ld8 = 8 * p.ldc;  // rows r0 + 8 h + 64 mi are (h + 8 mi) ld8 apart
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      float b0 = 0.0f, b1 = 0.0f;
+      if (bias != nullptr) load_bias_pair<T>(bias, col0 + 8 * j, true, true, b0, b1);
+#pragma unroll
+      for (int mi = 0; mi < MSUB; ++mi) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          store_pair<T>(c + (8 * mi + h) * ld8 + 8 * j,
+                        activate<ACT, true>(acc[mi][4 * j + 2 * h] + b0),
+                        activate<ACT, true>(acc[mi][4 * j + 2 * h + 1] + b1));
+        }
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+    const int col = col0 + 8 * j;
+    if (col < p.N) {
+      const bool two = col + 1 < p.N;
+      // One bias load per column pair, shared by the 2 (or 4) rows below.
+      float b0 = 0.0f, b1 = 0.0f;
+      if (bias != nullptr) load_bias_pair<T>(bias, col, two, bias_paired, b0, b1);
+#pragma unroll
+      for (int mi = 0; mi < MSUB; ++mi) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = row0 + 64 * mi + 8 * h;
+          if (row < p.M) {
+            store_out_pair<T, ACT>(p, row, col, acc[mi][4 * j + 2 * h] + b0,
+                                   acc[mi][4 * j + 2 * h + 1] + b1, two, pair_ok);
+          }
+        }
+      }
+    }
+  }
+}
+
+// The thread's bias pairs for the lean TMA epilogue: the two columns
+// n0 + 8 j + 2 (l % 4) + {0, 1} of each 8-column block j, as the packed
+// 16-bit pair (zero where there is no bias or the column is outside C).
+// Called after the tile's last MMAs are issued and before waiting for them,
+// so that the loads' latency hides under the last MMA batch, once per tile
+// instead of once per 64-column chunk behind the chunk's barrier.
+template <typename T, int BN>
+__device__ __forceinline__ void prefetch_bias(const GemmArgs& p, int n0, int wtid, bool bias_paired,
+                                              uint32_t (&bw)[BN / 8]) {
+  const T* bias = static_cast<const T*>(p.bias);
+  const int et = static_cast<int>(opaque_u32(static_cast<uint32_t>(wtid)));
+  const int col0 = n0 + 2 * (et & 3);
+  if (bias == nullptr) {
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) bw[j] = 0u;
+  } else if (n0 + BN <= p.N && bias_paired) {
+    const unsigned int* b = reinterpret_cast<const unsigned int*>(bias + col0);
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) bw[j] = __ldg(b + 4 * j);  // 8 columns = 4 words apart
+  } else {
+    const unsigned short* b = reinterpret_cast<const unsigned short*>(bias);
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      const int col = col0 + 8 * j;
+      const uint32_t lo = col < p.N ? __ldg(b + col) : 0u;
+      const uint32_t hi = col + 1 < p.N ? __ldg(b + col + 1) : 0u;
+      bw[j] = lo | (hi << 16);
+    }
+  }
+}
+
+// A packed 16-bit pair as two floats.
+template <typename T>
+__device__ __forceinline__ void unpack_pair(uint32_t w, float& lo, float& hi) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    lo = __uint_as_float(w << 16);
+    hi = __uint_as_float(w & 0xFFFF0000u);
+  } else {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w));
+    lo = f.x;
+    hi = f.y;
+  }
+}
+
+// Where a consumer thread's accumulator pairs go in a 64 x 64 output chunk
+// staged with the 128B swizzle (epilogue_tma's layout): rows r0 and r0 + 8 of
+// the warpgroup's 64, two columns of each 8-column (16-byte) unit. Derived
+// from an opaque copy of the thread index, as in epilogue_tma, so nothing is
+// hoisted out of the tile loop next to the accumulators.
+struct EpiFragment {
+  uint32_t row_off;  // byte offset of the thread's pair in row r0
+  uint32_t swz;      // the row's swizzle (r0 % 8, the same for r0 + 8)
+
+  __device__ __forceinline__ explicit EpiFragment(int wtid) {
+    const int et = static_cast<int>(opaque_u32(static_cast<uint32_t>(wtid)));
+    const int warp = et / 32, lane = et % 32;
+    const int r0 = 16 * warp + (lane >> 2);
+    row_off = static_cast<uint32_t>(r0 * 128 + ((lane & 3) << 2));
+    swz = static_cast<uint32_t>(r0 & 7);
+  }
+  // The pair of 16-byte unit jj in row r0 (h = 0) or r0 + 8 (h = 1) of the
+  // chunk at `chunk`.
+  __device__ __forceinline__ uint32_t addr(uint32_t chunk, int jj, int h) const {
+    return chunk + row_off + 1024u * static_cast<uint32_t>(h) +
+           ((static_cast<uint32_t>(jj) ^ swz) << 4);
+  }
+};
+
+// The consumer thread's part of output chunk c (columns 64 c.. of its
+// warpgroup's block) into the 64 x 64 chunk buffer at `chunk`: acc + bias,
+// each pair through `finish(v0, v1)` (an activation, relu or nothing; v1 is
+// the odd column), rounded to T. Shared by the lean TMA epilogue and the
+// offload epilogue's hand-over; the caller fences and synchronises.
+template <typename T, int BN, typename Finish>
+__device__ __forceinline__ void write_chunk(const float (&acc)[1][BN / 2],
+                                            const uint32_t (&bw)[BN / 8], int c, uint32_t chunk,
+                                            const EpiFragment& frag, const Finish& finish) {
+#pragma unroll
+  for (int jj = 0; jj < 8; ++jj) {
+    const int j = 8 * c + jj;
+    float b0, b1;
+    unpack_pair<T>(bw[j], b0, b1);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float v0 = acc[0][4 * j + 2 * h] + b0;
+      float v1 = acc[0][4 * j + 2 * h + 1] + b1;
+      finish(v0, v1);
+      st_shared_b32(frag.addr(chunk, jj, h), pack_pair<T>(v0, v1));
+    }
+  }
+}
+
+// The TMA-store epilogue (cooperative schedule), in few instructions and barriers: the
+// bias comes from registers (prefetch_bias), the activations are the lean
+// ones (activate_lean), and each 64 x 64 chunk takes one named barrier:
+// before the barrier that hands chunk c to the storing
+// thread, that thread waits until every earlier store has read its staging
+// buffer (the one chunk c + 1 writes next was read by the store of chunk c - 1,
+// issued a whole chunk earlier, so this wait is normally already satisfied).
+// The parity of the buffers carries over from tile to tile (BN / 64 chunks, an
+// even count), and the store of the previous tile's last chunk is covered by
+// the wait before chunk 0's barrier.
+template <typename T, Act ACT, int BN>
+__device__ __forceinline__ void epilogue_tma(const GemmArgs& p, const CUtensorMap* map_c,
+                                                  const float (&acc)[1][BN / 2],
+                                                  const uint32_t (&bw)[BN / 8], uint32_t stage,
+                                                  int row_base, int n0, int wtid, int bar_id) {
+  static_assert((BN / 64) % 2 == 0, "the staging buffers alternate across tiles");
+  const EpiFragment frag(wtid);
+#pragma unroll
+  for (int c = 0; c < BN / 64; ++c) {
+    const uint32_t buf = stage + static_cast<uint32_t>(c & 1) * kEpiChunkBytes;
+    write_chunk<T, BN>(acc, bw, c, buf, frag, [](float& v0, float& v1) {
+      v0 = activate_lean<ACT, false>(v0);
+      v1 = activate_lean<ACT, true>(v1);
+    });
+    fence_proxy_async_smem();
+    if (wtid == 0) bulk_wait_read<0>();
+    named_barrier_sync(bar_id, 128);
+    if (wtid == 0) {
+      if (row_base < p.M && n0 + 64 * c < p.N) tma_store_2d(map_c, buf, n0 + 64 * c, row_base);
+      bulk_commit_group();
+    }
+  }
+}
+
+// ---- the offload epilogue (FASTCOMM_MATMUL_EPI=offload) ---------------------------------
+//
+// With bias + gelu / gelu_tanh / silu, the lean epilogue's math (~32K
+// activations per 128 x 256 tile, MUFU ex2 / rcp and ~10 FMA-pipe ops each,
+// ~3 us) runs while the tensor cores wait. The offload form moves it to the
+// three warps of warpgroup 0 that the producer leaves idle (warps 1-3; thread
+// 0 of warp 0 keeps issuing the TMA loads), so that it runs under the next
+// tile's main loop:
+//  * the consumers, after the tile's last MMAs, write acc + bias rounded to T
+//    (relu applied, which commutes with the rounding) into a whole-tile
+//    output buffer (8 chunks of 64 x 64, 128B-swizzled like the chunk
+//    buffers of epilogue_tma, so that the C tensor map stores them),
+//    signal "tile_full" and go straight on to the next tile;
+//  * the epilogue warps apply the activation in place (16-byte vectors,
+//    activate_lean) and one of their threads stores the chunks with TMA,
+//    waits until the stores have read the buffer and signals "tile_empty".
+// Numerics: the activation sees the pre-activation already rounded to T, as
+// in the unfused F.gelu(F.linear(x, w, b)); the fused lean TMA epilogue activates
+// the float32 value. The extra rounding is one 16-bit ulp of the input, far
+// below the tolerance of a 16-bit output.
+// Cost: 3 pipeline stages instead of 4 (the 64 KB buffer takes the fourth
+// stage's shared memory), and the consumers still wait for tile j - 1's stores
+// to have read the buffer before writing tile j (normally long done: the
+// epilogue warps had tile j's whole main loop for it).
+//
+// Barriers (mbarriers in shared memory, after the stage and order ones):
+//   tile_full:  8 arrivals per phase (lane 0 of each consumer warp, after
+//               __syncwarp: the warp's buffer writes are done);
+//   tile_empty: 1 arrival per phase (the storing thread, after
+//               cp.async.bulk.wait_group.read 0: the stores have read the buffer).
+// The j-th tile of the CTA (j = 0, 1, ...) completes phase j of each.
+// Parity rule: after k completed phases a barrier is in phase k, and a wait
+// for parity P passes iff (k & 1) != P (a fresh barrier, k = 0, passes P = 1).
+// With E, F the completed phases of tile_empty, tile_full:
+//  * consumers at tile j need E >= j (tile j - 1's stores have read the
+//    buffer) and wait P = (j & 1) ^ 1, which passes iff (E & 1) == (j & 1);
+//  * epilogue warps at tile j need F >= j + 1 (all 8 consumer warps have
+//    written tile j) and wait P = j & 1, which passes iff (F & 1) != (j & 1).
+// Exact because neither barrier can be two phases off from its waiter:
+//  * consumers at tile j see E in {j - 1, j}: E >= j - 1 since they passed
+//    the wait of tile j - 1, and E = j + 1 needs the epilogue's stores of
+//    tile j, which need these consumers' tile_full arrival after this wait;
+//  * epilogue threads at tile j see F in {j, j + 1}: F >= j since they
+//    passed the wait of tile j - 1 (F = j: the first j tiles), and F = j + 2
+//    needs the consumers' arrival for tile j + 1, after their wait for
+//    E = j + 1, which the storing thread signals after the last named
+//    barrier of tile j, which every epilogue thread reaches only after its
+//    wait of tile j.
+// Trace:
+//   j = 0: consumers wait E, P = 1: E = 0 passes; write; arrive: F = 1.
+//          epilogue waits F, P = 0: F = 0 blocks, F = 1 passes; math,
+//          stores, wait.read; arrive: E = 1.
+//   j = 1: consumers wait E, P = 0: E = 0 blocks, E = 1 passes; F = 2.
+//          epilogue waits F, P = 1: F = 1 blocks, F = 2 passes; E = 2.
+//   j = 2: consumers wait E, P = 1: E = 1 blocks, E = 2 passes; F = 3.
+//          epilogue waits F, P = 0: F = 2 blocks, F = 3 passes; E = 3.
+// Without math (none / relu) no named barrier keeps the other epilogue
+// threads in step, so only the storing thread waits on tile_full (the
+// others have nothing to do and leave at once).
+
+// Named barrier of the epilogue warps (0 is __syncthreads, 1 and 2 the
+// consumer warpgroups' in the other TMA epilogues).
+constexpr int kOffloadBarId = 3;
+constexpr int kOffloadThreads = 96;  // warps 1-3 of warpgroup 0
+
+// Consumer side: acc + bias of the warpgroup's 64 x BN block (bias pairs from
+// prefetch_bias), relu applied if RELU, rounded to T, written into the
+// warpgroup's BN / 64 chunks of the tile buffer (chunk c at buf + c x 8 KB)
+// with the addressing of epilogue_tma. No barriers: the caller has
+// waited for tile_empty and signals tile_full.
+template <typename T, bool RELU, int BN>
+__device__ __forceinline__ void epilogue_offload_write(const float (&acc)[1][BN / 2],
+                                                       const uint32_t (&bw)[BN / 8], uint32_t buf,
+                                                       int wtid) {
+  const EpiFragment frag(wtid);
+#pragma unroll
+  for (int c = 0; c < BN / 64; ++c) {
+    write_chunk<T, BN>(acc, bw, c, buf + static_cast<uint32_t>(c) * kEpiChunkBytes, frag,
+                       [](float& v0, float& v1) {
+                         if constexpr (RELU) {
+                           v0 = fmaxf(v0, 0.0f);
+                           v1 = fmaxf(v1, 0.0f);
+                         }
+                       });
+  }
+}
+
+// 8 outputs of the tile buffer (one 16-byte vector at addr) through the
+// activation, in place: matmul_device.cuh's lean activations on the rounded
+// input, with the hardware reciprocal for every element.
+template <typename T, Act ACT>
+__device__ __forceinline__ void activate_vec_in_place(uint32_t addr) {
+  uint32_t w[4];
+  ld_shared_v4(addr, w);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float lo, hi;
+    unpack_pair<T>(w[i], lo, hi);
+    // Both elements take the hardware reciprocal: here the math runs beside
+    // the MMAs, not in their way, so what counts is its energy (the GEMM runs
+    // at the power limit), i.e. its instruction count, not the MUFU
+    // throughput that the software reciprocal of epilogue_tma relieves.
+    w[i] = pack_pair<T>(activate_lean<ACT, false>(lo), activate_lean<ACT, false>(hi));
+  }
+  st_shared_v4(addr, w);
+}
+
+// Epilogue side, run by the 96 threads of warps 1-3 of warpgroup 0 (et =
+// 0..95) over the CTA's tiles in the consumers' order (unit_tile: unit ->
+// m0, n0). Thread 0 issues the TMA stores, clipped like epilogue_tma's
+// (a chunk wholly outside C is skipped; TMA clips the rest).
+template <typename T, Act ACT, typename TileFn>
+__device__ __forceinline__ void epilogue_warps_offload(const GemmArgs& p, const CUtensorMap* map_c,
+                                                       uint32_t buf, uint32_t full_bar,
+                                                       uint32_t empty_bar, int et, int first_unit,
+                                                       int num_units, int unit_stride,
+                                                       const TileFn& unit_tile) {
+  // none / relu: the consumers wrote the final values; only the stores remain
+  // (the consumers' epi_math must agree: without math they fence their writes).
+  constexpr bool kMath = ACT == Act::kGelu || ACT == Act::kGeluTanh || ACT == Act::kSilu;
+  // Without math the other threads have nothing to do, and they must not
+  // wait on tile_full either: nothing would keep them within one phase of
+  // the barrier (see the protocol above), so they leave at once.
+  if (!kMath && et != 0) return;
+  const int M = static_cast<int>(p.M), N = static_cast<int>(p.N);
+  if (et == 0) tma_prefetch_map(map_c);
+  int j = 0;
+  for (int unit = first_unit; unit < num_units; unit += unit_stride, ++j) {
+    mbar_wait(full_bar, static_cast<uint32_t>(j & 1));
+    int m0, n0;
+    unit_tile(unit, m0, n0);
+    // Chunk q = 4 w + c: rows m0 + 64 w, columns n0 + 64 c.
+    auto store_chunks = [&](int q0, int nq) {
+      for (int q = q0; q < q0 + nq; ++q) {
+        const int row = m0 + 64 * (q >> 2), col = n0 + 64 * (q & 3);
+        if (row < M && col < N) {
+          tma_store_2d(map_c, buf + static_cast<uint32_t>(q) * kEpiChunkBytes, col, row);
+        }
+      }
+      bulk_commit_group();
+    };
+    if constexpr (kMath) {
+      // Three groups of chunks (3, 3, 2: 1536, 1536, 1024 vectors), each
+      // stored as soon as it is done so that the stores drain under the
+      // next group's math: 16 + 16 + 11 vectors per thread, the fewest a
+      // split of the tile's 4096 vectors over 96 threads allows (43).
+#pragma unroll
+      for (int g = 0; g < 3; ++g) {
+        const int q0 = 3 * g, nq = g < 2 ? 3 : 2;
+        const uint32_t base = buf + static_cast<uint32_t>(q0) * kEpiChunkBytes;
+        const int nvec = nq * (kEpiChunkBytes / 16);
+#pragma unroll 1
+        for (int v = et; v < nvec; v += kOffloadThreads) {
+          activate_vec_in_place<T, ACT>(base + 16u * static_cast<uint32_t>(v));
+        }
+        // Each writer orders its shared-memory stores before the TMA reads;
+        // the barrier tells the storing thread that all have.
+        fence_proxy_async_smem();
+        named_barrier_sync(kOffloadBarId, kOffloadThreads);
+        if (et == 0) store_chunks(q0, nq);
+      }
+    } else {
+      store_chunks(0, 8);
+    }
+    if (et == 0) {
+      // The buffer is free once the stores have read it (their global writes
+      // may still be in flight).
+      bulk_wait_read<0>();
+      mbar_arrive(empty_bar);
+    }
+  }
+  // Shared memory must outlive the stores that read it.
+  if (et == 0) bulk_wait_all();
+}
+
+}  // namespace sm90
+}  // namespace cuda
+}  // namespace ops
+}  // namespace fastcomm
