@@ -209,16 +209,19 @@ def _extensions() -> list:
         ext_cls = cpp_extension.CppExtension
         extra = {"cxx": cxx}
     link = _shared_libstdcxx() + extra_link + ["-lrt", "-ldl"]
+    # Each extension gets its own lists: torch's extension classes append their include and
+    # library paths in place, and a shared list would give _C a different command line (so a
+    # full recompile) depending on whether _testing is built too.
     exts = [
         ext_cls(
             name="torchext._C",
             sources=_sources(cuda),
-            include_dirs=include_dirs,
-            define_macros=define_macros,
-            library_dirs=library_dirs,
-            libraries=libraries,
-            extra_compile_args=extra,
-            extra_link_args=link,
+            include_dirs=list(include_dirs),
+            define_macros=list(define_macros),
+            library_dirs=list(library_dirs),
+            libraries=list(libraries),
+            extra_compile_args={k: list(v) for k, v in extra.items()},
+            extra_link_args=list(link),
         )
     ]
     if _want_testing():
@@ -227,11 +230,11 @@ def _extensions() -> list:
             ext_cls(
                 name="torchext._testing",
                 sources=sorted(glob.glob(os.path.join(TESTING_DIR, "*.cpp"))),
-                include_dirs=include_dirs,
+                include_dirs=list(include_dirs),
                 define_macros=macros + [("TORCH_EXTENSION_NAME", "_testing")],
-                library_dirs=library_dirs,
-                libraries=libraries,
-                extra_compile_args=extra,
+                library_dirs=list(library_dirs),
+                libraries=list(libraries),
+                extra_compile_args={k: list(v) for k, v in extra.items()},
                 # Linked against _C (found beside it at run time) by BuildExt.
                 extra_link_args=link + ["-Wl,-rpath,$ORIGIN"],
             )
