@@ -47,6 +47,7 @@ fastcomm_setup() {
   local log="$1"
   shift
   local start=$SECONDS rc=0
+  mkdir -p "$(dirname "$log")"
   "$PY" setup.py "$@" 2>&1 | tee "$log" | awk -v root="$FASTCOMM_ROOT/" '
     /^\[fastcomm setup\] / { sub(/^\[fastcomm setup\]/, "[fastcomm]"); print; fflush(); next }
     /^\[[0-9]+\/[0-9]+\] / {
