@@ -1,9 +1,15 @@
 """Build torchext._C against the torch that is installed.
 
-CUDA sources (kernels/*.cu, csrc/**/*.cu and the NCCL path) build when torch was built with
-CUDA and nvcc is found; otherwise a CPU-only extension is built that still
+CUDA sources (kernels/*.cu and the NCCL path) build where they can run: torch was built with
+CUDA, nvcc is found and a GPU is present. Elsewhere a CPU-only extension is built that still
 registers the backend and rejects CUDA tensors with a clear error.
-Set FASTCOMM_CPU_ONLY=1 to force the CPU-only build.
+
+  FASTCOMM_BUILD_CUDA=1      build the CUDA parts without a GPU (e.g. a build machine)
+  FASTCOMM_BUILD_CUDA=0      CPU-only build (FASTCOMM_CPU_ONLY=1 is the same)
+  FASTCOMM_CUDA_PTX_ONLY=1   device code as compute_90a PTX only, no ptxas: a compile check
+  FASTCOMM_BUILD_TESTING=1   also build torchext._testing (scripts/test.sh)
+  FASTCOMM_NO_EXTENSION=1    package and entry points only, no extension: scripts/env.sh
+                             installs this editable and builds the extension in place
 """
 
 from __future__ import annotations
@@ -25,17 +31,48 @@ def _log(msg: str) -> None:
     print(f"[fastcomm setup] {msg}", file=sys.stderr)
 
 
-def _want_cuda() -> bool:
-    if os.environ.get("FASTCOMM_CPU_ONLY", "0") == "1":
+def _gpu_present() -> bool:
+    if torch.cuda.is_available():
+        return True
+    # torch may see no GPU where one exists (CUDA_VISIBLE_DEVICES, driver mismatch).
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
         return False
+    import subprocess
+
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "GPU" in out
+
+
+def _want_cuda() -> bool:
+    """CUDA parts only where they can run or are asked for: sm_90a matmul kernels take
+    minutes each to assemble, a cost a machine without a GPU need not pay."""
+    asked = os.environ.get("FASTCOMM_BUILD_CUDA", "")
+    if asked == "0" or os.environ.get("FASTCOMM_CPU_ONLY", "0") == "1":
+        _log("CPU-only build (FASTCOMM_BUILD_CUDA=0)")
+        return False
+    has_nvcc = (
+        cpp_extension.CUDA_HOME is not None
+        and shutil.which(os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")) is not None
+    )
+    if asked == "1":
+        if torch.version.cuda is None or not has_nvcc:
+            raise RuntimeError(
+                "FASTCOMM_BUILD_CUDA=1 needs torch built with CUDA and nvcc (CUDA_HOME); "
+                f"torch.version.cuda={torch.version.cuda}, CUDA_HOME={cpp_extension.CUDA_HOME}"
+            )
+        return True
     if torch.version.cuda is None:
         _log("torch has no CUDA: CPU-only build")
         return False
-    if (
-        cpp_extension.CUDA_HOME is None
-        or shutil.which(os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")) is None
-    ):
+    if not has_nvcc:
         _log("nvcc not found: CPU-only build")
+        return False
+    if not _gpu_present():
+        _log("no GPU found: CPU-only build (FASTCOMM_BUILD_CUDA=1 builds the CUDA parts)")
         return False
     return True
 
@@ -65,7 +102,7 @@ def _nccl_paths() -> tuple[str, str]:
                     return inc, lib
     raise RuntimeError(
         "nccl.h not found: install nvidia-nccl (as torch does) or set NCCL_HOME, "
-        "or build with FASTCOMM_CPU_ONLY=1"
+        "or build with FASTCOMM_BUILD_CUDA=0"
     )
 
 
@@ -138,7 +175,10 @@ def _extensions() -> list:
     # The language standard follows torch (C++17 for 2.11, C++20 for newer headers);
     # our sources are written to C++17.
     # -Wno-interference-size: c10/cuda/CUDAEvent.h trips it under GCC 12.
-    cxx = ["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-interference-size"]
+    # -g0: Python's own CFLAGS carry -g, whose debug info of torch's headers makes each
+    # object ~35x larger and its compile ~2.5x slower; crash backtraces use the dynamic
+    # symbols, which stay.
+    cxx = ["-O3", "-g0", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-interference-size"]
     nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
     define_macros = [("TORCH_EXTENSION_NAME", "_C")]
     include_dirs = [os.path.join(ROOT, "csrc"), ROOT]  # "common/...", "kernels/..."
@@ -157,8 +197,11 @@ def _extensions() -> list:
             f"-l:{os.path.basename(sorted(glob.glob(os.path.join(lib, 'libnccl.so*')))[-1])}"
         ]
         extra_link += [f"-Wl,-rpath,{lib}"]
-        if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
-            # No GPU to detect (CI): build for Ampere and Hopper.
+        if os.environ.get("FASTCOMM_CUDA_PTX_ONLY", "0") == "1":
+            # torch adds no -gencode of its own when one is given.
+            nvcc += ["-gencode=arch=compute_90a,code=compute_90a"]
+        elif not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+            # No GPU to detect: build for Ampere and Hopper.
             os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0a"
         ext_cls = cpp_extension.CUDAExtension
         extra = {"cxx": cxx, "nvcc": nvcc}
@@ -166,16 +209,19 @@ def _extensions() -> list:
         ext_cls = cpp_extension.CppExtension
         extra = {"cxx": cxx}
     link = _shared_libstdcxx() + extra_link + ["-lrt", "-ldl"]
+    # Each extension gets its own lists: torch's extension classes append their include and
+    # library paths in place, and a shared list would give _C a different command line (so a
+    # full recompile) depending on whether _testing is built too.
     exts = [
         ext_cls(
             name="torchext._C",
             sources=_sources(cuda),
-            include_dirs=include_dirs,
-            define_macros=define_macros,
-            library_dirs=library_dirs,
-            libraries=libraries,
-            extra_compile_args=extra,
-            extra_link_args=link,
+            include_dirs=list(include_dirs),
+            define_macros=list(define_macros),
+            library_dirs=list(library_dirs),
+            libraries=list(libraries),
+            extra_compile_args={k: list(v) for k, v in extra.items()},
+            extra_link_args=list(link),
         )
     ]
     if _want_testing():
@@ -184,11 +230,11 @@ def _extensions() -> list:
             ext_cls(
                 name="torchext._testing",
                 sources=sorted(glob.glob(os.path.join(TESTING_DIR, "*.cpp"))),
-                include_dirs=include_dirs,
+                include_dirs=list(include_dirs),
                 define_macros=macros + [("TORCH_EXTENSION_NAME", "_testing")],
-                library_dirs=library_dirs,
-                libraries=libraries,
-                extra_compile_args=extra,
+                library_dirs=list(library_dirs),
+                libraries=list(libraries),
+                extra_compile_args={k: list(v) for k, v in extra.items()},
                 # Linked against _C (found beside it at run time) by BuildExt.
                 extra_link_args=link + ["-Wl,-rpath,$ORIGIN"],
             )
@@ -204,6 +250,7 @@ class BuildExt(cpp_extension.BuildExtension):
         super().build_extensions()
 
     def build_extension(self, ext) -> None:
+        self._announce(ext)
         if ext.name == "torchext._testing":
             core = self.get_ext_fullpath("torchext._C")
             ext.extra_link_args = [
@@ -211,6 +258,32 @@ class BuildExt(cpp_extension.BuildExtension):
                 f"-l:{os.path.basename(core)}",
             ] + list(ext.extra_link_args)
         super().build_extension(ext)
+
+    # Rough compile seconds per file on one core of a current x86 machine at -O3 (g++ 12,
+    # nvcc 13), for the first-build estimate only.
+    SECONDS_PER_CPP = 20
+    SECONDS_PER_CU = {"sm": 150, "ptx": 60}
+
+    def _announce(self, ext) -> None:
+        """What is about to be compiled, and on a first build roughly how long it takes."""
+        cu = [s for s in ext.sources if s.endswith(".cu")]
+        n_cpp = len(ext.sources) - len(cu)
+        cuda = any(m[0] == "FASTCOMM_WITH_CUDA" for m in ext.define_macros)
+        what = f"{n_cpp} C++ files" + (f", {len(cu)} CUDA files" if cu else "")
+        what += " (with CUDA)" if cuda else " (CPU only)"
+        objects = [
+            os.path.join(self.build_temp, os.path.splitext(src)[0] + ".o") for src in ext.sources
+        ]
+        if any(os.path.exists(o) for o in objects):
+            note = "ninja recompiles only what changed"
+        else:
+            jobs = int(os.environ.get("MAX_JOBS") or os.cpu_count() or 1)
+            ptx = os.environ.get("FASTCOMM_CUDA_PTX_ONLY", "0") == "1"
+            work = n_cpp * self.SECONDS_PER_CPP + len(cu) * self.SECONDS_PER_CU["ptx" if ptx else "sm"]
+            minutes = work / max(1, min(jobs, len(ext.sources))) / 60
+            low, high = max(1, round(minutes * 0.8)), max(2, round(minutes * 1.3))
+            note = f"first build, about {low}-{high} min with {jobs} jobs"
+        _log(f"building {ext.name}: {what}; {note}")
 
 
 def _entry_points() -> dict[str, list[str]]:
@@ -231,6 +304,6 @@ def _entry_points() -> dict[str, list[str]]:
 
 setup(
     entry_points=_entry_points(),
-    ext_modules=_extensions(),
+    ext_modules=[] if os.environ.get("FASTCOMM_NO_EXTENSION", "0") == "1" else _extensions(),
     cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},
 )
