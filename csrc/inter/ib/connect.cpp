@@ -7,6 +7,9 @@
 #include <stdexcept>
 #include <system_error>
 #include <thread>
+#include <unistd.h>
+#include <cstddef>
+#include <mutex>
 
 #include "common/logging.hpp"
 #include "common/store_util.hpp"

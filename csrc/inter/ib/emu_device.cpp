@@ -11,6 +11,10 @@
 #include <stdexcept>
 #include <string>
 #include <system_error>
+#include <atomic>
+#include <mutex>
+#include <shared_mutex>
+#include <thread>
 
 #include "common/logging.hpp"
 

@@ -53,6 +53,8 @@
 #include <thread>
 #include <unordered_map>
 #include <vector>
+#include <cerrno>
+#include <system_error>
 
 #include "common/config.hpp"
 #include "inter/ib/device.hpp"

@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <chrono>
+#include <mutex>
+#include <shared_mutex>
 
 #include "common/logging.hpp"
 #include "inter/ib/emu_device.hpp"

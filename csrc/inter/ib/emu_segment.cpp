@@ -18,6 +18,9 @@
 #include <sstream>
 #include <stdexcept>
 #include <system_error>
+#include <atomic>
+#include <chrono>
+#include <mutex>
 
 namespace fastcomm {
 namespace transport {

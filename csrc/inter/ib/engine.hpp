@@ -19,6 +19,7 @@
 #include <unordered_map>
 #include <utility>
 #include <vector>
+#include <unistd.h>
 
 #include "common/config.hpp"
 #include "inter/ib/device.hpp"

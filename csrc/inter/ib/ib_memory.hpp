@@ -13,6 +13,8 @@
 #include <string>
 #include <utility>
 #include <vector>
+#include <unistd.h>
+#include <cstddef>
 
 #include "inter/ib/device.hpp"
 #include "inter/ib/wire.hpp"

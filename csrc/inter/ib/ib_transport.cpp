@@ -5,6 +5,7 @@
 #include <string>
 #include <utility>
 #include <vector>
+#include <unistd.h>
 
 #include "inter/ib/device.hpp"
 #include "inter/ib/engine.hpp"

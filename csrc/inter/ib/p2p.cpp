@@ -2,6 +2,7 @@
 #include <cstddef>
 #include <cstring>
 #include <stdexcept>
+#include <mutex>
 
 #include "common/logging.hpp"
 #include "inter/ib/engine.hpp"

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cstring>
 #include <sstream>
+#include <map>
+#include <mutex>
 
 #include "common/thread_name.hpp"
 #include "common/logging.hpp"

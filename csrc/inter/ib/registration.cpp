@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <sstream>
 #include <stdexcept>
+#include <map>
+#include <mutex>
 
 #include "inter/ib/engine.hpp"
 #include "inter/ib/gpu_memory.hpp"

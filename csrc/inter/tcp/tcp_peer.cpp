@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <mutex>
 
 #include "common/logging.hpp"
 #include "inter/tcp/worker.hpp"

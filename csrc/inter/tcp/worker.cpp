@@ -10,6 +10,8 @@
 #include <chrono>
 #include <string>
 #include <system_error>
+#include <mutex>
+#include <thread>
 
 #include "common/thread_name.hpp"
 #include "common/logging.hpp"
