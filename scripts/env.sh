@@ -140,7 +140,10 @@ if [[ "${FASTCOMM_SKIP_BUILD:-0}" != "1" ]]; then
     echo "[fastcomm] extension up to date (no input changed since the last build)"
   else
     rm -f build/stamps/_C build/stamps/_testing
-    FASTCOMM_BUILD_TESTING=$testing fastcomm_setup build.log build_ext --inplace --force
+    # build/inplace, not setuptools' default build/lib.*: a later `pip install .` packs what
+    # is under build/lib.*, which must not hold this build's torchext._testing.
+    FASTCOMM_BUILD_TESTING=$testing fastcomm_setup build.log build_ext --inplace --force \
+      --build-lib build/inplace
     echo "$key" > build/stamps/_C
     if [[ $testing == 1 ]]; then echo "$key" > build/stamps/_testing; fi
   fi

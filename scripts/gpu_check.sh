@@ -65,7 +65,7 @@ for stage in "${stages[@]}"; do
       nvidia-smi topo -m >> "$LOG" 2>&1 || true
       start=$(date +%s)
       if ! MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0a FASTCOMM_BUILD_TESTING=1 \
-        "$PY" setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
+        "$PY" setup.py build_ext --inplace --build-lib build/inplace > "$OUT/build.log" 2>&1; then
         tail -n 80 "$OUT/build.log" | tee -a "$LOG"
         say "build FAILED"
         exit 1
