@@ -193,9 +193,9 @@ __device__ __forceinline__ void write_chunk(const float (&acc)[1][BN / 2],
 // the wait before chunk 0's barrier.
 template <typename T, Act ACT, int BN>
 __device__ __forceinline__ void epilogue_tma(const GemmArgs& p, const CUtensorMap* map_c,
-                                                  const float (&acc)[1][BN / 2],
-                                                  const uint32_t (&bw)[BN / 8], uint32_t stage,
-                                                  int row_base, int n0, int wtid, int bar_id) {
+                                             const float (&acc)[1][BN / 2],
+                                             const uint32_t (&bw)[BN / 8], uint32_t stage,
+                                             int row_base, int n0, int wtid, int bar_id) {
   static_assert((BN / 64) % 2 == 0, "the staging buffers alternate across tiles");
   const EpiFragment frag(wtid);
 #pragma unroll

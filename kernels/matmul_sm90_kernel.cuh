@@ -195,7 +195,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full_bar(s), 1);  // the producer's arrive.expect_tx (+ TMA bytes)
+      mbar_init(full_bar(s), 1);                  // the producer's arrive.expect_tx (+ TMA bytes)
       mbar_init(empty_bar(s), C::STAGE_READERS);  // the warps that read the stage
     }
     mbar_init(order_bar(0), 4);  // one arrival per warp of the other warpgroup
@@ -380,9 +380,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           fence_accumulators(acc);
           if (num_kb > 0) release(prev_s);
           const uint32_t stage = sEpi + static_cast<uint32_t>(cw) * 2u * kEpiChunkBytes;
-          FASTCOMM_DISPATCH_ACT(
-              p.act, (epilogue_tma<T, kAct, BN>(p, &tma_c, acc, bw, stage, m0 + 64 * cw, n0,
-                                                     wtid, 1 + cw)));
+          FASTCOMM_DISPATCH_ACT(p.act, (epilogue_tma<T, kAct, BN>(p, &tma_c, acc, bw, stage,
+                                                                  m0 + 64 * cw, n0, wtid, 1 + cw)));
           continue;
         }
       }
@@ -446,9 +445,9 @@ cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stre
     // decides how well the tiles spread over the SMs.
     FASTCOMM_LOG(Info, "matmul wgmma kernel "
                            << (S == Sched::kPingpong ? "ping-pong" : "cooperative")
-                           << (OFFLOAD ? " offload" : "") << " " << C::BM << "x" << BN
-                           << " layout " << (A_K ? "K" : "M") << (B_K ? "K" : "N") << " on device "
-                           << dev << ": " << C::SMEM_BYTES << " B shared memory, " << plan.num_sms
+                           << (OFFLOAD ? " offload" : "") << " " << C::BM << "x" << BN << " layout "
+                           << (A_K ? "K" : "M") << (B_K ? "K" : "N") << " on device " << dev << ": "
+                           << C::SMEM_BYTES << " B shared memory, " << plan.num_sms
                            << " SMs, setup " << cudaGetErrorString(setup[dev]));
   });
   if (setup[dev] != cudaSuccess) return setup[dev];

@@ -51,8 +51,8 @@ ProcessGroupFastComm::ProcessGroupFastComm(const c10::intrusive_ptr<c10d::Store>
   if (cfg.timeline) Timeline::setEnabled(true);
   // The agreed settings ride along with the host ids: group rank 0's hold.
   std::vector<std::string> settings;
-  g_.topo = Topology::exchange(g_.store, rank, size, localHostId(cfg), timeout,
-                               cfg.encodeAgreed(), &settings);
+  g_.topo = Topology::exchange(g_.store, rank, size, localHostId(cfg), timeout, cfg.encodeAgreed(),
+                               &settings);
   const std::string differ = g_.cfg.adoptAgreed(settings[0]);
   if (!differ.empty()) {
     FASTCOMM_LOG(Warn, "group '" << groupName_ << "', group rank " << rank

@@ -104,8 +104,7 @@ Setting onOff(const char* var, Tier tier, bool Config::*m, const char* dflt, con
 }
 
 Setting choice(const char* var, Tier tier, std::string Config::*m,
-               std::initializer_list<const char*> allowed, const char* dflt,
-               const char* meaning) {
+               std::initializer_list<const char*> allowed, const char* dflt, const char* meaning) {
   std::vector<const char*> options(allowed);
   return {{var, tier, dflt, meaning},
           [var, m, options](Config& c, const char* t) {
@@ -124,7 +123,8 @@ Setting choice(const char* var, Tier tier, std::string Config::*m,
 
 Setting text(const char* var, Tier tier, std::string Config::*m, const char* dflt,
              const char* meaning) {
-  return {{var, tier, dflt, meaning}, [m](Config& c, const char* t) { c.*m = t; },
+  return {{var, tier, dflt, meaning},
+          [m](Config& c, const char* t) { c.*m = t; },
           [m](const Config& c) { return c.*m; }};
 }
 
@@ -158,8 +158,8 @@ const std::vector<Setting>& settings() {
                  [](Config& c, const char* t) {
                    std::string v = lower(t);
                    if (v != "nccl" && v != "host")
-                     throw std::invalid_argument(std::string("fastcomm: FASTCOMM_CUDA_INTER=") +
-                                                 t + " is not one of nccl host");
+                     throw std::invalid_argument(std::string("fastcomm: FASTCOMM_CUDA_INTER=") + t +
+                                                 " is not one of nccl host");
                    c.cudaInterHost = v == "host";
                  },
                  [](const Config& c) { return std::string(c.cudaInterHost ? "host" : "nccl"); }});
@@ -195,9 +195,8 @@ const std::vector<Setting>& settings() {
                  [](Config& c, const char* t) {
                    std::string v = lower(t);
                    if (v != "auto" && v != "host")
-                     throw std::invalid_argument(
-                         std::string("fastcomm: FASTCOMM_STAGED_MEMORY=") + t +
-                         " is not one of host auto");
+                     throw std::invalid_argument(std::string("fastcomm: FASTCOMM_STAGED_MEMORY=") +
+                                                 t + " is not one of host auto");
                    c.stagedHostOnly = v == "host";
                    c.stagedMemoryExplicit = true;
                  },
@@ -240,22 +239,22 @@ const std::vector<Setting>& settings() {
     v.push_back(onOff("FASTCOMM_IB_EMULATE", L, &Config::ibEmulate, "0",
                       "`1`: the ib transport runs on a software RC device (no NIC needed)"));
     // ---- diagnostics and tests
-    v.push_back({{"FASTCOMM_LOG", D, "WARN",
-                  "`WARN`, `INFO` (topology, paths, config at init), `DEBUG`"},
-                 [](Config& c, const char* t) {
-                   const std::string l = lower(t);
-                   if (l != "warn" && l != "info" && l != "debug")
-                     throw std::invalid_argument(std::string("fastcomm: FASTCOMM_LOG=") + t +
-                                                 " is not one of warn info debug");
-                   c.logLevel = l == "warn"   ? LogLevel::Warn
-                                : l == "info" ? LogLevel::Info
-                                              : LogLevel::Debug;
-                 },
-                 [](const Config& c) {
-                   return std::string(c.logLevel == LogLevel::Warn   ? "warn"
-                                      : c.logLevel == LogLevel::Info ? "info"
-                                                                     : "debug");
-                 }});
+    v.push_back(
+        {{"FASTCOMM_LOG", D, "WARN", "`WARN`, `INFO` (topology, paths, config at init), `DEBUG`"},
+         [](Config& c, const char* t) {
+           const std::string l = lower(t);
+           if (l != "warn" && l != "info" && l != "debug")
+             throw std::invalid_argument(std::string("fastcomm: FASTCOMM_LOG=") + t +
+                                         " is not one of warn info debug");
+           c.logLevel = l == "warn"   ? LogLevel::Warn
+                        : l == "info" ? LogLevel::Info
+                                      : LogLevel::Debug;
+         },
+         [](const Config& c) {
+           return std::string(c.logLevel == LogLevel::Warn   ? "warn"
+                              : c.logLevel == LogLevel::Info ? "info"
+                                                             : "debug");
+         }});
     v.push_back(onOff("FASTCOMM_TIMELINE", D, &Config::timeline, "0",
                       "`1`: record pipeline phases; `torchext.timeline()`, "
                       "`torchext.save_timeline(\"t.json\")`"));
@@ -302,7 +301,8 @@ std::string Config::describe() const {
 std::string Config::encodeAgreed() const {
   std::string out;
   for (const Setting& s : settings()) {
-    if (s.info.tier == Tier::Agreed) out += std::string(s.info.variable) + "=" + s.show(*this) + "\n";
+    if (s.info.tier == Tier::Agreed)
+      out += std::string(s.info.variable) + "=" + s.show(*this) + "\n";
   }
   return out;
 }

@@ -59,7 +59,7 @@ struct LocalSettings {
   bool stagedHostOnly = false;
   bool stagedMemoryExplicit = false;  // FASTCOMM_STAGED_MEMORY was set
   int64_t spinMicros = -1;            // -1: chosen from the core count
-  bool blockingWait = false;  // as TORCH_NCCL_BLOCKING_WAIT
+  bool blockingWait = false;          // as TORCH_NCCL_BLOCKING_WAIT
   // Off by default, as ProcessGroupNCCL's TORCH_NCCL_ENABLE_TIMING: a pair of
   // timing events costs GPU time on every collective.
   bool cudaTiming = false;
