@@ -296,7 +296,7 @@ def run_launch(launch: Launch, timeout: Optional[float]) -> None:
     if os.path.exists(launch.json):
         os.remove(launch.json)  # never merge a stale file
     start = time.monotonic()
-    # A process session of its own, so a timeout can stop torchrun and all its ranks together.
+    # setsid: torchrun and its ranks in a process group of their own, so a timeout stops them all.
     proc = subprocess.Popen(launch.cmd, env=launch_env(launch), start_new_session=True)
     try:
         launch.returncode = proc.wait(timeout=timeout)

@@ -13,6 +13,29 @@ namespace fastcomm {
 
 namespace {
 
+// Runs one host job for `work`: `run` (after the group's usability check)
+// completes it, an exception fails it and marks the group broken.
+template <typename Run>
+void completeOrFail(GroupState& g, HostWork& work, Run&& run) {
+  try {
+    g.checkUsable();
+    run();
+    work.complete();
+  } catch (...) {
+    auto error = std::current_exception();
+    g.markBroken(error);
+    work.fail(error);
+  }
+}
+
+// `body()`, its time added to the stats of collective `name`.
+template <typename Body>
+void timed(GroupState& g, const char* name, Body&& body) {
+  const auto t0 = Clock::now();
+  body();
+  g.stats.addTime(name, std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+}
+
 using Tensors = std::vector<at::Tensor>;
 using Staged = HostPath::Staged;
 
@@ -126,20 +149,11 @@ DevicePath::WorkPtr HostPath::run(const OpCall& call, const Tensors& inputs, Ten
                                             std::move(outputs));
   g_.stats.addCall(call.name, static_cast<uint64_t>(call.bytes));
   lane_->submit([this, work, ctx, sig, body = std::move(body)] {
-    try {
-      g_.checkUsable();
+    completeOrFail(g_, *work, [&] {
       HostComm& c = comm(ctx);
       if (g_.cfg.check) c.checkSignatures(sig, ctx);
-      const auto t0 = Clock::now();
-      body(c, ctx);
-      g_.stats.addTime(ctx.name,
-                       std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
-      work->complete();
-    } catch (...) {
-      auto error = std::current_exception();
-      g_.markBroken(error);
-      work->fail(error);
-    }
+      timed(g_, ctx.name, [&] { body(c, ctx); });
+    });
   });
   return g_.block.remember(work);
 }
@@ -178,18 +192,7 @@ DevicePath::WorkPtr HostPath::runP2P(const OpCall& call, SerialLane& lane, const
     }
   }
   auto job = [this, work, ctx, body = std::move(body)] {
-    try {
-      g_.checkUsable();
-      const auto t0 = Clock::now();
-      body(*comm_, ctx, *work);
-      g_.stats.addTime(ctx.name,
-                       std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
-      work->complete();
-    } catch (...) {
-      auto error = std::current_exception();
-      g_.markBroken(error);
-      work->fail(error);
-    }
+    completeOrFail(g_, *work, [&] { timed(g_, ctx.name, [&] { body(*comm_, ctx, *work); }); });
   };
   g_.block.issueOrDefer(work, [lane = &lane, job = std::move(job)] { lane->submit(job); });
   return work;

@@ -107,12 +107,7 @@ void Peer::frameDone(const std::shared_ptr<Op>& op) {
 void Peer::closeSockets() {
   for (auto& s : socks_) {
     s->fd.reset();
-    s->rop.reset();
-    s->cur = OutFrame{};
-    s->hasCur = false;
-    std::lock_guard<std::mutex> lock(s->mu);
-    s->ctrl.clear();
-    s->data.clear();
+    s->dropFrames();
   }
 }
 

@@ -80,6 +80,16 @@ struct Sock {
   std::deque<OutFrame> data;
 
   bool dirty = false;  // guarded by the worker's mutex: in its dirty list
+
+  // Drops the frame being received and every frame not yet written.
+  void dropFrames() {
+    rop.reset();
+    cur = OutFrame{};
+    hasCur = false;
+    std::lock_guard<std::mutex> lock(mu);
+    ctrl.clear();
+    data.clear();
+  }
 };
 
 // The state of one connection: its sockets and the requests of both directions.

@@ -125,12 +125,7 @@ void Worker::deregister(Sock* s) {
     s->registered = false;
     s->wantOut = false;
   }
-  s->rop.reset();
-  s->cur = OutFrame{};
-  s->hasCur = false;
-  std::lock_guard<std::mutex> lock(s->mu);
-  s->ctrl.clear();
-  s->data.clear();
+  s->dropFrames();
 }
 
 void Worker::socketFailed(Sock* s, int err, const char* what) {
