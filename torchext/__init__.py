@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torchext import _C
 from torchext import hooks, nn, ops  # noqa: F401  (ops.py registers fake kernels and autograd)
 from torchext._registration import BACKEND_NAME, register
+from torchext.flight_recorder import _declare_self_recording, dump_trace
 
 __version__ = "0.1.0"
 __all__ = [
@@ -26,12 +27,14 @@ __all__ = [
     "nccl_version",
     "timeline",
     "save_timeline",
+    "dump_trace",
     "ops",
     "nn",
     "hooks",
 ]
 
 register()
+_declare_self_recording()
 
 
 def has_cuda() -> bool:

@@ -74,9 +74,11 @@ void GroupState::checkUsable() const {
   }
 }
 
-void GroupState::markBroken(std::exception_ptr error) {
+bool GroupState::markBroken(std::exception_ptr error) {
   std::lock_guard<std::mutex> lock(brokenMu_);
-  if (!broken_) broken_ = std::move(error);
+  if (broken_) return false;
+  broken_ = std::move(error);
+  return true;
 }
 
 }  // namespace fastcomm

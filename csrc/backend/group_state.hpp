@@ -11,9 +11,11 @@
 #include <chrono>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <vector>
 
+#include "backend/flight_recorder.hpp"
 #include "backend/stats.hpp"
 #include "common/config.hpp"
 #include "topology/topology.hpp"
@@ -66,10 +68,12 @@ struct GroupState {
   std::atomic<uint64_t> seq{0};     // collectives
   std::atomic<uint64_t> p2pSeq{0};  // point-to-point ops
   CoalescingBlock block;
+  std::shared_ptr<TraceRing> trace;  // the flight recorder; null when off
 
   // Raises once the group failed (an op's error, abort()).
   void checkUsable() const;
-  void markBroken(std::exception_ptr error);
+  // Returns whether this is the group's first failure.
+  bool markBroken(std::exception_ptr error);
 
  private:
   mutable std::mutex brokenMu_;

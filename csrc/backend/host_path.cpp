@@ -14,18 +14,37 @@ namespace fastcomm {
 namespace {
 
 // Runs one host job for `work`: `run` (after the group's usability check)
-// completes it, an exception fails it and marks the group broken.
+// completes it, an exception fails it and marks the group broken. The flight
+// recorder's entry `trace` (0: none) follows; the group's first failure is
+// dumped before the caller can see it.
 template <typename Run>
-void completeOrFail(GroupState& g, HostWork& work, Run&& run) {
+void completeOrFail(GroupState& g, HostWork& work, uint64_t trace, Run&& run) {
   try {
     g.checkUsable();
+    if (trace) g.trace->started(trace);
     run();
+    if (trace) g.trace->completed(trace);
     work.complete();
   } catch (...) {
     auto error = std::current_exception();
-    g.markBroken(error);
+    if (trace) g.trace->retire(trace);
+    if (g.markBroken(error) && g.trace) {
+      try {
+        std::rethrow_exception(error);
+      } catch (const std::exception& e) {
+        g.trace->groupFailed(errorText(e));
+      } catch (...) {
+        g.trace->groupFailed("unknown error");
+      }
+    }
     work.fail(error);
   }
+}
+
+// The flight recorder's entry of a call, 0 when the group records none.
+uint64_t traceCall(GroupState& g, const TraceOp& op, const std::vector<at::Tensor>& inputs,
+                   const std::vector<at::Tensor>& outputs) {
+  return g.trace ? g.trace->record(op, inputs, outputs, g.timeout) : 0;
 }
 
 // `body()`, its time added to the stats of collective `name`.
@@ -145,11 +164,13 @@ DevicePath::WorkPtr HostPath::run(const OpCall& call, const Tensors& inputs, Ten
   }
   const uint64_t seq = ++g_.seq;
   const auto ctx = OpContext::start(call.name, seq, g_.timeout);
+  const uint64_t trace =
+      traceCall(g_, TraceOp{call.name, false, seq, sig.redop, sig.root}, inputs, outputs);
   auto work = c10::make_intrusive<HostWork>(g_.rank, call.type, call.title, seq, inputs,
                                             std::move(outputs));
   g_.stats.addCall(call.name, static_cast<uint64_t>(call.bytes));
-  lane_->submit([this, work, ctx, sig, body = std::move(body)] {
-    completeOrFail(g_, *work, [&] {
+  lane_->submit([this, work, ctx, sig, trace, body = std::move(body)] {
+    completeOrFail(g_, *work, trace, [&] {
       HostComm& c = comm(ctx);
       if (g_.cfg.check) c.checkSignatures(sig, ctx);
       timed(g_, ctx.name, [&] { body(c, ctx); });
@@ -159,7 +180,7 @@ DevicePath::WorkPtr HostPath::run(const OpCall& call, const Tensors& inputs, Ten
 }
 
 DevicePath::WorkPtr HostPath::runP2P(const OpCall& call, SerialLane& lane, const at::Tensor& tensor,
-                                     P2PBody body, const Staged& staged) {
+                                     int peer, P2PBody body, const Staged& staged) {
   g_.checkUsable();
   if (staged) {
     body = [staged, body = std::move(body)](HostComm& comm, const OpContext& ctx, HostWork& work) {
@@ -169,6 +190,10 @@ DevicePath::WorkPtr HostPath::runP2P(const OpCall& call, SerialLane& lane, const
     };
   }
   const auto ctx = OpContext::start(call.name, ++g_.p2pSeq, g_.timeout);
+  const bool sending = call.type == c10d::OpType::SEND;
+  const uint64_t trace =
+      traceCall(g_, TraceOp{call.name, true, ctx.seq, -1, -1, peer},
+                sending ? Tensors{tensor} : Tensors{}, sending ? Tensors{} : Tensors{tensor});
   auto work = c10::make_intrusive<HostWork>(g_.rank, call.type, call.title, ctx.seq,
                                             Tensors{tensor}, Tensors{tensor});
   g_.stats.addCall(call.name, static_cast<uint64_t>(call.bytes));
@@ -191,8 +216,9 @@ DevicePath::WorkPtr HostPath::runP2P(const OpCall& call, SerialLane& lane, const
       done.get();
     }
   }
-  auto job = [this, work, ctx, body = std::move(body)] {
-    completeOrFail(g_, *work, [&] { timed(g_, ctx.name, [&] { body(*comm_, ctx, *work); }); });
+  auto job = [this, work, ctx, trace, body = std::move(body)] {
+    completeOrFail(g_, *work, trace,
+                   [&] { timed(g_, ctx.name, [&] { body(*comm_, ctx, *work); }); });
   };
   g_.block.issueOrDefer(work, [lane = &lane, job = std::move(job)] { lane->submit(job); });
   return work;
@@ -413,7 +439,7 @@ DevicePath::WorkPtr HostPath::send(const OpCall& call, const at::Tensor& tensor,
                                    const Staged& staged) {
   at::Tensor src = onHost(staged, tensor).contiguous();
   return runP2P(
-      call, p2pLane(peer, true), tensor,
+      call, p2pLane(peer, true), tensor, peer,
       [src, peer, tag](HostComm& comm, const OpContext& ctx, HostWork&) {
         comm.send(src.data_ptr(), nbytes(src), peer, tag, ctx);
       },
@@ -424,7 +450,7 @@ DevicePath::WorkPtr HostPath::recv(const OpCall& call, const at::Tensor& tensor,
                                    const Staged& staged) {
   Contig c(onHost(staged, tensor));
   return runP2P(
-      call, p2pLane(peer, false), tensor,
+      call, p2pLane(peer, false), tensor, peer,
       [c, peer, tag](HostComm& comm, const OpContext& ctx, HostWork& work) {
         comm.recv(c.work.data_ptr(), nbytes(c.work), peer, tag, ctx);
         c.finish();
@@ -437,7 +463,7 @@ DevicePath::WorkPtr HostPath::recvAny(const OpCall& call, const at::Tensor& tens
   Contig c(tensor);
   // Own lane: it must not queue behind a blocked recv from one particular peer.
   return runP2P(
-      call, p2pLane(-1, false), tensor,
+      call, p2pLane(-1, false), tensor, -1,
       [c, tag](HostComm& comm, const OpContext& ctx, HostWork& work) {
         const int src = comm.recvAny(c.work.data_ptr(), nbytes(c.work), tag, ctx);
         c.finish();

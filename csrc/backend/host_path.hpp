@@ -126,9 +126,10 @@ class HostPath : public DevicePath {
   // Runs `body` on the host lane and returns its work.
   WorkPtr run(const OpCall& call, const Tensors& inputs, Tensors outputs, const OpSignature& sig,
               Body body, const Staged& staged);
-  // Runs a point-to-point `body` on `lane` (at the end of an open coalescing block).
-  WorkPtr runP2P(const OpCall& call, SerialLane& lane, const at::Tensor& tensor, P2PBody body,
-                 const Staged& staged);
+  // Runs a point-to-point `body` with `peer` (-1: any) on `lane` (at the end
+  // of an open coalescing block).
+  WorkPtr runP2P(const OpCall& call, SerialLane& lane, const at::Tensor& tensor, int peer,
+                 P2PBody body, const Staged& staged);
   HostComm& comm(const OpContext& ctx);  // created on first use, on the host lane
   SerialLane& p2pLane(int peer, bool sending);
 

@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <algorithm>
+#include <numeric>
 
 #include "common/logging.hpp"
 #include "common/store_util.hpp"
@@ -69,6 +70,15 @@ ProcessGroupFastComm::ProcessGroupFastComm(const c10::intrusive_ptr<c10d::Store>
                                " (FASTCOMM_TRANSPORT=auto falls back to tcp)");
     }
   }
+  if (cfg.traceBufferSize > 0) {
+    // torch passes no global ranks for the world group.
+    std::vector<uint64_t> members = globalRanks_;
+    if (members.size() != static_cast<size_t>(size)) {
+      members.resize(static_cast<size_t>(size));
+      std::iota(members.begin(), members.end(), uint64_t{0});
+    }
+    g_.trace = TraceRing::create(cfg, TraceGroup{groupName_, &pg_desc_, members, rank, store});
+  }
   hostPath_ = std::make_unique<HostPath>(g_);
 #ifdef FASTCOMM_WITH_CUDA
   cudaPath_ = makeCudaPath(g_, *hostPath_);
@@ -88,6 +98,8 @@ ProcessGroupFastComm::~ProcessGroupFastComm() { shutdown(); }
 void ProcessGroupFastComm::shutdown() {
   hostPath_->shutdown();
   cudaPath_->shutdown();
+  // A group that was shut down is in no later dump.
+  if (g_.trace) g_.trace->unregister();
 }
 
 void ProcessGroupFastComm::abort() {

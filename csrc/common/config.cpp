@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
+#include <csignal>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -101,6 +102,30 @@ Setting onOff(const char* var, Tier tier, bool Config::*m, const char* dflt, con
   return {{var, tier, dflt, meaning},
           [m](Config& c, const char* t) { c.*m = parseFlag(t); },
           [m](const Config& c) { return std::string(c.*m ? "1" : "0"); }};
+}
+
+// Signals FASTCOMM_TRACE_SIGNAL accepts by name (numbers are accepted too).
+constexpr std::pair<const char*, int> kSignalNames[] = {
+    {"HUP", SIGHUP},   {"INT", SIGINT},   {"QUIT", SIGQUIT},  {"USR1", SIGUSR1},
+    {"USR2", SIGUSR2}, {"TERM", SIGTERM}, {"WINCH", SIGWINCH}};
+
+int parseSignal(const char* var, const char* text) {
+  std::string s(text);
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::toupper(c); });
+  if (s.rfind("SIG", 0) == 0) s = s.substr(3);
+  for (const auto& [name, number] : kSignalNames)
+    if (s == name) return number;
+  char* end = nullptr;
+  const long v = std::strtol(s.c_str(), &end, 10);
+  if (end != s.c_str() && *end == '\0' && v >= 0 && v <= 64) return static_cast<int>(v);
+  throw std::invalid_argument(std::string("fastcomm: ") + var + "=" + text +
+                              " is not a signal (USR1, USR2, HUP, ... or a number; 0 for none)");
+}
+
+std::string signalText(int number) {
+  for (const auto& [name, n] : kSignalNames)
+    if (n == number) return std::string("SIG") + name;
+  return std::to_string(number);
 }
 
 Setting choice(const char* var, Tier tier, std::string Config::*m,
@@ -261,6 +286,25 @@ const std::vector<Setting>& settings() {
     v.push_back(onOff("FASTCOMM_CRASH_BACKTRACE", D, &Config::crashBacktrace, "0",
                       "`1`: native stack on a segfault; `kill -USR2 <pid>` prints every "
                       "thread's stack"));
+    v.push_back(count("FASTCOMM_TRACE_BUFFER_SIZE", D, &Config::traceBufferSize, 0, 1 << 20, "2000",
+                      "flight recorder: the last N collectives of each group, dumped on a "
+                      "timeout, a signal or `torchext.dump_trace()`; `0`: off"));
+    v.push_back(text("FASTCOMM_TRACE_FILE", D, &Config::traceFile, "/tmp/fastcomm_trace_rank_",
+                     "flight recorder dumps go to `<this><global rank>`"));
+    v.push_back(onOff("FASTCOMM_TRACE_DUMP_ON_TIMEOUT", D, &Config::traceDumpOnTimeout, "1",
+                      "`1`: a rank whose collective times out or fails dumps, and asks every "
+                      "other rank (through the store) to dump too"));
+    v.push_back(
+        {{"FASTCOMM_TRACE_SIGNAL", D, "0",
+          "a signal (`USR1`, ...) that makes the rank dump its flight recorder; `0`: "
+          "none"},
+         [](Config& c, const char* t) { c.traceSignal = parseSignal("FASTCOMM_TRACE_SIGNAL", t); },
+         [](const Config& c) {
+           return c.traceSignal == 0 ? std::string("0") : signalText(c.traceSignal);
+         }});
+    v.push_back(onOff("FASTCOMM_TRACE_PYTHON_STACK", D, &Config::tracePythonStack, "0",
+                      "`1`: each flight recorder entry keeps the caller's Python stack (costs "
+                      "microseconds per collective)"));
     return v;
   }();
   return all;

@@ -79,6 +79,13 @@ struct DebugSettings {
   LogLevel logLevel = LogLevel::Warn;
   bool timeline = false;
   bool crashBacktrace = false;
+  // The flight recorder (backend/flight_recorder.hpp): entries kept per group
+  // (0: off), where dumps go, what triggers them.
+  int traceBufferSize = 2000;
+  std::string traceFile = "/tmp/fastcomm_trace_rank_";
+  bool traceDumpOnTimeout = true;
+  int traceSignal = 0;  // 0: none
+  bool tracePythonStack = false;
 };
 
 struct Config : AgreedSettings, LocalSettings, DebugSettings {

@@ -6,6 +6,7 @@
 
 #include <vector>
 
+#include "backend/flight_recorder.hpp"
 #include "backend/process_group.hpp"
 #include "common/timeline.hpp"
 
@@ -70,6 +71,15 @@ PYBIND11_MODULE(_C, m) {
         return out;
       },
       "Drains the recorded pipeline phases: (name, thread, chunk, start_us, end_us).");
+  m.def(
+      "_dump_trace",
+      [](const std::string& path, const std::string& reason) {
+        return fastcomm::dumpTrace(path, reason);
+      },
+      py::arg("path") = "", py::arg("reason") = "on demand",
+      // Symbolizing recorded Python stacks takes the GIL.
+      py::call_guard<py::gil_scoped_release>(),
+      "Writes this process's flight recorder dump; returns its path, \"\" when no group records.");
   m.def("has_cuda", [] {
 #ifdef FASTCOMM_WITH_CUDA
     return true;

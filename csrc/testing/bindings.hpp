@@ -22,6 +22,8 @@ void bindConfig(pybind11::module_& m);
 void bindMatmul(pybind11::module_& m);
 // ib_emu_fail: fault injection into the emulated RC device (tests/test_ib.py).
 void bindIbEmu(pybind11::module_& m);
+// trace_cost: the flight recorder's cost per op (benchmarks/bench_trace.py).
+void bindTrace(pybind11::module_& m);
 
 }  // namespace testing
 }  // namespace fastcomm

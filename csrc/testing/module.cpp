@@ -13,4 +13,5 @@ PYBIND11_MODULE(_testing, m) {
   fastcomm::testing::bindConfig(m);
   fastcomm::testing::bindMatmul(m);
   fastcomm::testing::bindIbEmu(m);
+  fastcomm::testing::bindTrace(m);
 }

@@ -88,7 +88,7 @@ class CudaCollectives::Impl {
  public:
   Impl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
        std::chrono::milliseconds timeout, const Config& cfg, Stats& stats, at::Device device,
-       const Topology& topo);
+       const Topology& topo, TraceRing* trace);
   ~Impl();
 
   WorkPtr launch(const CudaOpInfo& info, const Tensors& inputs, const Tensors& outputs, Body body);
@@ -106,6 +106,9 @@ class CudaCollectives::Impl {
   }
   void shutdown();
   void abort(const std::string& why);
+  // The group failed (a timeout, the multi-node path): the flight recorder
+  // dumps, then abort(why).
+  void fail(const std::string& why);
   void checkHealthy();
   std::exception_ptr error();
   nccl::Call call(ncclComm_t comm, cudaStream_t s) const;
@@ -113,6 +116,7 @@ class CudaCollectives::Impl {
   at::Device device_;
   int rank_, size_;
   Config cfg_;
+  TraceRing* const trace_;
 
  private:
   struct Deferred {
@@ -168,7 +172,8 @@ class CudaWork : public c10d::Work {
         future_(c10::make_intrusive<c10::ivalue::Future>(
             c10::ListType::create(c10::TensorType::get()), std::vector<c10::Device>{device})),
         start_(timing ? events.get(true) : nullptr),
-        end_(events.get(timing)) {}
+        end_(events.get(timing)),
+        trace_(owner->trace_ != nullptr ? info.trace : 0) {}
 
   bool isCompleted() override {
     if (exception()) return true;
@@ -177,7 +182,9 @@ class CudaWork : public c10d::Work {
     TORCH_CHECK(!captured_, "fastcomm: ", name_, " (seq ", seq_,
                 ") was captured into a CUDA graph: it runs with every replay and has no "
                 "completion state of its own; synchronize the stream that replays the graph");
-    return end_->query();
+    const bool done = end_->query();
+    if (done) traceCompleted();
+    return done;
   }
   bool isSuccess() const override { return !exception(); }
   std::exception_ptr exception() const override {
@@ -212,6 +219,7 @@ class CudaWork : public c10d::Work {
                     ") did not complete within ", limit.count(), " ms");
         std::this_thread::sleep_for(std::chrono::microseconds(50));
       }
+      traceCompleted();
     }
     if (auto e = exception()) std::rethrow_exception(e);
     return true;
@@ -226,7 +234,18 @@ class CudaWork : public c10d::Work {
       if (exception_) return;
       exception_ = e;
     }
+    if (trace_) owner_->trace_->retire(trace_);
     endProfiling();
+  }
+  void traceCompleted() {
+    if (trace_) owner_->trace_->completed(trace_);
+  }
+  // Marks the entry started once the start event has fired (timing only).
+  void traceStarted() {
+    if (trace_ && start_ && !traceStarted_ && start_->query()) {
+      traceStarted_ = true;
+      owner_->trace_->started(trace_);
+    }
   }
   void endProfiling() {
     if (recordFunctionEndCallback_) {
@@ -248,17 +267,20 @@ class CudaWork : public c10d::Work {
   std::shared_ptr<at::cuda::CUDAEvent> start_;
   std::shared_ptr<at::cuda::CUDAEvent> end_;
   Clock::time_point enqueued_ = Clock::now();
+  const uint64_t trace_;       // flight recorder entry, 0: none
+  bool traceStarted_ = false;  // (watchdog thread only)
 };
 
 }  // namespace
 
 CudaCollectives::Impl::Impl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                             std::chrono::milliseconds timeout, const Config& cfg, Stats& stats,
-                            at::Device device, const Topology& topo)
+                            at::Device device, const Topology& topo, TraceRing* trace)
     : device_(device),
       rank_(rank),
       size_(size),
       cfg_(cfg),
+      trace_(trace),
       store_(store),
       timeout_(timeout),
       stats_(stats),
@@ -374,7 +396,7 @@ bool CudaCollectives::Impl::useHier(const at::Tensor& t, RedOp op, const CudaOpI
               "one such all_reduce eagerly before capturing (as a warm-up iteration does)");
   hierTried_ = true;
   CudaHier::Hooks hooks;
-  hooks.abortGroup = [this](const std::string& why) { abort(why); };
+  hooks.abortGroup = [this](const std::string& why) { fail(why); };
   hooks.laggingRanks = [this](uint64_t seq) {
     const std::string m = missingRanks(seq);
     return m.rfind("(unknown", 0) == 0 ? std::string() : m;
@@ -393,7 +415,7 @@ bool CudaCollectives::Impl::useHier(const at::Tensor& t, RedOp op, const CudaOpI
                               ? failure
                               : std::string("fastcomm: ") + info.name +
                                     ": setting up the CUDA multi-node path failed: " + failure;
-  abort(why);
+  fail(why);
   throwCommError(why);
 }
 
@@ -576,6 +598,7 @@ void CudaCollectives::Impl::watchdogLoop() {
     std::deque<c10::intrusive_ptr<CudaWork>> pending;
     for (auto& w : works) {
       if (w->end_->query()) {
+        w->traceCompleted();
         try {
           if (w->start_) stats_.addTime(w->name_, 1000.0 * w->start_->elapsed_time(*w->end_));
         } catch (const std::exception& e) {
@@ -583,9 +606,11 @@ void CudaCollectives::Impl::watchdogLoop() {
         }
         w->endProfiling();
       } else if (!expired && Clock::now() - w->enqueued_ > w->timeout_) {
+        w->traceStarted();
         expired = w;
         pending.push_back(w);
       } else {
+        w->traceStarted();
         pending.push_back(w);
       }
     }
@@ -600,9 +625,14 @@ void CudaCollectives::Impl::watchdogLoop() {
           std::to_string(expired->timeout_.count()) + " ms waiting for group rank(s) " +
           missingRanks(expired->seq_) + "; the NCCL communicator was aborted";
       FASTCOMM_LOG(Warn, why);
-      abort(why);
+      fail(why);
     }
   }
+}
+
+void CudaCollectives::Impl::fail(const std::string& why) {
+  if (trace_ != nullptr) trace_->groupFailed(why);
+  abort(why);
 }
 
 void CudaCollectives::Impl::abort(const std::string& why) {
@@ -641,8 +671,8 @@ void CudaCollectives::Impl::abort(const std::string& why) {
 
 CudaCollectives::CudaCollectives(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                  std::chrono::milliseconds timeout, const Config& cfg, Stats& stats,
-                                 at::Device device, const Topology& topo)
-    : impl_(std::make_unique<Impl>(store, rank, size, timeout, cfg, stats, device, topo)) {}
+                                 at::Device device, const Topology& topo, TraceRing* trace)
+    : impl_(std::make_unique<Impl>(store, rank, size, timeout, cfg, stats, device, topo, trace)) {}
 
 CudaCollectives::~CudaCollectives() = default;
 

@@ -25,6 +25,7 @@
 #include <memory>
 #include <vector>
 
+#include "backend/flight_recorder.hpp"
 #include "backend/stats.hpp"
 #include "common/config.hpp"
 #include "common/reduce.hpp"
@@ -42,6 +43,10 @@ struct CudaOpInfo {
   // async_op=False: issue on the caller's current stream instead of the
   // internal one (no event hand-off, no recordStream), as ProcessGroupNCCL.
   bool onCurrentStream = false;
+  // The op's flight recorder entry (0: none): completed when its end event is
+  // seen (watchdog, isCompleted, a blocking wait), started when its start
+  // event is (FASTCOMM_CUDA_TIMING only).
+  uint64_t trace = 0;
 };
 
 class CudaCollectives {
@@ -50,10 +55,11 @@ class CudaCollectives {
   // is legal during a capture).
   static bool currentStreamCapturing(at::Device device);
   // `topo` tells the nodes apart: across several, large all_reduces take the
-  // staged multi-node pipeline (plans/cuda/cuda_hier.hpp).
+  // staged multi-node pipeline (plans/cuda/cuda_hier.hpp). `trace`: the
+  // group's flight recorder (null when off), which outlives this object.
   CudaCollectives(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                   std::chrono::milliseconds timeout, const Config& cfg, Stats& stats,
-                  at::Device device, const Topology& topo);
+                  at::Device device, const Topology& topo, TraceRing* trace);
   ~CudaCollectives();
 
   at::Device device() const;

@@ -42,8 +42,14 @@ std::string NcclPath::describe() const {
              : "NCCL";
 }
 
-CudaOpInfo NcclPath::info(const OpCall& call, std::atomic<uint64_t>& seq) const {
-  return CudaOpInfo{call.name, call.title, call.type, ++seq, g_.timeout, call.bytes, call.sync};
+CudaOpInfo NcclPath::info(const OpCall& call, std::atomic<uint64_t>& seq, const Tensors& inputs,
+                          const Tensors& outputs, int redop, int root, int peer) const {
+  CudaOpInfo i{call.name, call.title, call.type, ++seq, g_.timeout, call.bytes, call.sync};
+  if (g_.trace) {
+    const TraceOp op{call.name, &seq == &g_.p2pSeq, i.seq, redop, root, peer};
+    i.trace = g_.trace->record(op, inputs, outputs, g_.timeout);
+  }
+  return i;
 }
 
 CudaCollectives& NcclPath::comm(at::Device device, const char* op) {
@@ -63,7 +69,7 @@ CudaCollectives& NcclPath::comm(at::Device device, const char* op) {
                 "init_process_group");
     try {
       comm_ = std::make_unique<CudaCollectives>(g_.store, g_.rank, g_.size, g_.timeout, g_.cfg,
-                                                g_.stats, device, g_.topo);
+                                                g_.stats, device, g_.topo, g_.trace.get());
     } catch (const c10::DistBackendError& e) {
       if (op == nullptr) throw;
       throwCommError(std::string("fastcomm: ") + op + ": " + e.what());
@@ -81,33 +87,35 @@ CudaCollectives& NcclPath::comm(at::Device device, const char* op) {
 void NcclPath::connect(at::Device device) { comm(device, nullptr); }
 
 DevicePath::WorkPtr NcclPath::broadcast(const OpCall& call, const Tensors& tensors, int root) {
-  const auto i = info(call, g_.seq);
-  return g_.block.remember(comm(tensors[0].device(), call.name).broadcast(tensors[0], root, i));
+  auto& cc = comm(tensors[0].device(), call.name);
+  const auto i = info(call, g_.seq, tensors, tensors, -1, root);
+  return g_.block.remember(cc.broadcast(tensors[0], root, i));
 }
 
 DevicePath::WorkPtr NcclPath::allreduce(const OpCall& call, const Tensors& tensors, RedOp op) {
-  const auto i = info(call, g_.seq);
-  return g_.block.remember(
-      comm(tensors[0].device(), call.name).allreduce(realViews(tensors), op, i));
+  auto& cc = comm(tensors[0].device(), call.name);
+  const auto i = info(call, g_.seq, tensors, tensors, static_cast<int>(op));
+  return g_.block.remember(cc.allreduce(realViews(tensors), op, i));
 }
 
 DevicePath::WorkPtr NcclPath::reduce(const OpCall& call, const Tensors& tensors, RedOp op,
                                      int root) {
-  const auto i = info(call, g_.seq);
-  return g_.block.remember(
-      comm(tensors[0].device(), call.name).reduce(asReal(tensors[0]), op, root, i));
+  auto& cc = comm(tensors[0].device(), call.name);
+  const auto i = info(call, g_.seq, tensors, tensors, static_cast<int>(op), root);
+  return g_.block.remember(cc.reduce(asReal(tensors[0]), op, root, i));
 }
 
 DevicePath::WorkPtr NcclPath::allgather(const OpCall& call, const Tensors& outputs,
                                         const at::Tensor& input) {
-  const auto i = info(call, g_.seq);
-  return g_.block.remember(comm(input.device(), call.name).allgather(outputs, input, i));
+  auto& cc = comm(input.device(), call.name);
+  const auto i = info(call, g_.seq, {input}, outputs);
+  return g_.block.remember(cc.allgather(outputs, input, i));
 }
 
 DevicePath::WorkPtr NcclPath::allgatherCoalesced(const OpCall& call, const Tensors& outputs,
                                                  const Tensors& inputs) {
   auto& cc = comm(inputs[0].device(), nullptr);
-  const auto i = info(call, g_.seq);
+  const auto i = info(call, g_.seq, inputs, outputs);
   cc.startCoalescing();
   for (size_t k = 0; k < inputs.size(); ++k) cc.allgather({outputs[k]}, inputs[k], i);
   return g_.block.remember(cc.endCoalescing(i));
@@ -115,27 +123,29 @@ DevicePath::WorkPtr NcclPath::allgatherCoalesced(const OpCall& call, const Tenso
 
 DevicePath::WorkPtr NcclPath::gather(const OpCall& call, const Tensors& outputs,
                                      const at::Tensor& input, int root) {
-  const auto i = info(call, g_.seq);
-  return g_.block.remember(comm(input.device(), call.name).gather(outputs, input, root, i));
+  auto& cc = comm(input.device(), call.name);
+  const auto i = info(call, g_.seq, {input}, outputs, -1, root);
+  return g_.block.remember(cc.gather(outputs, input, root, i));
 }
 
 DevicePath::WorkPtr NcclPath::scatter(const OpCall& call, const at::Tensor& output,
                                       const Tensors& inputs, int root) {
-  const auto i = info(call, g_.seq);
-  return g_.block.remember(comm(output.device(), call.name).scatter(output, inputs, root, i));
+  auto& cc = comm(output.device(), call.name);
+  const auto i = info(call, g_.seq, inputs, {output}, -1, root);
+  return g_.block.remember(cc.scatter(output, inputs, root, i));
 }
 
 DevicePath::WorkPtr NcclPath::reduceScatter(const OpCall& call, const at::Tensor& output,
                                             const Tensors& inputs, RedOp op) {
-  const auto i = info(call, g_.seq);
-  return g_.block.remember(
-      comm(output.device(), call.name).reduceScatter(asReal(output), realViews(inputs), op, i));
+  auto& cc = comm(output.device(), call.name);
+  const auto i = info(call, g_.seq, inputs, {output}, static_cast<int>(op));
+  return g_.block.remember(cc.reduceScatter(asReal(output), realViews(inputs), op, i));
 }
 
 DevicePath::WorkPtr NcclPath::reduceScatterCoalesced(const OpCall& call, const Tensors& outputs,
                                                      const Tensors& inputs, RedOp op) {
   auto& cc = comm(inputs[0].device(), nullptr);
-  const auto i = info(call, g_.seq);
+  const auto i = info(call, g_.seq, inputs, outputs, static_cast<int>(op));
   Tensors srcs;
   for (const auto& t : inputs) srcs.push_back(asReal(t).contiguous());
   cc.startCoalescing();
@@ -147,19 +157,21 @@ DevicePath::WorkPtr NcclPath::alltoall(const OpCall& call, const Tensors& output
                                        const Tensors& inputs,
                                        const std::vector<int64_t>& sendCounts,
                                        const std::vector<int64_t>& recvCounts) {
-  const auto i = info(call, g_.seq);
-  return g_.block.remember(
-      comm(inputs[0].device(), call.name).alltoall(outputs, inputs, sendCounts, recvCounts, i));
+  auto& cc = comm(inputs[0].device(), call.name);
+  const auto i = info(call, g_.seq, inputs, outputs);
+  return g_.block.remember(cc.alltoall(outputs, inputs, sendCounts, recvCounts, i));
 }
 
 DevicePath::WorkPtr NcclPath::send(const OpCall& call, const at::Tensor& tensor, int peer, int) {
-  const auto i = info(call, g_.p2pSeq);
-  return g_.block.remember(comm(tensor.device(), call.name).send(tensor, peer, i));
+  auto& cc = comm(tensor.device(), call.name);
+  const auto i = info(call, g_.p2pSeq, {tensor}, {}, -1, -1, peer);
+  return g_.block.remember(cc.send(tensor, peer, i));
 }
 
 DevicePath::WorkPtr NcclPath::recv(const OpCall& call, const at::Tensor& tensor, int peer, int) {
-  const auto i = info(call, g_.p2pSeq);
-  return g_.block.remember(comm(tensor.device(), call.name).recv(tensor, peer, i));
+  auto& cc = comm(tensor.device(), call.name);
+  const auto i = info(call, g_.p2pSeq, {}, {tensor}, -1, -1, peer);
+  return g_.block.remember(cc.recv(tensor, peer, i));
 }
 
 void NcclPath::startCoalescing() {

@@ -65,7 +65,10 @@ class NcclPath : public DevicePath {
   // The communicator on `device`, created at its first use; `op` names the
   // collective that creates it (in its errors).
   CudaCollectives& comm(at::Device device, const char* op);
-  CudaOpInfo info(const OpCall& call, std::atomic<uint64_t>& seq) const;
+  // The next op's info on counter `seq` (g_.seq or g_.p2pSeq), recorded in
+  // the flight recorder with its reduce op (a RedOp), root and peer (-1: none).
+  CudaOpInfo info(const OpCall& call, std::atomic<uint64_t>& seq, const Tensors& inputs,
+                  const Tensors& outputs, int redop = -1, int root = -1, int peer = -1) const;
 
   std::mutex mu_;
   std::unique_ptr<CudaCollectives> comm_;
