@@ -249,6 +249,13 @@ def case_dtensor(c: Ctx) -> None:
     pa = DTensor.from_local(parts[c.rank], mesh, [Partial("avg")])
     c.chk.reduced(pa.full_tensor().cpu(), [t.cpu() for t in parts], "AVG", "Partial(avg)")
     c.keep("Partial(avg) full_tensor", pa.full_tensor())
+    # other dtypes: bf16 moved, int64 summed (exact in any order)
+    half = gen(f"{c.name}/bf16", 0, (2 * ws, 3), torch.bfloat16).to(c.device)
+    hs = distribute_tensor(half, mesh, [Shard(0)]).redistribute(mesh, [Shard(1)])
+    local_is(hs, _shard(half, ws, 1, c.rank), "bf16 Shard(0)->Shard(1)")
+    ints = [gen(f"{c.name}/i64", q, (ws, 2), torch.int64, "SUM") for q in range(ws)]
+    pi = DTensor.from_local(ints[c.rank].to(c.device), mesh, [Partial()])
+    local_is(pi.redistribute(mesh, [Shard(0)]), sum(ints).chunk(ws)[c.rank], "int64 P->Shard(0)")
 
     # a 2-D mesh: replicate across nodes x shard within
     mesh2 = c.mesh((2, ws // 2), ("dp", "tp"))
