@@ -692,14 +692,29 @@ def run_stack(
 
 # --------------------------------------------------------------------------- pytest side
 
-# (device, world size, simulated node of each rank or None, bind the GPU with device_id)
+# Simulated node of each rank ("": one node).
+LAYOUTS: dict[str, list[int]] = {"": [], "2x2": [0, 0, 1, 1], "2x1": [0, 1], "2x1-host": [0, 1]}
+# Across the simulated nodes every CUDA all_reduce takes the staged pipeline (csrc/plans/cuda/),
+# in 4 KiB chunks, and with "2x1-host" the other CUDA collectives are staged through host
+# memory into the host plan: the small tensors of these cases would otherwise all stay on the
+# flat NCCL communicator.
+LAYOUT_ENV: dict[str, dict[str, str]] = {
+    "2x1": {"FASTCOMM_CUDA_HIER_MIN_BYTES": "0", "FASTCOMM_CUDA_CHUNK_BYTES": "4K"},
+    "2x1-host": {
+        "FASTCOMM_CUDA_HIER_MIN_BYTES": "0",
+        "FASTCOMM_CUDA_CHUNK_BYTES": "4K",
+        "FASTCOMM_CUDA_INTER": "host",
+    },
+}
+_cuda2 = pytest.mark.cuda(2)
+# (device, world size, layout, bind the GPU with device_id at init)
 GROUPS = [
-    pytest.param("cpu", 2, None, False, id="cpu-2ranks"),
-    pytest.param("cpu", 4, [0, 0, 1, 1], False, id="cpu-4ranks-2x2nodes"),
-    pytest.param("cuda", 2, None, False, id="cuda-2ranks", marks=pytest.mark.cuda(2)),
-    pytest.param("cuda", 2, None, True, id="cuda-2ranks-device_id", marks=pytest.mark.cuda(2)),
-    pytest.param("cuda", 2, [0, 1], False, id="cuda-2x1nodes", marks=pytest.mark.cuda(2)),
-    pytest.param("cuda", 2, [0, 1], True, id="cuda-2x1nodes-device_id", marks=pytest.mark.cuda(2)),
+    pytest.param("cpu", 2, "", False, id="cpu-2ranks"),
+    pytest.param("cpu", 4, "2x2", False, id="cpu-4ranks-2x2nodes"),
+    pytest.param("cuda", 2, "", False, id="cuda-2ranks", marks=_cuda2),
+    pytest.param("cuda", 2, "", True, id="cuda-2ranks-device_id", marks=_cuda2),
+    pytest.param("cuda", 2, "2x1-host", False, id="cuda-2x1nodes-host", marks=_cuda2),
+    pytest.param("cuda", 2, "2x1", True, id="cuda-2x1nodes-device_id", marks=_cuda2),
 ]
 REFERENCE_BACKEND = {"cpu": "gloo", "cuda": "nccl"}
 # generous: the compiled cases compile with inductor on a loaded 2-core machine
@@ -708,15 +723,17 @@ GROUP_TIMEOUT_S = {"cpu": 300.0, "cuda": 420.0}
 _RUNS: dict[Any, Any] = {}
 
 
-def _run(device: str, ws: int, nodes: list[int] | None, bind: bool, reference: bool) -> Any:
+def _run(device: str, ws: int, layout: str, bind: bool, reference: bool) -> Any:
     """One spawn of every case (cached): the backend under test, or the reference backend
     (one reference run serves every layout of a device and world size)."""
-    key = (device, ws, None, False, True) if reference else (device, ws, str(nodes), bind, False)
+    key = (device, ws, "", False, True) if reference else (device, ws, layout, bind, False)
     if key not in _RUNS:
         backend = REFERENCE_BACKEND[device] if reference else BACKEND
         env = None
+        nodes = LAYOUTS[layout]
         if nodes and not reference:
-            env = lambda r: {"FASTCOMM_HOST_ID": f"simnode{nodes[r]}"}
+            extra = LAYOUT_ENV.get(layout, {})
+            env = lambda r: {"FASTCOMM_HOST_ID": f"simnode{nodes[r]}", **extra}
         t0 = time.monotonic()
         try:
             _RUNS[key] = run_ranks(
@@ -734,7 +751,8 @@ def _run(device: str, ws: int, nodes: list[int] | None, bind: bool, reference: b
             )
         except RanksFailed as e:
             _RUNS[key] = e
-        print(f"\n[{backend} {device} x{ws} nodes={nodes}: {time.monotonic() - t0:.1f}s]")
+        where = f" as {layout} nodes" if layout and not reference else ""
+        print(f"\n[{backend} {device} x{ws}{where}: {time.monotonic() - t0:.1f}s]")
     return _RUNS[key]
 
 
@@ -766,13 +784,13 @@ def _failed(run: Any, label: str) -> None:
 
 
 @pytest.mark.parametrize("case", [_case_param(n) for n in CASES])
-@pytest.mark.parametrize("device,ws,nodes,bind", GROUPS)
-def test_stack(device: str, ws: int, nodes: list[int] | None, bind: bool, case: str) -> None:
+@pytest.mark.parametrize("device,ws,layout,bind", GROUPS)
+def test_stack(device: str, ws: int, layout: str, bind: bool, case: str) -> None:
     if device == "cuda" and BACKEND == "gloo":
         pytest.skip("gloo: the CUDA groups compare with NCCL")
-    run = _run(device, ws, nodes, bind, reference=False)
+    run = _run(device, ws, layout, bind, reference=False)
     _failed(run, BACKEND)
-    ref = _run(device, ws, None, False, reference=True)
+    ref = _run(device, ws, "", False, reference=True)
     _failed(ref, REFERENCE_BACKEND[device])
     errors = []
     for rank, (mine, theirs) in enumerate(zip(run, ref)):
