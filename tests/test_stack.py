@@ -380,7 +380,7 @@ def _functional_expected(c: Ctx, group_ranks: list[int], splits: list[list[int]]
     xs = [ins[r][0].cpu() for r in group_ranks]
     ys = [ins[r][1].cpu() for r in group_ranks]
     a2a_uneven = []
-    for j, r in enumerate(group_ranks):
+    for j in range(n):
         offs = [0, *torch.tensor(splits[j]).cumsum(0).tolist()]
         a2a_uneven.append(xs[j][offs[me] : offs[me + 1]])
     return [
