@@ -1223,10 +1223,10 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-    # No device_id: with a bound default group, torch 2.11's new_group(backend="nccl")
-    # hands the default group's backend to NCCL as split_from and fails when that
-    # backend is not NCCL. Communicators are created during warm-up instead.
-    dist.init_process_group(backend=backends[0])
+    # Bound as training scripts bind it: communicators are set up at init.
+    dist.init_process_group(
+        backend=backends[0], device_id=device if device.type == "cuda" else None
+    )
     world = dist.get_world_size()
     series = {b: f"{b}({wire})" if b == "fastcomm" and wire != "none" else b for b in backends}
     rtol = {"fastcomm": wire_rtol(wire, world)} if "fastcomm" in backends else {}

@@ -352,6 +352,21 @@ def case_batch_isend_irecv(c: Ctx) -> None:
             c.chk.equal(recv_bufs[p][k], c.gen(p, shape, salt=f"{c.rank}/{k}"), f"from {p} msg {k}")
 
 
+def case_all_gather_coalesced(c: Ctx) -> None:
+    """The legacy list form: outputs[r][i] receives rank r's inputs[i] (an empty one too)."""
+    shapes = [(3,), (2, 5), (0,), c.shape()]
+    ins = [c.dev(c.gen(c.rank, s, salt=f"agc{i}")) for i, s in enumerate(shapes)]
+    outs = [[c.garbage(s, salt=f"agc{r}/{i}") for i, s in enumerate(shapes)] for r in range(c.ws)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated but public
+        work = dist.all_gather_coalesced(outs, ins, async_op=True)
+    work.wait()
+    for r in range(c.ws):
+        for i, s in enumerate(shapes):
+            exp = c.gen(r, s, salt=f"agc{i}")
+            c.chk.equal(outs[r][i], exp, f"all_gather_coalesced rank {r} tensor {i} {s}")
+
+
 def case_coalesced_all_gather(c: Ctx) -> None:
     """all_gather_into_tensor on lists under dist._coalescing_manager (async and sync)."""
     shapes = [(3,), (2, 5), c.shape(rows=True)]
@@ -718,6 +733,7 @@ PER_DTYPE_KINDS = [
     "isend_irecv",
     "recv_anysource",
     "batch_isend_irecv",
+    "all_gather_coalesced",
     "coalesced_all_gather",
     "coalesced_all_reduce",
     "coalesced_reduce_scatter",

@@ -145,3 +145,29 @@ def test_ddp_parity(device_type: str, other_backend: str) -> None:
     first = sum(r["losses"][0] for r in res) / len(res)
     last = sum(r["losses"][-1] for r in res) / len(res)
     assert last < first, res
+
+
+def ddp_logging_fn(rank: int, ws: int) -> dict[str, str]:
+    model = DDP(nn.Linear(4, 4))
+    pg = dist.group.WORLD
+    return {
+        "ddp_logging_data": model._get_ddp_logging_data().get("backend_name"),
+        "process_group": pg.name(),
+        "dist.get_backend": dist.get_backend(),
+        "backend": pg._get_backend(torch.device("cpu")).name(),
+    }
+
+
+@pytest.mark.skipif(BACKEND != "fastcomm", reason="checks how torch names a plugin backend")
+def test_ddp_logging_names_plugins_custom() -> None:
+    """DDP's logging data takes ``backend_name`` from ProcessGroup::getBackendName(), which c10d
+    derives from the group's BackendType; every plugin backend is BackendType.CUSTOM, so DDP
+    logs "custom" for fastcomm (as for any third-party backend) while dist.get_backend() and
+    the backend itself say "fastcomm". Should torch start naming plugins, this test fails."""
+    for names in run_ranks(2, ddp_logging_fn, timeout_s=120):
+        assert names == {
+            "ddp_logging_data": "custom",
+            "process_group": "custom",
+            "dist.get_backend": "fastcomm",
+            "backend": "fastcomm",
+        }, names

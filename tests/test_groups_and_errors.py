@@ -655,9 +655,65 @@ def bound_device_new_group_fn(rank: int, ws: int, device: str) -> None:
         chk.true(sub == dist.GroupMember.NON_GROUP_MEMBER, "rank 1 got a group")
     both, order = _new_group([1, 0])
     _group_checks(chk, both, order, "new_group([1, 0])", device)
+    if hasattr(dist, "split_group"):
+        split = dist.split_group(split_ranks=[[0, 1]])
+        _group_checks(chk, split, dist.get_process_group_ranks(split), "split_group", device)
+    # groups of stock backends beside the bound default group, as libraries make them
+    others = [("gloo", "cpu")] + ([("nccl", "cuda")] if device == "cuda" else [])
+    for other, other_device in others:
+        grp = dist.new_group(backend=other)
+        chk.true(dist.get_backend(grp) == other, f"{other} group has {dist.get_backend(grp)}")
+        _group_checks(chk, grp, [0, 1], f"new_group(backend={other!r})", other_device)
+        sub = dist.new_group([1], backend=other)
+        if rank == 1:
+            _group_checks(chk, sub, [1], f"new_group([1], backend={other!r})", other_device)
     _world_check(chk, "world", device)
     dist.destroy_process_group()
     chk.raise_if_failed()
+
+
+def _split_source_ignoring_backend(pg: Any, *args: Any) -> Any:
+    """What torch 2.11's ``_get_split_source`` answers: the bound device's backend, whatever
+    backend the new group asks for."""
+    backend = pg._get_backend(pg.bound_device_id) if pg.bound_device_id else None
+    return backend if backend is not None and backend.supports_splitting else None
+
+
+def split_source_fn(rank: int, ws: int) -> None:
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d._get_split_source = _split_source_ignoring_backend  # before fastcomm registers
+    import torchext
+    from torch._C._distributed_c10d import ProcessGroupNCCL
+
+    dist.init_process_group(backend="fastcomm", device_id=torch.device("cpu", 0))
+    chk = Checker(f"rank {rank}")
+    pg = dist.group.WORLD
+    # unfiltered, the source is our backend, and handing it to NCCL's options is the line
+    # that raised in new_group(backend="nccl")
+    raw = _split_source_ignoring_backend(pg)
+    chk.true(isinstance(raw, torchext._C.ProcessGroupFastComm), f"raw split source {raw!r}")
+    try:
+        ProcessGroupNCCL.Options().split_from = raw
+        chk.true(False, "NCCL's options took a fastcomm group to split from")
+    except TypeError:
+        pass
+    chk.true(c10d._get_split_source(pg) is None, "fastcomm offered as a split source")
+    grp = dist.new_group(backend="gloo")
+    _group_checks(chk, grp, [0, 1], "gloo beside bound fastcomm", "cpu")
+    dist.destroy_process_group()
+    chk.raise_if_failed()
+
+
+@pytest.mark.skipif(is_gloo(), reason="gloo: tests fastcomm's registration")
+def test_other_backends_never_split_from_fastcomm() -> None:
+    """torch 2.11 hands new_group(backend="nccl") the bound default group's backend to split
+    from; a fastcomm default group must not be offered (NCCL's options reject it)."""
+    try:
+        from torch._C._distributed_c10d import ProcessGroupNCCL  # noqa: F401
+    except ImportError:
+        pytest.skip("this torch has no NCCL")
+    run_ranks(2, split_source_fn, init=False, import_torchext=False, timeout_s=120)
 
 
 _GLOO_NOCOLOR = pytest.mark.skipif(

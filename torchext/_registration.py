@@ -53,6 +53,29 @@ def _add_split_options() -> None:
         _C.ProcessGroupFastComm.options = property(_SplitOptions)
 
 
+def _never_split_from_fastcomm() -> None:
+    """A new group of any backend asks torch's ``_get_split_source`` for a communicator of the
+    default group to split from. Some torch versions answer with the bound device's backend
+    whatever backend the new group asks for, so ``new_group(backend="nccl")`` under a fastcomm
+    default group bound to a device hands ProcessGroupNCCL a ProcessGroupFastComm to split
+    from, and it raises. Every fastcomm group makes its own communicator from the store, so
+    a fastcomm group is never a split source."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from torchext import _C
+
+    original = getattr(c10d, "_get_split_source", None)
+    if original is None or getattr(original, "_fastcomm_filtered", False):
+        return
+
+    def get_split_source(*args: Any, **kwargs: Any) -> Any:
+        source = original(*args, **kwargs)
+        return None if isinstance(source, _C.ProcessGroupFastComm) else source
+
+    get_split_source._fastcomm_filtered = True  # type: ignore[attr-defined]
+    c10d._get_split_source = get_split_source
+
+
 def register() -> None:
     """Register "fastcomm" for CPU and CUDA tensors (idempotent)."""
     global _registered
@@ -63,6 +86,7 @@ def register() -> None:
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this torch build")
     _add_split_options()
+    _never_split_from_fastcomm()
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(
             BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"]

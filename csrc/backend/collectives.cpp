@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "backend/process_group.hpp"
+#include "backend/work.hpp"
 
 namespace fastcomm {
 
@@ -23,6 +24,7 @@ FASTCOMM_OP(kAllReduceCoalesced, "all_reduce_coalesced")
 FASTCOMM_OP(kReduce, "reduce")
 FASTCOMM_OP(kAllGather, "all_gather")
 FASTCOMM_OP(kAllGatherInto, "all_gather_into_tensor")
+FASTCOMM_OP(kAllGatherCoalesced, "all_gather_coalesced")
 FASTCOMM_OP(kAllGatherIntoCoalesced, "all_gather_into_tensor_coalesced")
 FASTCOMM_OP(kGather, "gather")
 FASTCOMM_OP(kScatter, "scatter")
@@ -139,6 +141,38 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allgather(std::vector<Tenso
                 in.numel(), " elements, got ", o.numel());
   }
   return path(in).allgather(FASTCOMM_CALL(kAllGather, ALLGATHER, nbytes(in), opts), outs, in);
+}
+
+// The legacy list form: outputs[r][i] receives rank r's inputs[i]. One
+// all_gather per input, all validated before the first is issued.
+c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allgather_coalesced(
+    std::vector<Tensors>& outputs, Tensors& inputs, const c10d::AllgatherOptions& opts) {
+  TORCH_CHECK(!inputs.empty(), "fastcomm: all_gather_coalesced needs at least one input tensor");
+  TORCH_CHECK(static_cast<int>(outputs.size()) == size_,
+              "fastcomm: all_gather_coalesced: the output has ", outputs.size(),
+              " lists but the group has ", size_, " ranks");
+  for (const auto& in : inputs) checkSameKind(inputs[0], in, kAllGatherCoalesced, "an input");
+  for (size_t r = 0; r < outputs.size(); ++r) {
+    TORCH_CHECK(outputs[r].size() == inputs.size(), "fastcomm: all_gather_coalesced: output list ",
+                r, " has ", outputs[r].size(), " tensors but there are ", inputs.size(), " inputs");
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      checkSameKind(inputs[i], outputs[r][i], kAllGatherCoalesced, "an output tensor");
+      TORCH_CHECK(outputs[r][i].numel() == inputs[i].numel(),
+                  "fastcomm: all_gather_coalesced: output [", r, "][", i, "] has ",
+                  outputs[r][i].numel(), " elements but input ", i, " has ", inputs[i].numel());
+    }
+  }
+  std::vector<WorkPtr> parts;
+  std::vector<at::Tensor> results;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    Tensors outs;
+    for (auto& list : outputs) outs.push_back(list[i]);
+    parts.push_back(path(inputs[i]).allgather(
+        FASTCOMM_CALL(kAllGatherCoalesced, ALLGATHER_COALESCED, nbytes(inputs[i]), opts), outs,
+        inputs[i]));
+    results.insert(results.end(), outs.begin(), outs.end());
+  }
+  return c10::make_intrusive<GroupedWork>(rank_, std::move(parts), std::move(results));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::_allgather_base(
