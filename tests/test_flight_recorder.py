@@ -222,7 +222,9 @@ def hangs_fn(rank: int, ws: int, outdir: str) -> dict[str, Any]:
         for _ in range(3):
             dist.all_reduce(torch.ones(4), group=g)
         start = time.time_ns()
+        path = os.path.join(outdir, case, f"{PREFIX}{rank}")
         error = None
+        dumped_before_error = False
         try:
             if case == "skip":
                 if rank != 1:
@@ -238,10 +240,12 @@ def hangs_fn(rank: int, ws: int, outdir: str) -> dict[str, Any]:
                     dist.all_reduce(torch.ones(4), group=gloo)
         except RuntimeError as e:
             error = str(e)
+            dumped_before_error = os.path.exists(path) and _load(path)["time_ns"] > start
         # Written before the timeout error was raised, or at a peer's request.
-        dump = _wait_for_dump(os.path.join(outdir, case, f"{PREFIX}{rank}"), start, 20)
+        dump = _wait_for_dump(path, start, 20)
         out[case] = {
             "error": error,
+            "dumped_before_error": dumped_before_error,
             "reason": None if dump is None else dump["dump_reason"],
             "failure": None if dump is None else dump["failure"],
         }
@@ -267,6 +271,7 @@ def test_scripted_hangs_name_the_culprit(tmp_path: Any) -> None:
                 err = res[rank][case]["error"] or ""
                 assert "timeout" in err and "[1]" in err and "all_reduce" in err, err
                 assert res[rank][case]["failure"], res[rank][case]
+                assert res[rank][case]["dumped_before_error"], res[rank][case]
             assert res[1][case]["error"] is None
             assert res[1][case]["reason"].startswith("asked by a peer"), res[1][case]
         else:
@@ -313,7 +318,9 @@ def gpu_peer_library_fn(rank: int, ws: int, outdir: str) -> dict[str, Any]:
     dist.all_reduce(x, group=nccl)
     torch.cuda.synchronize()
     start = time.time_ns()
+    path = os.path.join(outdir, f"{PREFIX}{rank}")
     error = None
+    dumped_before_error = False
     if rank == 1:
         dist.all_reduce(x, group=nccl)
         torch.cuda.synchronize()
@@ -323,15 +330,20 @@ def gpu_peer_library_fn(rank: int, ws: int, outdir: str) -> dict[str, Any]:
             torch.cuda.synchronize()
         except RuntimeError as e:
             error = str(e)
+            dumped_before_error = os.path.exists(path) and _load(path)["time_ns"] > start
         dist.all_reduce(x, group=nccl)  # lets rank 1 go
         torch.cuda.synchronize()
-    dump = _wait_for_dump(os.path.join(outdir, f"{PREFIX}{rank}"), start, 30)
+    dump = _wait_for_dump(path, start, 30)
     store = dist.distributed_c10d._get_default_store()
     store.set(f"fr_gpu/{rank}", "1")
     store.wait([f"fr_gpu/{r}" for r in range(ws)])
     time.sleep(1.5)
     dist.destroy_process_group()
-    return {"error": error, "reason": None if dump is None else dump["dump_reason"]}
+    return {
+        "error": error,
+        "dumped_before_error": dumped_before_error,
+        "reason": None if dump is None else dump["dump_reason"],
+    }
 
 
 @pytest.mark.cuda(world_size=2)
@@ -348,6 +360,7 @@ def test_gpu_rank_stuck_in_nccl_is_named(tmp_path: Any) -> None:
         env={"FASTCOMM_BLOCKING_WAIT": "1"},
     )
     assert res[0]["error"] and "timeout" in res[0]["error"], res[0]
+    assert res[0]["dumped_before_error"], res[0]
     assert res[1]["reason"] and res[1]["reason"].startswith("asked by a peer"), res[1]
     dumps, notes = trace_analysis.load_dumps(outdir, PREFIX)
     report = trace_analysis.analyse(dumps, notes)

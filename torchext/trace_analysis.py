@@ -96,7 +96,7 @@ class Report:
             first = self.findings[0]
             lines.append(
                 f"culprit: rank(s) {_ranks_text(self.culprits)} "
-                f"(first: group {first.group} collective #{first.seq} {first.op}, {first.kind})"
+                f"(first: group {first.group} #{first.seq} {first.op}, {first.kind})"
             )
         return "\n".join(lines)
 
@@ -130,12 +130,29 @@ def _signature(entry: dict[str, Any]) -> tuple[Any, ...]:
     return (op, ins, outs, extra)
 
 
+def _sizes_text(sizes: list[list[int]]) -> str:
+    """[[4]] -> "[4]", [[4], [4]] -> "2x[4]", else the list."""
+    if len(sizes) == 1:
+        return str(list(sizes[0]))
+    if sizes and all(s == sizes[0] for s in sizes):
+        return f"{len(sizes)}x{list(sizes[0])}"
+    return str([list(s) for s in sizes])
+
+
 def _signature_text(entry: dict[str, Any]) -> str:
+    """E.g. "all_reduce [4] Float SUM", "all_gather in [4] out 2x[4] Int"."""
     parts = [_op_of(entry)]
-    if entry.get("input_sizes"):
-        parts.append(f"in {entry['input_sizes']} {list(entry.get('input_dtypes', []))}")
-    if entry.get("output_sizes"):
-        parts.append(f"out {entry['output_sizes']} {list(entry.get('output_dtypes', []))}")
+    ins, outs = entry.get("input_sizes") or [], entry.get("output_sizes") or []
+    if ins and ins == outs:
+        parts.append(_sizes_text(ins))
+    else:
+        if ins:
+            parts.append("in " + _sizes_text(ins))
+        if outs:
+            parts.append("out " + _sizes_text(outs))
+    dtypes = sorted(set(entry.get("input_dtypes", ())) | set(entry.get("output_dtypes", ())))
+    if dtypes:
+        parts.append("/".join(dtypes))
     if entry.get("reduce_op"):
         parts.append(str(entry["reduce_op"]))
     if entry.get("root") is not None:
@@ -237,12 +254,12 @@ def _collective_findings(
         if any(_state(by_rank[r][seq]) == "completed" for r in reached):
             continue  # dumped at different times, not a hang
         e = by_rank[reached[0]][seq]
-        states = Counter(_state(by_rank[r][seq]) for r in reached)
+        states = sorted({_state(by_rank[r][seq]) for r in reached})
         lasts = ", ".join(
             (
-                f"rank {r}: #{last[r]} {_op_of(by_rank[r][last[r]])} {_state(by_rank[r][last[r]])}"
+                f"rank {r} #{last[r]} {_op_of(by_rank[r][last[r]])} {_state(by_rank[r][last[r]])}"
                 if last[r] in by_rank[r]
-                else f"rank {r}: none recorded"
+                else f"rank {r} none"
             )
             for r in behind
         )
@@ -255,9 +272,9 @@ def _collective_findings(
                 op=_op_of(e),
                 culprits=behind,
                 detail=(
-                    f"collective #{seq} {_signature_text(e)}: ranks {_ranks_text(behind)} never "
-                    f"reached it ({lasts}); ranks {_ranks_text(reached)} are in it "
-                    f"({', '.join(f'{n} {s}' for s, n in states.items())})"
+                    f"#{seq} {_signature_text(e)}: rank(s) {_ranks_text(behind)} never reached "
+                    f"it (last: {lasts}); rank(s) {_ranks_text(reached)} wait in it "
+                    f"({'/'.join(states)})"
                 ),
             )
         )
@@ -277,7 +294,7 @@ def _collective_findings(
         tie = rest and rest[0][1] == n_common
         odd = present if tie else [r for r in present if sigs[r] != common]
         variants = "; ".join(
-            f"ranks {_ranks_text([r for r in present if sigs[r] == sig])}: "
+            f"rank(s) {_ranks_text([r for r in present if sigs[r] == sig])} "
             f"{_signature_text(by_rank[next(r for r in present if sigs[r] == sig)][seq])}"
             for sig, _ in counts.most_common()
         )
@@ -291,8 +308,8 @@ def _collective_findings(
                 op=_op_of(e),
                 culprits=odd,
                 detail=(
-                    f"collective #{seq}: the ranks disagree ({variants})"
-                    + ("; no majority, every rank named" if tie else "")
+                    f"#{seq}: the ranks disagree: {variants}"
+                    + (" (no majority: every rank named)" if tie else "")
                 ),
             )
         )
@@ -343,8 +360,9 @@ def _p2p_findings(
                 op=op,
                 culprits=[peer],
                 detail=(
-                    f"rank {waiting_rank}'s {op} #{extra['p2p_seq_id']} ({_state(extra)}) has no "
-                    f"matching {'recv' if op == 'send' else 'send'} on rank {peer}"
+                    f"p2p #{extra['p2p_seq_id']}: rank {waiting_rank}'s {_signature_text(extra)} "
+                    f"({_state(extra)}) has no matching {'recv' if op == 'send' else 'send'} on "
+                    f"rank {peer}"
                 ),
             )
         )
