@@ -1,8 +1,6 @@
 #include "backend/flight_recorder.hpp"
 
 #include <c10/util/Exception.h>
-#include <fcntl.h>
-#include <poll.h>
 #include <pthread.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/jit/serialization/pickler.h>
@@ -18,7 +16,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
+#include <thread>
 #include <utility>
 
 #include "common/deadline.hpp"
@@ -36,8 +34,10 @@ constexpr const char* kDumpVersion = "2.10";
 // and the latest request's reason.
 constexpr const char* kDumpCounterKey = "fastcomm/trace_dump";
 constexpr const char* kDumpReasonKey = "fastcomm/trace_dump_reason";
-// How often the watcher looks for a peer's dump request.
-constexpr int kWatchPeriodMs = 1000;
+// How often the watcher looks for a peer's dump request in the store, and
+// for the dump signal's flag.
+constexpr auto kStorePollPeriod = std::chrono::milliseconds(1000);
+constexpr auto kSignalCheckPeriod = std::chrono::milliseconds(100);
 // The counter seen of a store that failed (not asked again).
 constexpr int64_t kDeadStore = -1;
 // How long the last group's shutdown waits for the watcher to leave.
@@ -94,19 +94,14 @@ std::string frOpName(const char* name) {
 // ---- the dump trigger of FASTCOMM_TRACE_SIGNAL --------------------------------
 
 std::atomic<int> gSignalled{0};
-int gWakeWrite = -1;  // the watcher's pipe (write end), set before any handler
+static_assert(std::atomic<int>::is_always_lock_free, "the signal handler's flag");
 struct sigaction gPreviousAction {};
 int gInstalledSignal = 0;
 
-// Async-signal-safe: a flag and a write(2); the watcher does the dump.
+// Async-signal-safe: it only sets a lock-free flag, which the watcher checks
+// every kSignalCheckMs, and calls the handler it replaced.
 void onDumpSignal(int sig, siginfo_t* info, void* uctx) {
-  const int saved = errno;
   gSignalled.store(sig, std::memory_order_relaxed);
-  if (gWakeWrite >= 0) {
-    const char byte = 's';
-    [[maybe_unused]] ssize_t n = ::write(gWakeWrite, &byte, 1);
-  }
-  errno = saved;
   if ((gPreviousAction.sa_flags & SA_SIGINFO) && gPreviousAction.sa_sigaction != nullptr) {
     gPreviousAction.sa_sigaction(sig, info, uctx);
   } else if (!(gPreviousAction.sa_flags & SA_SIGINFO) && gPreviousAction.sa_handler != SIG_DFL &&
@@ -233,7 +228,7 @@ class TraceRing::Registry {
       state->stop = true;
       done = std::move(watcher_);
     }
-    wake();
+    wakeCv_.notify_all();
     // The watcher leaves at once unless it is inside a dump or a store call
     // that hangs (its host stopped): then it is left to finish on its own.
     std::unique_lock<std::mutex> lock(mu_);
@@ -263,7 +258,7 @@ class TraceRing::Registry {
       if (firstFailure_.empty()) firstFailure_ = why;
       peerRequests_.push_back(why);
     }
-    wake();
+    wakeCv_.notify_all();
   }
 
   std::string firstFailure() {
@@ -274,20 +269,7 @@ class TraceRing::Registry {
   std::mutex dumpMu;  // one dump at a time
 
  private:
-  Registry() {
-    int fds[2];
-    if (::pipe2(fds, O_CLOEXEC | O_NONBLOCK) == 0) {
-      wakeRead_ = fds[0];
-      gWakeWrite = fds[1];
-    }
-  }
-
-  void wake() {
-    if (gWakeWrite >= 0) {
-      const char byte = 'w';
-      [[maybe_unused]] ssize_t n = ::write(gWakeWrite, &byte, 1);
-    }
-  }
+  Registry() = default;
 
   void installSignal(int sig) {
     struct sigaction sa {};
@@ -310,19 +292,19 @@ class TraceRing::Registry {
   // `stop` is read under mu_.
   void watch(const bool& stop) {
     nameThisThread("fc-trace");
+    auto nextStorePoll = Clock::now() + kStorePollPeriod;
     while (true) {
-      pollfd p{wakeRead_, POLLIN, 0};
-      ::poll(&p, wakeRead_ >= 0 ? 1 : 0, kWatchPeriodMs);
-      char buf[64];
-      while (wakeRead_ >= 0 && ::read(wakeRead_, buf, sizeof(buf)) > 0) {
-      }
       std::vector<std::string> requests;
       std::vector<std::pair<c10::intrusive_ptr<c10d::Store>, int64_t>> stores;
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        std::unique_lock<std::mutex> lock(mu_);
+        wakeCv_.wait_for(lock, kSignalCheckPeriod, [&] { return stop || !peerRequests_.empty(); });
         if (stop) return;
         requests.swap(peerRequests_);
-        stores = seen_;
+        if (!requests.empty() || Clock::now() >= nextStorePoll) {
+          stores = seen_;
+          nextStorePoll = Clock::now() + kStorePollPeriod;
+        }
       }
       if (const int sig = gSignalled.exchange(0)) {
         tryDump("signal " + std::to_string(sig) + " (" + strsignal(sig) + ")");
@@ -366,7 +348,7 @@ class TraceRing::Registry {
   std::thread watcher_;
   std::shared_ptr<WatcherState> watcherState_;  // the running watcher's
   std::condition_variable exitedCv_;
-  int wakeRead_ = -1;
+  std::condition_variable wakeCv_;  // a stop or a peer request for the watcher
 };
 
 // ---- the ring -------------------------------------------------------------------

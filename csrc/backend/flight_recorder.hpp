@@ -7,12 +7,12 @@
 // A dump holds the rings of every live group of the process, written to
 // <FASTCOMM_TRACE_FILE><global rank> in the pickle format of PyTorch's flight
 // recorder (FlightRecorder.hpp, version 2.10), so the same tools read it
-// (torch.distributed.flight_recorder.fr_trace, python -m
-// torchext.trace_analysis). A rank dumps
+// (python -m torchext.trace_analysis; torch's fr_trace from torch 2.15, which
+// accepts other communication libraries than its own). A rank dumps
 // - when a collective of one of its groups times out or fails, before the
 //   error reaches the caller; it then asks every rank, through the root of
 //   the group's store, to dump too (FASTCOMM_TRACE_DUMP_ON_TIMEOUT);
-// - on FASTCOMM_TRACE_SIGNAL (the handler only writes to a pipe);
+// - on FASTCOMM_TRACE_SIGNAL (the handler only sets a flag);
 // - on demand (torchext.dump_trace).
 // A watcher thread, running while some group records, does the dumps asked
 // for by a signal or a peer.
@@ -30,7 +30,6 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "common/config.hpp"
