@@ -17,12 +17,14 @@ so one run creates a group per configuration over the same ranks:
 
 Each configuration is timed in --repeats blocks of --iters small all_reduces (--numel float32
 elements), the configurations interleaved (off, on, stack, ..., off, on, ...); a block's time per
-call is the slowest rank's, and the median over blocks is reported with its difference from
-``off``. On CUDA the host time to issue the block (the launch path, which the recorder adds to)
+call is the slowest rank's, and the median and the minimum over blocks are reported with their
+difference from ``off``. On CUDA the host time to issue the block (the launch path, which the recorder adds to)
 is reported as well as the time until the GPU is done.
 
 With ``torchext._testing`` built (FASTCOMM_BUILD_TESTING=1) it also times the recorder's calls
-alone in this process (record, started, completed of one op), which no scheduling noise blurs.
+alone in this process (record, started, completed of one op): on one thread, which scheduling
+noise hardly blurs, and with a second thread that starts and completes each op as a lane does
+(both spin, so that number needs an idle machine).
 """
 
 from __future__ import annotations
@@ -131,15 +133,28 @@ def main() -> None:
             f"{args.numel} float32, {args.repeats} x {args.iters} calls per configuration"
         )
         cols = ("issue", "total") if args.device == "cuda" else ("total",)
-        med = {
-            n: [statistics.median(r[i] for r in rs) for i in range(2)] for n, rs in results.items()
+        # The median, and the fastest block (on a busy machine the least disturbed one).
+        stats = {
+            n: {
+                kind: [f(r[i] for r in rs) for i in range(2)]
+                for kind, f in (("median", statistics.median), ("min", min))
+            }
+            for n, rs in results.items()
         }
-        print(f"{'config':<12}" + "".join(f"{c + ' us/call':>16}{'vs off':>10}" for c in cols))
+        print(
+            f"{'config':<12}"
+            + "".join(
+                f"{c + ' ' + kind:>14}{'vs off':>9}" for c in cols for kind in ("median", "min")
+            )
+            + "   (us per call)"
+        )
         for name in configs:
             line = f"{name:<12}"
             for c in cols:
                 i = 0 if c == "issue" else 1
-                line += f"{med[name][i]:>16.2f}{med[name][i] - med['off'][i]:>+10.2f}"
+                for kind in ("median", "min"):
+                    v, off = stats[name][kind][i], stats["off"][kind][i]
+                    line += f"{v:>14.2f}{v - off:>+9.2f}"
             print(line)
         try:
             from torchext import _testing
@@ -149,6 +164,9 @@ def main() -> None:
             x = torch.ones(args.numel)
             outs = [torch.ones(args.numel) for _ in range(8)]
             one = min(_testing.trace_cost(2000, [x], [x], 200_000) for _ in range(3))
+            cross = min(
+                _testing.trace_cost(2000, [x], [x], 100_000, cross_thread=True) for _ in range(3)
+            )
             many = min(_testing.trace_cost(2000, [x], outs, 200_000) for _ in range(3))
             box: list[float] = []
             for _ in range(3):
@@ -161,7 +179,9 @@ def main() -> None:
             stack = min(box)
             print(
                 f"recorder calls alone (one thread): {one:.0f} ns per op (1 input, 1 output), "
-                f"{many:.0f} ns (1 input, 8 outputs), {stack:.0f} ns with the Python stack"
+                f"{many:.0f} ns (1 input, 8 outputs), {stack:.0f} ns with the Python stack; "
+                f"{cross:.0f} ns when a second thread starts and completes the op, as a lane does "
+                f"(both threads spin: meaningful on an idle machine only)"
             )
     dist.destroy_process_group()
 
