@@ -35,9 +35,11 @@ FASTCOMM_OP(kAllToAllSingle, "all_to_all_single")
 FASTCOMM_OP(kAllToAll, "all_to_all")
 FASTCOMM_OP(kSend, "send")
 FASTCOMM_OP(kRecv, "recv")
-FASTCOMM_OP(kRecvAny, "recv_anysource")
 FASTCOMM_OP(kBarrier, "barrier")
 #undef FASTCOMM_OP
+// The wildcard receive's profiler range is named as c10d's other backends name it.
+constexpr const char* kRecvAny = "recv_anysource";
+constexpr const char* kRecvAnyTitle = "fastcomm:recvAnySource";
 
 // `ident`'s OpCall; `opts` tells whether the call is synchronous.
 #define FASTCOMM_CALL(ident, type, bytes, opts) \
@@ -167,12 +169,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allgather_coalesced(
   for (size_t i = 0; i < inputs.size(); ++i) {
     Tensors outs;
     for (auto& list : outputs) outs.push_back(list[i]);
+    // The group, not each part, is the call's profiler range.
     parts.push_back(path(inputs[i]).allgather(
-        FASTCOMM_CALL(kAllGatherCoalesced, ALLGATHER_COALESCED, nbytes(inputs[i]), opts), outs,
-        inputs[i]));
+        OpCall{kAllGatherCoalesced, nullptr, c10d::OpType::ALLGATHER_COALESCED, nbytes(inputs[i]),
+               !opts.asyncOp},
+        outs, inputs[i]));
     results.insert(results.end(), outs.begin(), outs.end());
   }
-  return c10::make_intrusive<GroupedWork>(rank_, std::move(parts), std::move(results));
+  return c10::make_intrusive<GroupedWork>(rank_, std::move(parts), std::move(results),
+                                          kAllGatherCoalescedTitle, inputs);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::_allgather_base(
