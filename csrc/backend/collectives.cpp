@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "backend/process_group.hpp"
+#include "backend/sparse_allreduce.hpp"
 #include "backend/work.hpp"
 
 namespace fastcomm {
@@ -96,6 +97,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::broadcast(Tensors& tensors,
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allreduce(Tensors& tensors,
                                                                const c10d::AllreduceOptions& opts) {
+  if (tensors.size() == 1 && tensors[0].defined() && tensors[0].layout() == at::kSparse)
+    return allreduceSparse(*this, tensors[0], opts);
   const at::Tensor& t = single(tensors, kAllReduce);
   const RedOp op = redOpFor(t, opts.reduceOp, kAllReduce);
   return path(t).allreduce(FASTCOMM_CALL(kAllReduce, ALLREDUCE, nbytes(t), opts), tensors, op);
