@@ -138,14 +138,26 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allgather(std::vector<Tenso
   auto& outs = outputs[0];
   TORCH_CHECK(static_cast<int>(outs.size()) == size_, "fastcomm: all_gather: the output list has ",
               outs.size(), " tensors but the group has ", size_, " ranks");
+  bool even = true;
   for (const auto& o : outs) {
     checkSameKind(in, o, kAllGather, "an output tensor");
-    TORCH_CHECK(o.numel() == in.numel(),
-                "fastcomm: all_gather: output tensors must have the "
-                "input's ",
-                in.numel(), " elements, got ", o.numel());
+    even = even && o.numel() == in.numel();
   }
-  return path(in).allgather(FASTCOMM_CALL(kAllGather, ALLGATHER, nbytes(in), opts), outs, in);
+  if (even)
+    return path(in).allgather(FASTCOMM_CALL(kAllGather, ALLGATHER, nbytes(in), opts), outs, in);
+  // Ranks of different sizes (NCCL's all_gather_v): output r is rank r's
+  // broadcast. Every rank sees the same sizes, so every rank takes this path.
+  TORCH_CHECK(outs[rank_].numel() == in.numel(), "fastcomm: all_gather: output ", rank_, " has ",
+              outs[rank_].numel(), " elements but this rank's input has ", in.numel());
+  outs[rank_].copy_(in.reshape(outs[rank_].sizes()));
+  std::vector<WorkPtr> parts;
+  for (int r = 0; r < size_; ++r) {
+    Tensors one{outs[r]};
+    parts.push_back(path(in).broadcast(
+        OpCall{kAllGather, nullptr, c10d::OpType::BROADCAST, nbytes(outs[r]), !opts.asyncOp}, one,
+        r));
+  }
+  return c10::make_intrusive<GroupedWork>(rank_, std::move(parts), outs, kAllGatherTitle, inputs);
 }
 
 // The legacy list form: outputs[r][i] receives rank r's inputs[i]. One
@@ -275,16 +287,30 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::reduce_scatter(
               "fastcomm: reduce_scatter: the input list has ",
               inputs.empty() ? 0 : inputs[0].size(), " tensors but the group has ", size_,
               " ranks");
-  for (const auto& i : inputs[0]) {
+  Tensors& ins = inputs[0];
+  bool even = true;
+  for (const auto& i : ins) {
     checkSameKind(out, i, kReduceScatter, "an input tensor");
-    TORCH_CHECK(i.numel() == out.numel(),
-                "fastcomm: reduce_scatter: input tensors must have the "
-                "output's ",
-                out.numel(), " elements, got ", i.numel());
+    even = even && i.numel() == out.numel();
   }
   const RedOp op = redOpFor(out, opts.reduceOp, kReduceScatter);
-  return path(out).reduceScatter(
-      FASTCOMM_CALL(kReduceScatter, REDUCE_SCATTER, nbytes(out) * size_, opts), out, inputs[0], op);
+  if (even)
+    return path(out).reduceScatter(
+        FASTCOMM_CALL(kReduceScatter, REDUCE_SCATTER, nbytes(out) * size_, opts), out, ins, op);
+  // Ranks of different sizes (NCCL's reduce_scatter_v): share r is a reduce to
+  // rank r, here into the output, elsewhere into a copy (inputs stay as given).
+  TORCH_CHECK(ins[rank_].numel() == out.numel(), "fastcomm: reduce_scatter: input ", rank_, " has ",
+              ins[rank_].numel(), " elements but this rank's output has ", out.numel());
+  out.copy_(ins[rank_].reshape(out.sizes()));
+  std::vector<WorkPtr> parts;
+  for (int r = 0; r < size_; ++r) {
+    Tensors one{r == rank_ ? out : ins[r].clone(at::MemoryFormat::Contiguous)};
+    parts.push_back(path(out).reduce(
+        OpCall{kReduceScatter, nullptr, c10d::OpType::REDUCE, nbytes(one[0]), !opts.asyncOp}, one,
+        op, r));
+  }
+  return c10::make_intrusive<GroupedWork>(rank_, std::move(parts), outputs, kReduceScatterTitle,
+                                          ins);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::_reduce_scatter_base(
