@@ -473,21 +473,18 @@ class _Pool:
     def __init__(
         self, jobs: int, run_dir: str, env: dict[str, str], timeout: float, report: Any
     ) -> None:
-        self.jobs, self.run_dir, self.env, self.timeout, self.report = (
-            jobs,
-            run_dir,
-            env,
-            timeout,
-            report,
-        )
+        self.jobs = jobs
+        self.run_dir = run_dir
+        self.env = env
+        self.timeout = timeout  # seconds a worker may spend on one test
+        self.report = report  # called with each Outcome
         self.argv = [sys.executable, os.path.abspath(__file__), "--worker"]
         self.workers: list[_Worker] = []
         self.sel = selectors.DefaultSelector()
         self.pending: list[str] = []
-        self.outcomes: list[Outcome] = []
-        self.started = 0
+        self.launched = 0
 
-    def run(self, names: list[str]) -> list[Outcome]:
+    def run(self, names: list[str]) -> None:
         self.pending = list(reversed(names))
         try:
             for _ in range(min(self.jobs, len(names))):
@@ -497,11 +494,10 @@ class _Pool:
         finally:
             for w in list(self.workers):
                 self._retire(w, kill=True)
-        return self.outcomes
 
     def _start(self) -> None:
-        w = _Worker(self.started, self.run_dir, self.env, self.argv)
-        self.started += 1
+        w = _Worker(self.launched, self.run_dir, self.env, self.argv)
+        self.launched += 1
         self.workers.append(w)
         self.sel.register(w.results, selectors.EVENT_READ, w)
 
@@ -511,7 +507,6 @@ class _Pool:
         w.stop(kill)
 
     def _record(self, o: Outcome) -> None:
-        self.outcomes.append(o)
         self.report(o)
 
     def _lost(self, w: _Worker, why: str) -> None:
@@ -676,30 +671,63 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     env = dict(os.environ, **suite_env)
+    meta = {
+        "device": args.device,
+        "world_size": world,
+        "torch": torch.__version__,
+        "start": args.start,
+        "jobs": args.jobs,
+    }
     done = [0]
 
     def report(o: Outcome) -> None:
+        outcomes.append(o)
         done[0] += 1
         line = f"[{done[0]:>3}/{len(to_run)}] {o.status.upper():7} {o.test} ({o.seconds:.1f} s)"
         if o.status != PASSED:
             line += f": {o.reason}"
         print(line, flush=True)
+        if args.json_path:
+            write_json(args.json_path, outcomes, meta, time.monotonic() - started, False)
 
     with tempfile.TemporaryDirectory(prefix="fastcomm-suite-") as tmp:
         run_dir = args.keep or tmp
         os.makedirs(run_dir, exist_ok=True)
-        outcomes += _Pool(max(1, args.jobs), run_dir, env, args.timeout + 60, report).run(to_run)
-    return summarize(outcomes, args, world, time.monotonic() - started, torch.__version__)
+        _Pool(max(1, args.jobs), run_dir, env, args.timeout + 60, report).run(to_run)
+    wall = time.monotonic() - started
+    if args.json_path:
+        write_json(args.json_path, outcomes, meta, wall, True)
+    return summarize(outcomes, meta, wall)
 
 
-def summarize(
-    outcomes: list[Outcome], args: argparse.Namespace, world: int, wall: float, torch_version: str
-) -> int:
-    order = {n: i for i, n in enumerate(suite_test_names())}
-    outcomes.sort(key=lambda o: order.get(o.test, 0))
-    counts = {
+def _counts(outcomes: Sequence[Outcome]) -> dict[str, int]:
+    return {
         s: sum(o.status == s for o in outcomes) for s in (PASSED, FAILED, SKIPPED, NOT_APPLICABLE)
     }
+
+
+def write_json(
+    path: str, outcomes: Sequence[Outcome], meta: dict[str, Any], wall: float, complete: bool
+) -> None:
+    """The summary as JSON; rewritten as each test ends (``complete`` false until the run
+    ends), so a run stopped from outside leaves what it did."""
+    order = {n: i for i, n in enumerate(suite_test_names())}
+    summary = dict(
+        meta,
+        complete=complete,
+        wall_s=round(wall, 1),
+        counts=_counts(outcomes),
+        tests=[o.to_json() for o in sorted(outcomes, key=lambda o: order.get(o.test, 0))],
+    )
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(summary, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def summarize(outcomes: Sequence[Outcome], meta: dict[str, Any], wall: float) -> int:
+    """Prints the failures and the counts; the exit status of the run."""
+    counts = _counts(outcomes)
     failed = [o for o in outcomes if o.status == FAILED]
     print()
     if failed:
@@ -707,23 +735,11 @@ def summarize(
         for o in failed:
             print(f"  {o.test}: {o.reason}")
     print(
-        f"fastcomm on DistributedTest ({args.device}, world {world}, torch {torch_version}): "
-        f"{counts[PASSED]} passed, {counts[FAILED]} failed, {counts[SKIPPED]} skipped, "
-        f"{counts[NOT_APPLICABLE]} not applicable in {wall / 60:.1f} min"
+        f"fastcomm on DistributedTest ({meta['device']}, world {meta['world_size']}, torch "
+        f"{meta['torch']}): {counts[PASSED]} passed, {counts[FAILED]} failed, "
+        f"{counts[SKIPPED]} skipped, {counts[NOT_APPLICABLE]} not applicable in "
+        f"{wall / 60:.1f} min"
     )
-    if args.json_path:
-        summary = {
-            "device": args.device,
-            "world_size": world,
-            "torch": torch_version,
-            "jobs": args.jobs,
-            "wall_s": round(wall, 1),
-            "counts": counts,
-            "tests": [o.to_json() for o in outcomes],
-        }
-        os.makedirs(os.path.dirname(os.path.abspath(args.json_path)), exist_ok=True)
-        with open(args.json_path, "w") as f:
-            json.dump(summary, f, indent=1)
     return 1 if failed else 0
 
 
