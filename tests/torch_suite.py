@@ -670,7 +670,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {'run':14} {name}")
         return 0
 
-    env = dict(os.environ, **suite_env)
+    env = dict(os.environ)  # with suite_env, set above
     meta = {
         "device": args.device,
         "world_size": world,
