@@ -34,8 +34,10 @@ else
     "$PY" -m pip install -q ${FASTCOMM_TORCH_INDEX:+--extra-index-url "$FASTCOMM_TORCH_INDEX"} \
       "torch==$TORCH_PIN"
   fi
-  if ! "$PY" -c "import pytest, numpy, ninja, setuptools, wheel" 2>/dev/null; then
-    "$PY" -m pip install -q pytest numpy ninja setuptools wheel
+  # expecttest: torch.testing's own test utilities import it (tests/torch_suite.py runs
+  # PyTorch's distributed test suite)
+  if ! "$PY" -c "import pytest, numpy, ninja, setuptools, wheel, expecttest" 2>/dev/null; then
+    "$PY" -m pip install -q pytest numpy ninja setuptools wheel expecttest
   fi
 fi
 export PATH="$(dirname "$PY"):$PATH"

@@ -235,6 +235,33 @@ def test_split_group(device: str) -> None:
     run_ranks(4, split_group_fn, device, init=False, timeout_s=180)
 
 
+def split_twice_fn(rank: int, ws: int) -> None:
+    chk = Checker(f"rank {rank}")
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    store = dist.PrefixStore("split-twice/", dist.distributed_c10d._get_default_store())
+    opts = backend._copy_options()
+    opts.group_name = "split-twice"
+    # as torch 2.11's ProcessGroup::splitGroup asks: once per device type, same store and name
+    first = backend.split(store, [1, 0], opts)
+    second = backend.split(store, [1, 0], opts)
+    chk.true(first is second, "the second split of the same group made another backend")
+    t = gen("split-twice", rank, (9,), torch.float32, "SUM")
+    first.allreduce([t]).wait()
+    chk.reduced(
+        t,
+        [gen("split-twice", r, (9,), torch.float32, "SUM") for r in range(ws)],
+        "SUM",
+        "all_reduce on the split backend",
+    )
+    dist.destroy_process_group()
+    chk.raise_if_failed()
+
+
+@pytest.mark.skipif(is_gloo(), reason="gloo: tests fastcomm's split")
+def test_split_asked_once_per_device_type_makes_one_backend() -> None:
+    run_ranks(2, split_twice_fn, timeout_s=120)
+
+
 def reinit_fn(rank: int, ws: int, ports: list[int]) -> int:
     chk = Checker(f"rank {rank}")
     rounds = len(ports)

@@ -352,14 +352,23 @@ def _functional(
     src: int,
     in_splits: list[int],
     out_splits: list[int],
+    compiled: bool = False,
 ) -> list[Any]:
     import torch.distributed._functional_collectives as fcol
 
+    if compiled:
+        # dynamo (torch 2.11) does not trace all_gather_tensor's regrouping for a gather
+        # along dim 1 (torch._utils._maybe_view_chunk_cat is marked skipped): gather along
+        # dim 0 and regroup here
+        n = len(in_splits)
+        gathered_y = torch.cat(fcol.wait_tensor(fcol.all_gather_tensor(y, 0, group)).chunk(n), 1)
+    else:
+        gathered_y = fcol.all_gather_tensor(y, 1, group)
     out = [
         fcol.all_reduce(x, "sum", group),
         fcol.all_reduce(y, "max", group),
         fcol.all_gather_tensor(x * 2, 0, group),
-        fcol.all_gather_tensor(y, 1, group),
+        gathered_y,
         fcol.reduce_scatter_tensor(x + 1, "sum", 0, group),
         fcol.reduce_scatter_tensor(y, "avg", 1, group),
         fcol.all_to_all_single(x, None, None, group),
@@ -439,7 +448,8 @@ def _run_functional(c: Ctx, compiled: bool) -> None:
         if compiled:
             torch._dynamo.reset()
             fn = torch.compile(_functional, fullgraph=True)
-        outs = fn(x, y, group, n - 1, in_splits, out_splits)  # src: a rank of the group
+        # src: a rank of the group
+        outs = fn(x, y, group, n - 1, in_splits, out_splits, compiled)
         _check_functional(c, outs, ranks, splits, tag)
 
 

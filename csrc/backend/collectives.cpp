@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "backend/process_group.hpp"
+#include "backend/sparse_allreduce.hpp"
 #include "backend/work.hpp"
 
 namespace fastcomm {
@@ -35,9 +36,11 @@ FASTCOMM_OP(kAllToAllSingle, "all_to_all_single")
 FASTCOMM_OP(kAllToAll, "all_to_all")
 FASTCOMM_OP(kSend, "send")
 FASTCOMM_OP(kRecv, "recv")
-FASTCOMM_OP(kRecvAny, "recv_anysource")
 FASTCOMM_OP(kBarrier, "barrier")
 #undef FASTCOMM_OP
+// The wildcard receive's profiler range is named as c10d's other backends name it.
+constexpr const char* kRecvAny = "recv_anysource";
+constexpr const char* kRecvAnyTitle = "fastcomm:recvAnySource";
 
 // `ident`'s OpCall; `opts` tells whether the call is synchronous.
 #define FASTCOMM_CALL(ident, type, bytes, opts) \
@@ -94,6 +97,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::broadcast(Tensors& tensors,
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allreduce(Tensors& tensors,
                                                                const c10d::AllreduceOptions& opts) {
+  if (tensors.size() == 1 && tensors[0].defined() && tensors[0].layout() == at::kSparse)
+    return allreduceSparse(*this, tensors[0], opts);
   const at::Tensor& t = single(tensors, kAllReduce);
   const RedOp op = redOpFor(t, opts.reduceOp, kAllReduce);
   return path(t).allreduce(FASTCOMM_CALL(kAllReduce, ALLREDUCE, nbytes(t), opts), tensors, op);
@@ -133,14 +138,26 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allgather(std::vector<Tenso
   auto& outs = outputs[0];
   TORCH_CHECK(static_cast<int>(outs.size()) == size_, "fastcomm: all_gather: the output list has ",
               outs.size(), " tensors but the group has ", size_, " ranks");
+  bool even = true;
   for (const auto& o : outs) {
     checkSameKind(in, o, kAllGather, "an output tensor");
-    TORCH_CHECK(o.numel() == in.numel(),
-                "fastcomm: all_gather: output tensors must have the "
-                "input's ",
-                in.numel(), " elements, got ", o.numel());
+    even = even && o.numel() == in.numel();
   }
-  return path(in).allgather(FASTCOMM_CALL(kAllGather, ALLGATHER, nbytes(in), opts), outs, in);
+  if (even)
+    return path(in).allgather(FASTCOMM_CALL(kAllGather, ALLGATHER, nbytes(in), opts), outs, in);
+  // Ranks of different sizes (NCCL's all_gather_v): output r is rank r's
+  // broadcast. Every rank sees the same sizes, so every rank takes this path.
+  TORCH_CHECK(outs[rank_].numel() == in.numel(), "fastcomm: all_gather: output ", rank_, " has ",
+              outs[rank_].numel(), " elements but this rank's input has ", in.numel());
+  outs[rank_].copy_(in.reshape(outs[rank_].sizes()));
+  std::vector<WorkPtr> parts;
+  for (int r = 0; r < size_; ++r) {
+    Tensors one{outs[r]};
+    parts.push_back(path(in).broadcast(
+        OpCall{kAllGather, nullptr, c10d::OpType::BROADCAST, nbytes(outs[r]), !opts.asyncOp}, one,
+        r));
+  }
+  return c10::make_intrusive<GroupedWork>(rank_, std::move(parts), outs, kAllGatherTitle, inputs);
 }
 
 // The legacy list form: outputs[r][i] receives rank r's inputs[i]. One
@@ -167,12 +184,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::allgather_coalesced(
   for (size_t i = 0; i < inputs.size(); ++i) {
     Tensors outs;
     for (auto& list : outputs) outs.push_back(list[i]);
+    // The group, not each part, is the call's profiler range.
     parts.push_back(path(inputs[i]).allgather(
-        FASTCOMM_CALL(kAllGatherCoalesced, ALLGATHER_COALESCED, nbytes(inputs[i]), opts), outs,
-        inputs[i]));
+        OpCall{kAllGatherCoalesced, nullptr, c10d::OpType::ALLGATHER_COALESCED, nbytes(inputs[i]),
+               !opts.asyncOp},
+        outs, inputs[i]));
     results.insert(results.end(), outs.begin(), outs.end());
   }
-  return c10::make_intrusive<GroupedWork>(rank_, std::move(parts), std::move(results));
+  return c10::make_intrusive<GroupedWork>(rank_, std::move(parts), std::move(results),
+                                          kAllGatherCoalescedTitle, inputs);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::_allgather_base(
@@ -267,16 +287,30 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::reduce_scatter(
               "fastcomm: reduce_scatter: the input list has ",
               inputs.empty() ? 0 : inputs[0].size(), " tensors but the group has ", size_,
               " ranks");
-  for (const auto& i : inputs[0]) {
+  Tensors& ins = inputs[0];
+  bool even = true;
+  for (const auto& i : ins) {
     checkSameKind(out, i, kReduceScatter, "an input tensor");
-    TORCH_CHECK(i.numel() == out.numel(),
-                "fastcomm: reduce_scatter: input tensors must have the "
-                "output's ",
-                out.numel(), " elements, got ", i.numel());
+    even = even && i.numel() == out.numel();
   }
   const RedOp op = redOpFor(out, opts.reduceOp, kReduceScatter);
-  return path(out).reduceScatter(
-      FASTCOMM_CALL(kReduceScatter, REDUCE_SCATTER, nbytes(out) * size_, opts), out, inputs[0], op);
+  if (even)
+    return path(out).reduceScatter(
+        FASTCOMM_CALL(kReduceScatter, REDUCE_SCATTER, nbytes(out) * size_, opts), out, ins, op);
+  // Ranks of different sizes (NCCL's reduce_scatter_v): share r is a reduce to
+  // rank r, here into the output, elsewhere into a copy (inputs stay as given).
+  TORCH_CHECK(ins[rank_].numel() == out.numel(), "fastcomm: reduce_scatter: input ", rank_, " has ",
+              ins[rank_].numel(), " elements but this rank's output has ", out.numel());
+  out.copy_(ins[rank_].reshape(out.sizes()));
+  std::vector<WorkPtr> parts;
+  for (int r = 0; r < size_; ++r) {
+    Tensors one{r == rank_ ? out : ins[r].clone(at::MemoryFormat::Contiguous)};
+    parts.push_back(path(out).reduce(
+        OpCall{kReduceScatter, nullptr, c10d::OpType::REDUCE, nbytes(one[0]), !opts.asyncOp}, one,
+        op, r));
+  }
+  return c10::make_intrusive<GroupedWork>(rank_, std::move(parts), outputs, kReduceScatterTitle,
+                                          ins);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::_reduce_scatter_base(

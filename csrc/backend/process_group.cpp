@@ -155,8 +155,17 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupFastComm::split(
     globals.push_back(globalRanks_.empty() ? static_cast<uint64_t>(r) : globalRanks_[r]);
   auto timeout = opts ? opts->timeout : g_.timeout;
   auto name = opts ? opts->group_name : std::string();
-  return c10::make_intrusive<ProcessGroupFastComm>(store, newRank, static_cast<int>(ranks.size()),
-                                                   timeout, globals, name);
+  std::lock_guard<std::mutex> lock(splitMu_);
+  if (lastSplit_ && lastSplit_->name == name && lastSplit_->ranks == ranks &&
+      lastSplit_->store.lock() == store) {
+    if (auto child = lastSplit_->child.lock()) return child;
+  }
+  auto child = c10::make_intrusive<ProcessGroupFastComm>(
+      store, newRank, static_cast<int>(ranks.size()), timeout, globals, name);
+  lastSplit_ =
+      LastSplit{c10::weak_intrusive_ptr<c10d::Store>(store), name, ranks,
+                c10::weak_intrusive_ptr<c10d::Backend>(c10::intrusive_ptr<c10d::Backend>(child))};
+  return child;
 }
 
 }  // namespace fastcomm

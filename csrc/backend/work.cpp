@@ -46,8 +46,21 @@ void HostWork::fail(std::exception_ptr error) {
 }
 
 GroupedWork::GroupedWork(int rank, std::vector<c10::intrusive_ptr<c10d::Work>> parts,
-                         std::vector<at::Tensor> outputs)
-    : Work(rank, c10d::OpType::COALESCED), parts_(std::move(parts)), outputs_(std::move(outputs)) {}
+                         std::vector<at::Tensor> outputs, const char* profilingTitle,
+                         const std::vector<at::Tensor>& inputs)
+    : Work(rank, c10d::OpType::COALESCED, profilingTitle,
+           std::optional<std::vector<at::Tensor>>(inputs)),
+      parts_(std::move(parts)),
+      outputs_(std::move(outputs)) {
+  if (recordFunctionEndCallback_) {
+    c10::List<c10::intrusive_ptr<c10::ivalue::Future>> futures(
+        c10::FutureType::create(c10::ListType::create(c10::TensorType::get())));
+    for (auto& p : parts_) futures.push_back(p->getFuture());
+    c10::collectAll(futures)->addCallback(
+        [end = std::move(recordFunctionEndCallback_)](c10::ivalue::Future&) { end(); });
+    recordFunctionEndCallback_ = nullptr;
+  }
+}
 
 bool GroupedWork::isCompleted() {
   for (auto& p : parts_)

@@ -32,11 +32,14 @@ class HostWork : public c10d::Work {
   std::atomic<int> sourceRank_{-1};
 };
 
-// Completes when every one of `parts` completed (coalesced host ops).
+// Completes when every one of `parts` completed (coalesced host ops). Given a
+// profiling title, the group is one profiler range over `inputs` that ends
+// with its last part (one call of torch's API, one range, however many parts).
 class GroupedWork : public c10d::Work {
  public:
   GroupedWork(int rank, std::vector<c10::intrusive_ptr<c10d::Work>> parts,
-              std::vector<at::Tensor> outputs);
+              std::vector<at::Tensor> outputs, const char* profilingTitle = nullptr,
+              const std::vector<at::Tensor>& inputs = {});
   bool isCompleted() override;
   bool isSuccess() const override;
   std::exception_ptr exception() const override;
