@@ -518,13 +518,7 @@ WorkPtr CudaCollectives::Impl::endCoalescing(const CudaOpInfo& info) {
   coalescing_ = false;
   std::vector<Deferred> items;
   items.swap(deferred_);
-  if (items.empty()) {
-    // Nothing on CUDA: an already complete work.
-    auto f =
-        c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
-    f->markCompleted(c10::IValue(std::vector<at::Tensor>{}));
-    return c10d::Work::create_from_future(f);
-  }
+  if (items.empty()) return nullptr;  // nothing on CUDA in the block
   auto current = at::cuda::getCurrentCUDAStream(device_.index());
   issue(items, info, isCapturing(current.stream()));
   // The group's work: every part shares the same end event, so the last one

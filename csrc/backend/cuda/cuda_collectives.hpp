@@ -81,7 +81,8 @@ class CudaCollectives {
   WorkPtr send(at::Tensor tensor, int peer, const CudaOpInfo& info);
   WorkPtr recv(at::Tensor tensor, int peer, const CudaOpInfo& info);
 
-  // Collectives between start and end are issued as one NCCL group.
+  // Collectives between start and end are issued as one NCCL group; the
+  // group's work, or null when none was issued here.
   void startCoalescing();
   WorkPtr endCoalescing(const CudaOpInfo& info);
   void cancelCoalescing();  // drops the block's ops unissued

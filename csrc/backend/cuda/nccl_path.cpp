@@ -195,6 +195,7 @@ void NcclPath::endCoalescing(std::vector<WorkPtr>& works) {
   commInBlock_ = false;
   CudaOpInfo i{kCoalesced, kCoalescedTitle, c10d::OpType::COALESCED, g_.seq.load(), g_.timeout, 0};
   auto cudaWork = comm_->endCoalescing(i);
+  if (!cudaWork) return;  // the block's ops all ran on the host
   // The CUDA parts complete with the group's work; host parts on their own.
   std::vector<WorkPtr> kept;
   for (auto& w : works)
