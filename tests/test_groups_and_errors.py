@@ -665,7 +665,13 @@ def test_sleeping_rank_fails_collective_with_timeout() -> None:
 # -------------------------------------------------------------- bound device + new_group
 
 
-def bound_device_new_group_fn(rank: int, ws: int, device: str) -> None:
+def _split_check(chk: Checker, device: str) -> None:
+    if hasattr(dist, "split_group"):
+        split = dist.split_group(split_ranks=[[0, 1]])
+        _group_checks(chk, split, dist.get_process_group_ranks(split), "split_group", device)
+
+
+def bound_device_new_group_fn(rank: int, ws: int, device: str, split_first: bool) -> None:
     if device == "cuda":
         torch.cuda.set_device(rank)
         dev = torch.device("cuda", rank)
@@ -673,6 +679,8 @@ def bound_device_new_group_fn(rank: int, ws: int, device: str) -> None:
         dev = torch.device("cpu", 0)
     dist.init_process_group(backend=BACKEND, device_id=dev, timeout=timedelta(seconds=60))
     chk = Checker(f"rank {rank}")
+    if split_first:
+        _split_check(chk, device)
     # with a bound device, torch tries to split the parent's communicator; ranks outside the
     # new group take a different code path there than members
     sub = dist.new_group([0])
@@ -682,9 +690,6 @@ def bound_device_new_group_fn(rank: int, ws: int, device: str) -> None:
         chk.true(sub == dist.GroupMember.NON_GROUP_MEMBER, "rank 1 got a group")
     both, order = _new_group([1, 0])
     _group_checks(chk, both, order, "new_group([1, 0])", device)
-    if hasattr(dist, "split_group"):
-        split = dist.split_group(split_ranks=[[0, 1]])
-        _group_checks(chk, split, dist.get_process_group_ranks(split), "split_group", device)
     # groups of stock backends beside the bound default group, as libraries make them
     others = [("gloo", "cpu")] + ([("nccl", "cuda")] if device == "cuda" else [])
     for other, other_device in others:
@@ -694,6 +699,8 @@ def bound_device_new_group_fn(rank: int, ws: int, device: str) -> None:
         sub = dist.new_group([1], backend=other)
         if rank == 1:
             _group_checks(chk, sub, [1], f"new_group([1], backend={other!r})", other_device)
+    if not split_first:
+        _split_check(chk, device)
     _world_check(chk, "world", device)
     dist.destroy_process_group()
     chk.raise_if_failed()
@@ -750,13 +757,29 @@ _GLOO_NOCOLOR = pytest.mark.skipif(
 )
 
 
+_OLD_TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 15)
+_SPLIT_AFTER_PARTIAL_SUBGROUP = pytest.mark.xfail(
+    _OLD_TORCH,
+    strict=True,
+    reason="torch 2.11, CUDA bound: split_group after a new_group that not every rank joined "
+    "times out in the split's rendezvous (the ranks meet under different store keys)",
+)
+
+
 @pytest.mark.parametrize(
-    "device",
+    "device,split_first",
     [
-        pytest.param("cpu", marks=_GLOO_NOCOLOR),
-        pytest.param("cuda", marks=[_GLOO_NOCOLOR, pytest.mark.cuda(world_size=2)]),
+        pytest.param("cpu", True, marks=_GLOO_NOCOLOR),
+        pytest.param("cpu", False, marks=_GLOO_NOCOLOR),
+        pytest.param("cuda", True, marks=[_GLOO_NOCOLOR, pytest.mark.cuda(world_size=2)]),
+        pytest.param(
+            "cuda",
+            False,
+            marks=[_GLOO_NOCOLOR, pytest.mark.cuda(world_size=2), _SPLIT_AFTER_PARTIAL_SUBGROUP],
+        ),
     ],
 )
-def test_new_group_with_bound_device(device: str) -> None:
-    """init_process_group(device_id=...) then new_group() with a subset and with all ranks."""
-    run_ranks(2, bound_device_new_group_fn, device, init=False, timeout_s=120)
+def test_new_group_with_bound_device(device: str, split_first: bool) -> None:
+    """init_process_group(device_id=...), then split_group, new_group() of fastcomm with a
+    subset and with all ranks, and groups of gloo and NCCL beside it."""
+    run_ranks(2, bound_device_new_group_fn, device, split_first, init=False, timeout_s=120)

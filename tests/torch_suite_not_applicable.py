@@ -35,6 +35,10 @@ CUDA: dict[str, str] = {
         "builds a dist.ProcessGroupNCCL itself, with ProcessGroupNCCL.Options: a test of NCCL's "
         "own process group class"
     ),
+    "test_ddp_profiling_execution_trace": (
+        "asserts dist.get_backend() == 'nccl' and checks the record_param_comms nodes that "
+        "ProcessGroupNCCL inserts into the execution trace"
+    ),
 }
 
 
