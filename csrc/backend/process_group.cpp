@@ -31,6 +31,19 @@ c10::intrusive_ptr<c10d::Store> epochStore(const c10::intrusive_ptr<c10d::Store>
   return c10::make_intrusive<c10d::PrefixStore>("fastcomm/" + std::to_string(epoch), store);
 }
 
+// Where the ranks of a split meet: under the parent's own store, named by the
+// split's index among the parent's splits and by its members, not by the
+// group name torch passes (torch 2.11 salts the names of split groups with a
+// count that differs between ranks after a new_group not every rank joined).
+c10::intrusive_ptr<c10d::Store> splitStore(const c10::intrusive_ptr<c10d::Store>& store,
+                                           const std::vector<int>& ranks, uint64_t index) {
+  auto* named = dynamic_cast<c10d::PrefixStore*>(store.get());
+  c10::intrusive_ptr<c10d::Store> parent = named ? named->getUnderlyingStore() : store;
+  std::string prefix = "fastcomm/split/" + std::to_string(index) + "/";
+  for (int r : ranks) prefix += std::to_string(r) + ",";
+  return c10::make_intrusive<c10d::PrefixStore>(prefix, parent);
+}
+
 }  // namespace
 
 ProcessGroupFastComm::ProcessGroupFastComm(const c10::intrusive_ptr<c10d::Store>& store, int rank,
@@ -147,24 +160,27 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::endCoalescing() {
 c10::intrusive_ptr<c10d::Backend> ProcessGroupFastComm::split(
     const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
     const c10::intrusive_ptr<Options>& opts) {
-  auto it = std::find(ranks.begin(), ranks.end(), rank_);
-  if (it == ranks.end()) return nullptr;  // not a member of the new group
-  const int newRank = static_cast<int>(it - ranks.begin());
-  std::vector<uint64_t> globals;
-  for (int r : ranks)
-    globals.push_back(globalRanks_.empty() ? static_cast<uint64_t>(r) : globalRanks_[r]);
   auto timeout = opts ? opts->timeout : g_.timeout;
   auto name = opts ? opts->group_name : std::string();
   std::lock_guard<std::mutex> lock(splitMu_);
   if (lastSplit_ && lastSplit_->name == name && lastSplit_->ranks == ranks &&
       lastSplit_->store.lock() == store) {
-    if (auto child = lastSplit_->child.lock()) return child;
+    return lastSplit_->child.lock();  // the same split, asked for another device type
   }
-  auto child = c10::make_intrusive<ProcessGroupFastComm>(
-      store, newRank, static_cast<int>(ranks.size()), timeout, globals, name);
-  lastSplit_ =
-      LastSplit{c10::weak_intrusive_ptr<c10d::Store>(store), name, ranks,
-                c10::weak_intrusive_ptr<c10d::Backend>(c10::intrusive_ptr<c10d::Backend>(child))};
+  // Every rank of this group takes part in every split of it, members or not.
+  const uint64_t splitIndex = splits_++;
+  c10::intrusive_ptr<c10d::Backend> child;
+  auto it = std::find(ranks.begin(), ranks.end(), rank_);
+  if (it != ranks.end()) {
+    std::vector<uint64_t> globals;
+    for (int r : ranks)
+      globals.push_back(globalRanks_.empty() ? static_cast<uint64_t>(r) : globalRanks_[r]);
+    child = c10::make_intrusive<ProcessGroupFastComm>(
+        splitStore(store, ranks, splitIndex), static_cast<int>(it - ranks.begin()),
+        static_cast<int>(ranks.size()), timeout, globals, name);
+  }
+  lastSplit_ = LastSplit{c10::weak_intrusive_ptr<c10d::Store>(store), name, ranks,
+                         c10::weak_intrusive_ptr<c10d::Backend>(child)};
   return child;
 }
 

@@ -113,10 +113,9 @@ class ProcessGroupFastComm : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> sendNow(std::vector<at::Tensor>& tensors, int dstRank, int tag);
   c10::intrusive_ptr<c10d::Work> recvNow(std::vector<at::Tensor>& tensors, int srcRank, int tag);
 
-  // The last split this rank is a member of. torch (2.11) asks the backend of
+  // The last split asked of this group. torch (2.11) asks the backend of
   // every device type of the parent to split; one fastcomm backend serves CPU
-  // and CUDA, and a second child would rendezvous on the first one's store
-  // keys, so the second ask of the same split gets the first child.
+  // and CUDA, so the second ask of the same split gets the first answer.
   struct LastSplit {
     c10::weak_intrusive_ptr<c10d::Store> store;
     std::string name;
@@ -125,6 +124,7 @@ class ProcessGroupFastComm : public c10d::Backend {
   };
   std::mutex splitMu_;
   std::optional<LastSplit> lastSplit_;
+  uint64_t splits_ = 0;  // splits of this group so far (names their stores)
 
   std::vector<uint64_t> globalRanks_;
   std::string groupName_;
