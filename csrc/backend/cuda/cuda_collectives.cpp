@@ -494,12 +494,12 @@ void CudaCollectives::Impl::issue(const std::vector<Deferred>& items, const Cuda
       c10::cuda::CUDAMultiStreamGuard futureGuard(comm);
       w->future_->markCompleted(c10::IValue(w->outputs_));
     }
+    // The profiler range ends on the thread that opened it, once the op is
+    // queued (as ProcessGroupNCCL's): the profiler records the GPU side apart.
+    w->endProfiling();
     stats_.addCall(w->name_, static_cast<uint64_t>(w->bytes_));
   }
-  if (capturing) {
-    for (const auto& item : items) item.work->endProfiling();
-    return;
-  }
+  if (capturing) return;
   // No wake-up: the watchdog polls every kWatchdogPeriod, and a syscall per
   // collective would sit on the launch path.
   std::lock_guard<std::mutex> lock(mu_);
@@ -598,7 +598,6 @@ void CudaCollectives::Impl::watchdogLoop() {
         } catch (const std::exception& e) {
           FASTCOMM_LOG(Debug, "no GPU time for " << w->name_ << ": " << e.what());
         }
-        w->endProfiling();
       } else if (!expired && Clock::now() - w->enqueued_ > w->timeout_) {
         w->traceStarted();
         expired = w;
