@@ -408,7 +408,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::send(Tensors& tensors, int 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::sendNow(Tensors& tensors, int dstRank,
                                                              int tag) {
   const at::Tensor& t = single(tensors, kSend);
-  TORCH_CHECK(dstRank >= 0 && dstRank < size_ && dstRank != rank_,
+  TORCH_CHECK(dstRank >= 0 && dstRank < size_,
               "fastcomm: send: invalid "
               "destination ",
               dstRank, " (group of ", size_, ", this is rank ", rank_, ")");
@@ -422,7 +422,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::recv(Tensors& tensors, int 
 c10::intrusive_ptr<c10d::Work> ProcessGroupFastComm::recvNow(Tensors& tensors, int srcRank,
                                                              int tag) {
   const at::Tensor& t = single(tensors, kRecv);
-  TORCH_CHECK(srcRank >= 0 && srcRank < size_ && srcRank != rank_,
+  TORCH_CHECK(srcRank >= 0 && srcRank < size_,
               "fastcomm: recv: invalid "
               "source ",
               srcRank, " (group of ", size_, ", this is rank ", rank_, ")");

@@ -435,9 +435,40 @@ DevicePath::WorkPtr HostPath::alltoall(const OpCall& call, const Tensors& output
       staged);
 }
 
+void HostPath::postToSelf(int tag, at::Tensor message) {
+  {
+    std::lock_guard<std::mutex> lock(selfMu_);
+    toSelf_.emplace(tag, std::move(message));
+  }
+  selfPosted_.notify_all();
+}
+
+at::Tensor HostPath::takeFromSelf(int tag, const OpContext& ctx) {
+  std::unique_lock<std::mutex> lock(selfMu_);
+  auto found = [&] { return toSelf_.find(tag) != toSelf_.end(); };
+  if (!selfPosted_.wait_until(lock, ctx.deadline, found)) {
+    throwCommError("fastcomm: " + ctx.describe() + " failed on group rank " +
+                   std::to_string(g_.rank) + ": timeout after " +
+                   std::to_string(ctx.timeout.count()) +
+                   " ms waiting for this rank's own send with tag " + std::to_string(tag));
+  }
+  auto it = toSelf_.find(tag);
+  at::Tensor message = std::move(it->second);
+  toSelf_.erase(it);
+  return message;
+}
+
 DevicePath::WorkPtr HostPath::send(const OpCall& call, const at::Tensor& tensor, int peer, int tag,
                                    const Staged& staged) {
   at::Tensor src = onHost(staged, tensor).contiguous();
+  if (peer == g_.rank) {
+    // A copy, taken when the send runs: the caller may reuse its tensor once
+    // the send completed, before the receive ran.
+    return runP2P(
+        call, p2pLane(peer, true), tensor, peer,
+        [this, src, tag](HostComm&, const OpContext&, HostWork&) { postToSelf(tag, src.clone()); },
+        staged);
+  }
   return runP2P(
       call, p2pLane(peer, true), tensor, peer,
       [src, peer, tag](HostComm& comm, const OpContext& ctx, HostWork&) {
@@ -449,6 +480,23 @@ DevicePath::WorkPtr HostPath::send(const OpCall& call, const at::Tensor& tensor,
 DevicePath::WorkPtr HostPath::recv(const OpCall& call, const at::Tensor& tensor, int peer, int tag,
                                    const Staged& staged) {
   Contig c(onHost(staged, tensor));
+  if (peer == g_.rank) {
+    return runP2P(
+        call, p2pLane(peer, false), tensor, peer,
+        [this, c, tag](HostComm&, const OpContext& ctx, HostWork& work) {
+          const at::Tensor message = takeFromSelf(tag, ctx);
+          if (message.nbytes() != c.work.nbytes()) {
+            throwCommError("fastcomm: " + ctx.describe() + ": this rank sent itself " +
+                           std::to_string(message.nbytes()) + " bytes, the receive takes " +
+                           std::to_string(c.work.nbytes()));
+          }
+          if (message.nbytes() > 0)
+            std::memcpy(c.work.data_ptr(), message.data_ptr(), message.nbytes());
+          c.finish();
+          work.setSourceRank(g_.rank);
+        },
+        staged);
+  }
   return runP2P(
       call, p2pLane(peer, false), tensor, peer,
       [c, peer, tag](HostComm& comm, const OpContext& ctx, HostWork& work) {

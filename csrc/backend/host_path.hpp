@@ -8,6 +8,7 @@
 // outputs are copied back.
 #pragma once
 
+#include <condition_variable>
 #include <functional>
 #include <map>
 #include <memory>
@@ -132,6 +133,10 @@ class HostPath : public DevicePath {
                  P2PBody body, const Staged& staged);
   HostComm& comm(const OpContext& ctx);  // created on first use, on the host lane
   SerialLane& p2pLane(int peer, bool sending);
+  // A rank's sends to itself wait here for its receives (batch_isend_irecv
+  // may pair a rank with itself): by tag, oldest first.
+  void postToSelf(int tag, at::Tensor message);
+  at::Tensor takeFromSelf(int tag, const OpContext& ctx);
 
   GroupState& g_;
   std::unique_ptr<HostComm> comm_;  // touched only on the host lane after creation
@@ -139,6 +144,9 @@ class HostPath : public DevicePath {
   std::mutex lanesMu_;
   std::map<std::pair<int, bool>, std::unique_ptr<SerialLane>> p2pLanes_;
   std::unique_ptr<SerialLane> lane_;
+  std::mutex selfMu_;
+  std::condition_variable selfPosted_;
+  std::multimap<int, at::Tensor> toSelf_;  // equal tags keep their order
 };
 
 }  // namespace fastcomm
