@@ -20,6 +20,8 @@
 #   capture      CUDA-graph capture across simulated nodes (4 GPUs as 2 x 2) -> capture.log
 #   hooks        DDP communication hooks and CUDA graphs                     -> hooks.log
 #   ddpbench     DDP step time: eager NCCL / eager fastcomm / captured fastcomm -> ddp_<n>gpu.{json,md}
+#   suite        PyTorch's DistributedTest on CUDA (SUITE_SHARD=i/n, SUITE_JOBS; expecttest from
+#                build/pydeps)                                -> torch_suite_cuda_<i>of<n>.{json,log}
 #
 # Env: OUT (default ./out), FASTCOMM_PYTHON (default python3), CARRIED_DIR, PLOT=1 (also write
 # .png plots), PYTEST_ARGS, BENCH_ARGS, SWEEP_ARGS (e.g. "--rounds 3"), SWEEP_TIMEOUT,
@@ -184,6 +186,18 @@ for stage in "${stages[@]}"; do
       say "DDP communication hooks and CUDA graphs, $NGPU GPUs"
       timeout 420 "$PY" -m pytest -q -ra tests/test_hooks.py > "$OUT/hooks.log" 2>&1 || status=1
       tail -n 20 "$OUT/hooks.log" | tee -a "$LOG"
+      ;;
+    suite)
+      # PyTorch's DistributedTest suite on CUDA tensors, world 2; it imports expecttest, which
+      # a machine without network gets as the unpacked wheel in build/pydeps (carried).
+      say "PyTorch's DistributedTest on CUDA, shard ${SUITE_SHARD:-1/1}"
+      shard="${SUITE_SHARD:-1/1}"
+      shard_name="${shard/\//of}"
+      PYTHONPATH="$PYTHONPATH:$ROOT/build/pydeps" timeout "${SUITE_TIMEOUT:-540}" "$PY" \
+        tests/torch_suite.py --device cuda --jobs "${SUITE_JOBS:-8}" --timeout 150 \
+        --shard "$shard" --json "$OUT/torch_suite_cuda_$shard_name.json" \
+        > "$OUT/torch_suite_cuda_$shard_name.log" 2>&1 || status=1
+      grep -E "FAILED|^fastcomm on" "$OUT/torch_suite_cuda_$shard_name.log" | tee -a "$LOG"
       ;;
     ddpbench)
       say "DDP step time: eager NCCL, eager fastcomm, captured fastcomm ($NGPU GPUs)"
