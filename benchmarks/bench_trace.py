@@ -34,6 +34,7 @@ import os
 import statistics
 import time
 from typing import Callable
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -50,16 +51,8 @@ def nested(depth: int, fn: Callable[[], None]) -> None:
 
 
 def make_group(env: dict[str, str]) -> dist.ProcessGroup:
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, env):  # read when the group is created
         return dist.new_group(backend="fastcomm")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def main() -> None:

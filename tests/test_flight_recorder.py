@@ -22,6 +22,7 @@ import sys
 import time
 from datetime import timedelta
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -54,16 +55,8 @@ def _wait_for_dump(path: str, since_ns: int, timeout_s: float) -> dict[str, Any]
 
 def _with_env(env: dict[str, str], make: Any) -> Any:
     """``make()`` with ``env`` set: the recorder's settings are read when a group is created."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, env):
         return make()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 # ------------------------------------------------------------------- ring, fields, dumps

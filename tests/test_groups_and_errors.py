@@ -235,34 +235,7 @@ def test_split_group(device: str) -> None:
     run_ranks(4, split_group_fn, device, init=False, timeout_s=180)
 
 
-def split_twice_fn(rank: int, ws: int) -> None:
-    chk = Checker(f"rank {rank}")
-    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
-    store = dist.PrefixStore("split-twice/", dist.distributed_c10d._get_default_store())
-    opts = backend._copy_options()
-    opts.group_name = "split-twice"
-    # as torch 2.11's ProcessGroup::splitGroup asks: once per device type, same store and name
-    first = backend.split(store, [1, 0], opts)
-    second = backend.split(store, [1, 0], opts)
-    chk.true(first is second, "the second split of the same group made another backend")
-    t = gen("split-twice", rank, (9,), torch.float32, "SUM")
-    first.allreduce([t]).wait()
-    chk.reduced(
-        t,
-        [gen("split-twice", r, (9,), torch.float32, "SUM") for r in range(ws)],
-        "SUM",
-        "all_reduce on the split backend",
-    )
-    dist.destroy_process_group()
-    chk.raise_if_failed()
-
-
-@pytest.mark.skipif(is_gloo(), reason="gloo: tests fastcomm's split")
-def test_split_asked_once_per_device_type_makes_one_backend() -> None:
-    run_ranks(2, split_twice_fn, timeout_s=120)
-
-
-def split_names_differ_fn(rank: int, ws: int) -> None:
+def split_fn(rank: int, ws: int) -> None:
     chk = Checker(f"rank {rank}")
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))
     store = dist.distributed_c10d._get_default_store()
@@ -273,25 +246,33 @@ def split_names_differ_fn(rank: int, ws: int) -> None:
         opts._timeout = timedelta(seconds=20)
         return backend.split(dist.PrefixStore(f"{name}/", store), ranks, opts)
 
+    def check_all_reduce(child: Any, key: str) -> None:
+        t = gen(key, rank, (7,), torch.float32, "SUM")
+        child.allreduce([t]).wait()
+        ins = [gen(key, r, (7,), torch.float32, "SUM") for r in range(ws)]
+        chk.reduced(t, ins, "SUM", f"all_reduce on the split: {key}")
+
+    # as torch 2.11's ProcessGroup::splitGroup asks: once per device type, same store and name
+    opts = backend._copy_options()
+    opts.group_name = "split-twice"
+    twice = dist.PrefixStore("split-twice/", store)
+    first = backend.split(twice, [1, 0], opts)
+    chk.true(backend.split(twice, [1, 0], opts) is first, "a second ask made another backend")
+    check_all_reduce(first, "asked twice")
     # a split rank 1 is no member of, then one that torch 2.11 names differently on each rank
     # after such a group (it salts the name with the number of groups the rank is in)
     chk.true((split("only-0", [0]) is None) == (rank == 1), "membership of split [0]")
-    child = split(f"named-on-rank-{rank}", [0, 1])
-    t = gen("names-differ", rank, (7,), torch.float32, "SUM")
-    child.allreduce([t]).wait()
-    chk.reduced(
-        t,
-        [gen("names-differ", r, (7,), torch.float32, "SUM") for r in range(ws)],
-        "SUM",
-        "all_reduce on a split whose name differs between the ranks",
-    )
+    check_all_reduce(split(f"named-on-rank-{rank}", [0, 1]), "names differ between the ranks")
     dist.destroy_process_group()
     chk.raise_if_failed()
 
 
 @pytest.mark.skipif(is_gloo(), reason="gloo: tests fastcomm's split")
-def test_split_named_differently_on_each_rank() -> None:
-    run_ranks(2, split_names_differ_fn, timeout_s=120)
+def test_split_asked_twice_or_named_differently_per_rank() -> None:
+    """torch 2.11 asks a backend to split once per device type, and names a split differently
+    on each rank after a new_group not every rank joined: one child per split, and its ranks
+    meet whatever the name."""
+    run_ranks(2, split_fn, timeout_s=120)
 
 
 def reinit_fn(rank: int, ws: int, ports: list[int]) -> int:

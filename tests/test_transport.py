@@ -17,6 +17,7 @@ import os
 import time
 from datetime import timedelta
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -94,17 +95,8 @@ def _payload(nbytes: int, *key: Any) -> Any:
 def _endpoint(store: Any, rank: int, world: int, name: str, config: Any = None, **kw: Any) -> Any:
     import torchext._testing as C
 
-    config = config or {}
-    saved = {var: os.environ.get(var) for var in config}
-    os.environ.update(config)
-    try:
+    with mock.patch.dict(os.environ, config or {}):
         return C._TransportEndpoint(store, rank, world, name=name, **kw)
-    finally:
-        for var, val in saved.items():
-            if val is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = val
 
 
 def _store_server_sockets() -> set[str]:
