@@ -197,7 +197,7 @@ for stage in "${stages[@]}"; do
         tests/torch_suite.py --device cuda --jobs "${SUITE_JOBS:-8}" --timeout 150 \
         --shard "$shard" --json "$OUT/torch_suite_cuda_$shard_name.json" \
         > "$OUT/torch_suite_cuda_$shard_name.log" 2>&1 || status=1
-      grep -E "FAILED|^fastcomm on" "$OUT/torch_suite_cuda_$shard_name.log" | tee -a "$LOG"
+      grep -E "FAILED|on DistributedTest" "$OUT/torch_suite_cuda_$shard_name.log" | tee -a "$LOG"
       ;;
     ddpbench)
       say "DDP step time: eager NCCL, eager fastcomm, captured fastcomm ($NGPU GPUs)"

@@ -275,6 +275,38 @@ def test_split_asked_twice_or_named_differently_per_rank() -> None:
     run_ranks(2, split_fn, timeout_s=120)
 
 
+def send_to_self_alone_fn(rank: int, ws: int, device: str) -> None:
+    """Rank 0 alone exchanges messages with itself as the first ops of a fresh group (as
+    PyTorch's test_batch_isend_irecv_self_nccl does): nothing may wait for the other ranks,
+    which meanwhile wait in a barrier of the world group."""
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    chk = Checker(f"rank {rank}")
+    grp = dist.new_group(list(range(ws)))
+    if rank == 0:  # torch allows sends to the rank itself only in batches
+        for n in (1, 2):  # receives listed before their sends; two keep their order
+            sent = [gen(f"self{n}", k, (7, 3), torch.float32).to(device) for k in range(n)]
+            got = [torch.full((7, 3), -1.0, device=device) for _ in range(n)]
+            ops = [dist.P2POp(dist.irecv, g, 0, group=grp) for g in got]
+            ops += [dist.P2POp(dist.isend, t, 0, group=grp) for t in sent]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+            for k in range(n):
+                chk.equal(got[k], sent[k], f"batch of {n} with itself alone: message {k}")
+    dist.barrier()
+    _group_checks(chk, grp, list(range(ws)), "group after the self exchange", device)
+    dist.destroy_process_group(grp)
+    chk.raise_if_failed()
+
+
+@pytest.mark.skipif(is_gloo(), reason="gloo cannot send to the rank itself")
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda(world_size=2))]
+)
+def test_send_to_self_alone_first(device: str) -> None:
+    run_ranks(2, send_to_self_alone_fn, device, pg_timeout_s=30, timeout_s=120)
+
+
 def reinit_fn(rank: int, ws: int, ports: list[int]) -> int:
     chk = Checker(f"rank {rank}")
     rounds = len(ports)

@@ -703,13 +703,20 @@ def run_stack(
 # --------------------------------------------------------------------------- pytest side
 
 # Simulated node of each rank ("": one node).
-LAYOUTS: dict[str, list[int]] = {"": [], "2x2": [0, 0, 1, 1], "2x1": [0, 1], "2x1-host": [0, 1]}
+LAYOUTS: dict[str, list[int]] = {
+    "": [],
+    "2x2": [0, 0, 1, 1],
+    "2x2-staged": [0, 0, 1, 1],
+    "2x1": [0, 1],
+    "2x1-host": [0, 1],
+}
 # Across the simulated nodes every CUDA all_reduce takes the staged pipeline (csrc/plans/cuda/),
 # in 4 KiB chunks, and with "2x1-host" the other CUDA collectives are staged through host
 # memory into the host plan: the small tensors of these cases would otherwise all stay on the
 # flat NCCL communicator.
 LAYOUT_ENV: dict[str, dict[str, str]] = {
     "2x1": {"FASTCOMM_CUDA_HIER_MIN_BYTES": "0", "FASTCOMM_CUDA_CHUNK_BYTES": "4K"},
+    "2x2-staged": {"FASTCOMM_CUDA_HIER_MIN_BYTES": "0", "FASTCOMM_CUDA_CHUNK_BYTES": "4K"},
     "2x1-host": {
         "FASTCOMM_CUDA_HIER_MIN_BYTES": "0",
         "FASTCOMM_CUDA_CHUNK_BYTES": "4K",
@@ -725,6 +732,14 @@ GROUPS = [
     pytest.param("cuda", 2, "", True, id="cuda-2ranks-device_id", marks=_cuda2),
     pytest.param("cuda", 2, "2x1-host", False, id="cuda-2x1nodes-host", marks=_cuda2),
     pytest.param("cuda", 2, "2x1", True, id="cuda-2x1nodes-device_id", marks=_cuda2),
+    pytest.param(
+        "cuda",
+        4,
+        "2x2-staged",
+        True,
+        id="cuda-4ranks-2x2nodes-device_id",
+        marks=pytest.mark.cuda(4),
+    ),
 ]
 REFERENCE_BACKEND = {"cpu": "gloo", "cuda": "nccl"}
 # generous: the compiled cases compile with inductor on a loaded 2-core machine

@@ -55,3 +55,30 @@ def test_distributed_suite_cpu(tmp_path: Path) -> None:
     ]
     assert not not_passed, "core tests that did not pass:\n  " + "\n  ".join(not_passed)
     assert proc.returncode == 0, output
+
+
+def test_stock_backend_runs_the_suite_unchanged(tmp_path: Path) -> None:
+    """--stock runs the selected tests on gloo itself (the CPU stock backend), so a test that
+    fails there too is told apart from a failure of fastcomm."""
+    summary_path = tmp_path / "summary.json"
+    cmd = [
+        sys.executable,
+        os.path.abspath(torch_suite.__file__),
+        "--device", "cpu",
+        "--stock",
+        "--start", "fork",
+        "-k", "test_all_reduce_sum",
+        "-k", "test_monitored_barrier_gloo",
+        "--json", str(summary_path),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False
+    )
+    output = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, output
+    summary = json.loads(summary_path.read_text())
+    assert summary["backend"] == "gloo", summary["backend"]
+    status = {t["test"]: t["status"] for t in summary["tests"]}
+    # gloo's own API runs here (it is not applicable to fastcomm)
+    assert status.get("test_monitored_barrier_gloo") == "passed", status
+    assert status.get("test_all_reduce_sum") == "passed", status

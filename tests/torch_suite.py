@@ -27,7 +27,9 @@ temporary directory (the suite's TEMP_DIR, barrier files and file:// rendezvous 
 no TCP port is shared); tests are handed to whichever worker is free. A worker that dies or
 exceeds the test timeout is replaced, and its test counted as failed. ``--start fork`` forks the
 ranks from the worker instead of spawning them (CPU only; a second a test instead of ~15 on two
-cores). Exit status: 0 when no test failed.
+cores). ``--stock`` runs the selected tests on the stock backend of the device instead (gloo on
+CPU, NCCL on CUDA), unchanged and without the not-applicable list: a test that fails there too
+fails on its own (or on this machine), not on fastcomm. Exit status: 0 when no test failed.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ PROFILING_LISTS = (
 #: Environment of the run, read by workers and by the ranks they spawn.
 DEVICE_ENV = "FASTCOMM_SUITE_DEVICE"
 START_ENV = "FASTCOMM_SUITE_START"
+STOCK_ENV = "FASTCOMM_SUITE_STOCK"  # "1": the stock backend of the device instead of fastcomm
 
 #: The class name under which the suite's tests are run (and unpickled in the spawned ranks).
 TEST_CLASS = "TestFastCommDist"
@@ -172,12 +175,20 @@ def _claim_features(device: str, backend: SuiteBackend) -> None:
         )
 
 
+def _stock() -> bool:
+    return os.environ.get(STOCK_ENV) == "1"
+
+
 def _load_suite(device: str) -> Any:
-    """distributed_test imported with its BACKEND bound to the SuiteBackend of `device`."""
+    """distributed_test imported with its BACKEND bound to the SuiteBackend of `device` (with
+    --stock: imported as it is, BACKEND naming the stock backend)."""
     if SUITE_MODULE in sys.modules:
         return sys.modules[SUITE_MODULE]
     import torch  # noqa: F401  (before torchext)
     import torch.distributed as dist
+
+    if _stock():
+        return importlib.import_module(SUITE_MODULE)
 
     import torchext  # noqa: F401  (registers the backend; also in every spawned rank)
 
@@ -589,6 +600,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=300.0,
         help="seconds one test may take (the suite's own limit; default 300)",
     )
+    p.add_argument(
+        "--stock",
+        action="store_true",
+        help="run on the stock backend of the device instead (gloo on cpu, nccl on cuda), "
+        "to tell a failure of the test itself from one of fastcomm",
+    )
     p.add_argument("--json", dest="json_path", help="write the summary as JSON here")
     p.add_argument(
         "--keep", metavar="DIR", help="keep the workers' logs and temporary files in DIR"
@@ -603,9 +620,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _suite_env(device: str, world: int, timeout: float, start: str) -> dict[str, str]:
+def _suite_env(device: str, world: int, timeout: float, start: str, stock: bool) -> dict[str, str]:
     env = {
-        "BACKEND": BACKEND_NAME,
+        "BACKEND": STANDS_FOR[device][0] if stock else BACKEND_NAME,
+        STOCK_ENV: "1" if stock else "0",
         "WORLD_SIZE": str(world),
         DEVICE_ENV: device,
         START_ENV: start,
@@ -629,7 +647,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.start == "fork" and args.device == "cuda":
         print("--start fork is for --device cpu (CUDA does not survive a fork)", file=sys.stderr)
         return 2
-    suite_env = _suite_env(args.device, world, args.timeout, args.start)
+    suite_env = _suite_env(args.device, world, args.timeout, args.start, args.stock)
     os.environ.update(suite_env)
     os.environ.setdefault("TEMP_DIR", tempfile.gettempdir())
 
@@ -646,7 +664,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"(listing as on a machine with {world} GPUs)")
         gpus = world
     selected = select(suite_test_names(), args.keywords, args.shard)
-    not_applicable = _not_applicable(args.device)
+    not_applicable = {} if args.stock else _not_applicable(args.device)
     outcomes: list[Outcome] = []
     to_run: list[str] = []
     for name in selected:
@@ -657,8 +675,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             outcomes.append(Outcome(name, SKIPPED, reason=why))
         else:
             to_run.append(name)
+    backend = os.environ["BACKEND"]
     print(
-        f"fastcomm on PyTorch's DistributedTest: torch {torch.__version__}, device "
+        f"{backend} on PyTorch's DistributedTest: torch {torch.__version__}, device "
         f"{args.device}, world {world}, {len(selected)} tests selected: {len(to_run)} to run, "
         f"{len(selected) - len(to_run)} skipped by the suite or not applicable",
         flush=True,
@@ -672,6 +691,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     env = dict(os.environ)  # with suite_env, set above
     meta = {
+        "backend": backend,
         "device": args.device,
         "world_size": world,
         "torch": torch.__version__,
@@ -735,7 +755,7 @@ def summarize(outcomes: Sequence[Outcome], meta: dict[str, Any], wall: float) ->
         for o in failed:
             print(f"  {o.test}: {o.reason}")
     print(
-        f"fastcomm on DistributedTest ({meta['device']}, world {meta['world_size']}, torch "
+        f"{meta['backend']} on DistributedTest ({meta['device']}, world {meta['world_size']}, torch "
         f"{meta['torch']}): {counts[PASSED]} passed, {counts[FAILED]} failed, "
         f"{counts[SKIPPED]} skipped, {counts[NOT_APPLICABLE]} not applicable in "
         f"{wall / 60:.1f} min"

@@ -183,7 +183,7 @@ DevicePath::WorkPtr HostPath::runP2P(const OpCall& call, SerialLane& lane, const
                                      int peer, P2PBody body, const Staged& staged) {
   g_.checkUsable();
   if (staged) {
-    body = [staged, body = std::move(body)](HostComm& comm, const OpContext& ctx, HostWork& work) {
+    body = [staged, body = std::move(body)](HostComm* comm, const OpContext& ctx, HostWork& work) {
       staged->waitForInputs(ctx);
       body(comm, ctx, work);
       staged->copyOutputsBack(ctx);
@@ -199,8 +199,10 @@ DevicePath::WorkPtr HostPath::runP2P(const OpCall& call, SerialLane& lane, const
   g_.stats.addCall(call.name, static_cast<uint64_t>(call.bytes));
   // The host communicator (shm segment, transports) is created by the host
   // lane (a collective step); wait for it there so point-to-point lanes never
-  // race its creation.
-  if (!comm_) {
+  // race its creation. A message to the rank itself needs none: it must not
+  // wait for ranks that take no part in it.
+  const bool toSelf = peer == g_.rank;
+  if (!toSelf && !comm_) {
     std::lock_guard<std::mutex> lock(commInitMu_);
     if (!comm_) {
       auto ready = std::make_shared<std::promise<void>>();
@@ -216,9 +218,10 @@ DevicePath::WorkPtr HostPath::runP2P(const OpCall& call, SerialLane& lane, const
       done.get();
     }
   }
-  auto job = [this, work, ctx, trace, body = std::move(body)] {
-    completeOrFail(g_, *work, trace,
-                   [&] { timed(g_, ctx.name, [&] { body(*comm_, ctx, *work); }); });
+  auto job = [this, work, ctx, trace, toSelf, body = std::move(body)] {
+    completeOrFail(g_, *work, trace, [&] {
+      timed(g_, ctx.name, [&] { body(toSelf ? nullptr : comm_.get(), ctx, *work); });
+    });
   };
   g_.block.issueOrDefer(work, [lane = &lane, job = std::move(job)] { lane->submit(job); });
   return work;
@@ -466,13 +469,13 @@ DevicePath::WorkPtr HostPath::send(const OpCall& call, const at::Tensor& tensor,
     // the send completed, before the receive ran.
     return runP2P(
         call, p2pLane(peer, true), tensor, peer,
-        [this, src, tag](HostComm&, const OpContext&, HostWork&) { postToSelf(tag, src.clone()); },
+        [this, src, tag](HostComm*, const OpContext&, HostWork&) { postToSelf(tag, src.clone()); },
         staged);
   }
   return runP2P(
       call, p2pLane(peer, true), tensor, peer,
-      [src, peer, tag](HostComm& comm, const OpContext& ctx, HostWork&) {
-        comm.send(src.data_ptr(), nbytes(src), peer, tag, ctx);
+      [src, peer, tag](HostComm* comm, const OpContext& ctx, HostWork&) {
+        comm->send(src.data_ptr(), nbytes(src), peer, tag, ctx);
       },
       staged);
 }
@@ -483,7 +486,7 @@ DevicePath::WorkPtr HostPath::recv(const OpCall& call, const at::Tensor& tensor,
   if (peer == g_.rank) {
     return runP2P(
         call, p2pLane(peer, false), tensor, peer,
-        [this, c, tag](HostComm&, const OpContext& ctx, HostWork& work) {
+        [this, c, tag](HostComm*, const OpContext& ctx, HostWork& work) {
           const at::Tensor message = takeFromSelf(tag, ctx);
           if (message.nbytes() != c.work.nbytes()) {
             throwCommError("fastcomm: " + ctx.describe() + ": this rank sent itself " +
@@ -499,8 +502,8 @@ DevicePath::WorkPtr HostPath::recv(const OpCall& call, const at::Tensor& tensor,
   }
   return runP2P(
       call, p2pLane(peer, false), tensor, peer,
-      [c, peer, tag](HostComm& comm, const OpContext& ctx, HostWork& work) {
-        comm.recv(c.work.data_ptr(), nbytes(c.work), peer, tag, ctx);
+      [c, peer, tag](HostComm* comm, const OpContext& ctx, HostWork& work) {
+        comm->recv(c.work.data_ptr(), nbytes(c.work), peer, tag, ctx);
         c.finish();
         work.setSourceRank(peer);
       },
@@ -512,8 +515,8 @@ DevicePath::WorkPtr HostPath::recvAny(const OpCall& call, const at::Tensor& tens
   // Own lane: it must not queue behind a blocked recv from one particular peer.
   return runP2P(
       call, p2pLane(-1, false), tensor, -1,
-      [c, tag](HostComm& comm, const OpContext& ctx, HostWork& work) {
-        const int src = comm.recvAny(c.work.data_ptr(), nbytes(c.work), tag, ctx);
+      [c, tag](HostComm* comm, const OpContext& ctx, HostWork& work) {
+        const int src = comm->recvAny(c.work.data_ptr(), nbytes(c.work), tag, ctx);
         c.finish();
         work.setSourceRank(src);
       },

@@ -122,7 +122,8 @@ class HostPath : public DevicePath {
 
  private:
   using Body = std::function<void(HostComm&, const OpContext&)>;
-  using P2PBody = std::function<void(HostComm&, const OpContext&, HostWork&)>;
+  // `comm` is null for a message to the rank itself.
+  using P2PBody = std::function<void(HostComm*, const OpContext&, HostWork&)>;
 
   // Runs `body` on the host lane and returns its work.
   WorkPtr run(const OpCall& call, const Tensors& inputs, Tensors outputs, const OpSignature& sig,

@@ -329,7 +329,7 @@ void CudaCollectives::Impl::shutdown() {
     } else {
       // Let queued collectives finish, then release the communicator.
       C10_CUDA_CHECK_WARN(cudaStreamSynchronize(stream_->stream()));
-      ncclCommDestroy(comm_);
+      ncclRelease(comm_);
     }
     comm_ = nullptr;
   }

@@ -32,7 +32,7 @@ Tensors realViews(const Tensors& tensors) {
 
 // ---- NcclPath ----------------------------------------------------------------
 
-NcclPath::NcclPath(GroupState& group) : g_(group) {}
+NcclPath::NcclPath(GroupState& group, HostPath& host) : g_(group), host_(host) {}
 
 NcclPath::~NcclPath() { shutdown(); }
 
@@ -162,13 +162,17 @@ DevicePath::WorkPtr NcclPath::alltoall(const OpCall& call, const Tensors& output
   return g_.block.remember(cc.alltoall(outputs, inputs, sendCounts, recvCounts, i));
 }
 
-DevicePath::WorkPtr NcclPath::send(const OpCall& call, const at::Tensor& tensor, int peer, int) {
+DevicePath::WorkPtr NcclPath::send(const OpCall& call, const at::Tensor& tensor, int peer,
+                                   int tag) {
+  if (peer == g_.rank) return host_.send(call, tensor, peer, tag, stage(call.name, {tensor}, {}));
   auto& cc = comm(tensor.device(), call.name);
   const auto i = info(call, g_.p2pSeq, {tensor}, {}, -1, -1, peer);
   return g_.block.remember(cc.send(tensor, peer, i));
 }
 
-DevicePath::WorkPtr NcclPath::recv(const OpCall& call, const at::Tensor& tensor, int peer, int) {
+DevicePath::WorkPtr NcclPath::recv(const OpCall& call, const at::Tensor& tensor, int peer,
+                                   int tag) {
+  if (peer == g_.rank) return host_.recv(call, tensor, peer, tag, stage(call.name, {}, {tensor}));
   auto& cc = comm(tensor.device(), call.name);
   const auto i = info(call, g_.p2pSeq, {}, {tensor}, -1, -1, peer);
   return g_.block.remember(cc.recv(tensor, peer, i));
@@ -217,7 +221,7 @@ void NcclPath::abort() {
 
 // ---- HostStagedPath ----------------------------------------------------------
 
-HostStagedPath::HostStagedPath(GroupState& group, HostPath& host) : NcclPath(group), host_(host) {}
+HostStagedPath::HostStagedPath(GroupState& group, HostPath& host) : NcclPath(group, host) {}
 
 std::string HostStagedPath::describe() const {
   return "across nodes staged through host memory and run by the hierarchical host plan "
@@ -225,8 +229,7 @@ std::string HostStagedPath::describe() const {
          "transport";
 }
 
-HostPath::Staged HostStagedPath::stage(const char* op, const Tensors& inputs,
-                                       const Tensors& outputs) {
+HostPath::Staged NcclPath::stage(const char* op, const Tensors& inputs, const Tensors& outputs) {
   g_.checkUsable();
   auto staging = HostStaging::begin(op, inputs, outputs);
   int64_t bytes = 0;
@@ -299,7 +302,7 @@ DevicePath::WorkPtr HostStagedPath::recv(const OpCall& call, const at::Tensor& t
 std::unique_ptr<DevicePath> makeCudaPath(GroupState& group, HostPath& host) {
   if (group.topo.numNodes() > 1 && group.cfg.cudaInterHost)
     return std::make_unique<HostStagedPath>(group, host);
-  return std::make_unique<NcclPath>(group);
+  return std::make_unique<NcclPath>(group, host);
 }
 
 }  // namespace fastcomm

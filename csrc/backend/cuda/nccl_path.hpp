@@ -4,7 +4,10 @@
 // (CudaCollectives: ProcessGroupNCCL's stream semantics, the watchdog, large
 // all_reduces across nodes on the staged multi-node pipeline). The
 // communicator is created by the first CUDA collective, which knows the
-// device, or by connect() when init_process_group binds a device_id.
+// device, or by connect() when init_process_group binds a device_id. A rank's
+// sends to itself never touch NCCL: creating the communicator needs every
+// rank, and batch_isend_irecv may pair a rank with itself alone. They pass
+// through HostPath's mailbox, staged in host memory.
 //
 // HostStagedPath (FASTCOMM_CUDA_INTER=host, several nodes) stages the CUDA
 // tensors of every collective but all_reduce through pinned host memory
@@ -24,7 +27,7 @@ namespace fastcomm {
 
 class NcclPath : public DevicePath {
  public:
-  explicit NcclPath(GroupState& group);
+  NcclPath(GroupState& group, HostPath& host);
   ~NcclPath() override;
 
   std::string describe() const override;
@@ -59,7 +62,12 @@ class NcclPath : public DevicePath {
   void abort() override;
 
  protected:
+  // Starts copying `inputs` into their host mirrors; `outputs` are copied
+  // back when the host body is done.
+  HostPath::Staged stage(const char* op, const Tensors& inputs, const Tensors& outputs);
+
   GroupState& g_;
+  HostPath& host_;
 
  private:
   // The communicator on `device`, created at its first use; `op` names the
@@ -100,13 +108,6 @@ class HostStagedPath : public NcclPath {
                    const std::vector<int64_t>& recvCounts) override;
   WorkPtr send(const OpCall& call, const at::Tensor& tensor, int peer, int tag) override;
   WorkPtr recv(const OpCall& call, const at::Tensor& tensor, int peer, int tag) override;
-
- private:
-  // Starts copying `inputs` into their host mirrors; `outputs` are copied
-  // back when the host body is done.
-  HostPath::Staged stage(const char* op, const Tensors& inputs, const Tensors& outputs);
-
-  HostPath& host_;
 };
 
 // The CUDA path of a group: HostStagedPath across nodes with

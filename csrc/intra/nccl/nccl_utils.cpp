@@ -115,6 +115,10 @@ ncclComm_t ncclCommFromStore(const c10::intrusive_ptr<c10d::Store>& store,
   return comm;
 }
 
+void ncclRelease(ncclComm_t comm) {
+  if (comm != nullptr) ncclCommAbort(comm);
+}
+
 void ncclAbortAll(const std::vector<ncclComm_t>& comms) {
   std::vector<std::thread> aborters;
   for (ncclComm_t c : comms) {

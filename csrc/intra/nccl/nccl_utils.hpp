@@ -40,6 +40,13 @@ ncclRedOp_t ncclRedOp(RedOp op, at::ScalarType t, NcclAvg avg = NcclAvg::Native)
 // set, every stuck kernel returns, and all the waits end.
 void ncclAbortAll(const std::vector<ncclComm_t>& comms);
 
+// Frees a communicator whose work has finished, without its peers.
+// ncclCommDestroy is an intra-node collective, while torch tears a process's
+// groups down in an order of its own, which can differ between ranks (it sorts
+// by group name): a rank destroying group A while its peer destroys group B
+// would wait forever. ncclCommAbort frees the same resources locally.
+void ncclRelease(ncclComm_t comm);
+
 // Creates a communicator of `nranks` ranks (this one being `rank`) from a
 // unique id that rank 0 publishes under `prefix` + "uid". Each of
 // `readyRanks` (group ranks) announces itself under `prefix` + "ready/<r>"

@@ -565,7 +565,7 @@ void CudaHier::shutdown(cudaStream_t stream, bool failed) {
     if (failed) {
       ncclCommAbort(intra_);
     } else {
-      ncclCommDestroy(intra_);
+      ncclRelease(intra_);  // its stream drained above
     }
     intra_ = nullptr;
   }
