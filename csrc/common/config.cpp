@@ -162,10 +162,12 @@ const std::vector<Setting>& settings() {
     v.push_back(choice("FASTCOMM_TRANSPORT", A, &Config::transport, {"auto", "ib", "tcp"}, "auto",
                        "inter-node transport: `auto` (`ib` when every rank has a usable RDMA "
                        "device, else `tcp`), `ib`, `tcp`"));
-    v.push_back(choice("FASTCOMM_WIRE_DTYPE", A, &Config::wireDtype, {"none", "bf16", "fp16"},
-                       "none",
-                       "`bf16` / `fp16`: float32 SUM/AVG cross nodes in 16 bits, accumulated in "
-                       "float32"));
+    v.push_back(choice("FASTCOMM_WIRE_DTYPE", A, &Config::wireDtype,
+                       {"none", "bf16", "fp16", "int8", "fp8"}, "none",
+                       "float32 SUM/AVG cross nodes coded, accumulated in float32: `bf16` rounds "
+                       "each value; `fp16`, `int8`, `fp8` (e4m3) code blocks of 256 values with a "
+                       "power-of-two scale each (CPU tensors; the CUDA path takes `bf16` and "
+                       "unscaled `fp16`)"));
     v.push_back(bytes("FASTCOMM_CHUNK_BYTES", A, &Config::chunkBytes, "1M",
                       "pipeline chunk of the host plans and shared memory, per rank and step "
                       "(K/M/G suffixes)"));

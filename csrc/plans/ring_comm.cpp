@@ -14,11 +14,7 @@ constexpr auto kProgressSleep = std::chrono::microseconds(200);
 
 int mod(int a, int n) { return ((a % n) + n) % n; }
 
-at::ScalarType wireType(WireDtype w) { return w == WireDtype::BF16 ? at::kBFloat16 : at::kHalf; }
-
-at::Tensor view(void* p, int64_t n, at::ScalarType t) {
-  return at::from_blob(p, {n}, at::TensorOptions().dtype(t).device(at::kCPU));
-}
+float* floats(char* p) { return reinterpret_cast<float*>(p); }
 
 // Thrown inside the pipelines, turned into the user-facing error by named(),
 // which knows how to ask why a peer is missing.
@@ -39,12 +35,6 @@ bool done(std::unique_ptr<transport::Request>& r) {
 }
 
 }  // namespace
-
-WireDtype parseWireDtype(const std::string& name) {
-  if (name == "bf16") return WireDtype::BF16;
-  if (name == "fp16") return WireDtype::FP16;
-  return WireDtype::None;
-}
 
 RingComm::RingComm(transport::Transport& transport, std::vector<int> members, int me,
                    std::vector<transport::Connection*> conns, int64_t chunkBytes, WireDtype wire)
@@ -76,7 +66,8 @@ void RingComm::named(const OpContext& ctx, Fn fn) {
 }
 
 bool RingComm::useWire(at::ScalarType dt, RedOp op) const {
-  return wire_ != WireDtype::None && dt == at::kFloat && (op == RedOp::Sum || op == RedOp::Avg);
+  return wire_.dtype() != WireDtype::None && dt == at::kFloat &&
+         (op == RedOp::Sum || op == RedOp::Avg);
 }
 
 char* RingComm::scratch(int64_t bytes) {
@@ -93,11 +84,10 @@ struct Piece {
   int64_t off = 0, len = 0;  // elements within the data buffer
 };
 
-template <typename PieceOf, typename Prepare, typename Process>
+template <typename PieceOf, typename BytesOf, typename Prepare, typename Process>
 void ringPipeline(transport::Transport& transport, transport::Connection* left,
                   transport::Connection* right, int steps, int64_t K, PieceOf pieceOf,
-                  int64_t sendPieceBytes, int64_t recvPieceBytes, Prepare prepare, Process process,
-                  const OpContext& ctx) {
+                  BytesOf bytesOf, Prepare prepare, Process process, const OpContext& ctx) {
   const int64_t total = static_cast<int64_t>(steps) * K;
   std::vector<std::unique_ptr<transport::Request>> sends(kWindow), recvs(kWindow);
   int64_t sendPosted = 0, sendDone = 0, recvPosted = 0, processed = 0;
@@ -116,7 +106,7 @@ void ringPipeline(transport::Transport& transport, transport::Connection* left,
       std::unique_ptr<transport::Request> req;
       if (p.len > 0) {
         const void* src = prepare(p, sendPosted % kWindow);
-        req = right->isend(src, p.len * sendPieceBytes, nullptr);
+        req = right->isend(src, bytesOf(p.len), nullptr);
         if (!req) break;  // retry later
       }
       sends[sendPosted % kWindow] = std::move(req);
@@ -130,7 +120,7 @@ void ringPipeline(transport::Transport& transport, transport::Connection* left,
       std::unique_ptr<transport::Request> req;
       if (p.len > 0) {
         void* dst = process(p, recvPosted % kWindow, /*postOnly=*/true);
-        req = left->irecv(dst, p.len * recvPieceBytes, nullptr);
+        req = left->irecv(dst, bytesOf(p.len), nullptr);
         if (!req) break;
       }
       recvs[recvPosted % kWindow] = std::move(req);
@@ -163,7 +153,6 @@ void RingComm::phase(char* data, const Blocks& b, at::ScalarType dt, RedOp op, b
   const int n = size(), r = me_;
   if (n == 1) return;
   const int64_t esize = static_cast<int64_t>(c10::elementSize(dt));
-  const int64_t wsize = wire ? 2 : esize;
   const int64_t maxLen = *std::max_element(b.len.begin(), b.len.end());
   const int64_t pieceElems = std::max<int64_t>(1, chunkBytes_ / esize);
   const int64_t K = std::max<int64_t>(1, (maxLen + pieceElems - 1) / pieceElems);
@@ -178,40 +167,47 @@ void RingComm::phase(char* data, const Blocks& b, at::ScalarType dt, RedOp op, b
     p.len = std::max<int64_t>(0, std::min(pieceElems, b.len[blk] - j * pieceElems));
     return p;
   };
+  auto bytesOf = [&](int64_t len) { return wire ? wire_.bytes(len) : len * esize; };
   // Received pieces land in staging slots unless an all-gather can take them
-  // in place; 16-bit wire pieces are staged both ways.
+  // in place; coded pieces are staged both ways.
   const bool stageRecv = reduce || wire;
-  char* recvSlots = scratch(kWindow * pieceElems * wsize * ((stageRecv ? 1 : 0) + (wire ? 1 : 0)));
-  char* sendSlots = recvSlots + (stageRecv ? kWindow * pieceElems * wsize : 0);
+  const int64_t slotBytes = bytesOf(pieceElems);
+  char* recvSlots = scratch(kWindow * slotBytes * ((stageRecv ? 1 : 0) + (wire ? 1 : 0)));
+  char* sendSlots = recvSlots + (stageRecv ? kWindow * slotBytes : 0);
   auto prepare = [&](const Piece& p, int64_t slot) -> const void* {
     if (!wire) return data + p.off * esize;
-    char* s = sendSlots + slot * pieceElems * wsize;
-    view(s, p.len, wireType(wire_)).copy_(view(data + p.off * esize, p.len, dt));
+    char* s = sendSlots + slot * slotBytes;
+    wire_.encode(floats(data) + p.off, p.len, s);
     return s;
   };
   auto process = [&](const Piece& p, int64_t slot, bool postOnly) -> void* {
     char* d = data + p.off * esize;
     if (!stageRecv) return d;  // all-gather: received in place
-    char* s = recvSlots + slot * pieceElems * wsize;
+    char* s = recvSlots + slot * slotBytes;
     if (postOnly) return s;
     if (!reduce) {
-      view(d, p.len, dt).copy_(view(s, p.len, wireType(wire_)));
+      wire_.decode(s, p.len, floats(d));
     } else if (wire) {
-      view(d, p.len, dt).add_(view(s, p.len, wireType(wire_)));
+      wire_.decodeAdd(s, p.len, floats(d));
     } else {
       const void* ins[2] = {d, s};
       reduceInto(d, ins, 2, p.len, dt, op, 1);
     }
     return nullptr;
   };
-  ringPipeline(transport_, conns_[mod(r - 1, n)], conns_[mod(r + 1, n)], n - 1, K, pieceOf, wsize,
-               wsize, prepare, process, ctx);
-  if (reduce && wire && b.len[r] > 0) {
-    // Round this rank's finished block as the wire will, so every rank ends
-    // with the same values.
-    auto mine = view(data + b.off[r] * esize, b.len[r], dt);
-    mine.copy_(mine.to(wireType(wire_)));
+  if (reduce && wire) {
+    // After the pass, this rank rounds its finished block as the wire will:
+    // in the pieces the all-gather sends, as a scale covers a block of a piece.
+    ringPipeline(transport_, conns_[mod(r - 1, n)], conns_[mod(r + 1, n)], n - 1, K, pieceOf,
+                 bytesOf, prepare, process, ctx);
+    for (int64_t j = 0; j * pieceElems < b.len[r]; ++j) {
+      const int64_t len = std::min(pieceElems, b.len[r] - j * pieceElems);
+      wire_.round(floats(data) + b.off[r] + j * pieceElems, len, sendSlots);
+    }
+    return;
   }
+  ringPipeline(transport_, conns_[mod(r - 1, n)], conns_[mod(r + 1, n)], n - 1, K, pieceOf, bytesOf,
+               prepare, process, ctx);
 }
 
 void RingComm::allreduce(void* data, int64_t count, at::ScalarType dt, RedOp op,
@@ -262,22 +258,21 @@ void RingComm::allreduceSmall(void* data, int64_t count, at::ScalarType dt, RedO
   const int extra = n - p2;  // members p2.. fold into members 0..extra-1 first
   const bool wire = useWire(dt, op);
   const int64_t esize = static_cast<int64_t>(c10::elementSize(dt));
-  const int64_t wsize = wire ? 2 : esize;
+  const int64_t wbytes = wire ? wire_.bytes(count) : count * esize;
   char* d = static_cast<char*>(data);
-  char* mineW = scratch(2 * count * wsize);  // this rank's data as sent (wire only)
-  char* theirs = mineW + count * wsize;
+  char* mineW = scratch(2 * wbytes);  // this rank's data as sent (wire only)
+  char* theirs = mineW + wbytes;
   auto outgoing = [&]() -> const void* {
     if (!wire) return d;
-    view(mineW, count, wireType(wire_)).copy_(view(d, count, dt));
+    wire_.encode(floats(d), count, mineW);
     return mineW;
   };
   // Both partners compute op(mine, theirs) from the same two operands (with a
-  // 16-bit wire: both rounded), and the ops commute, so they end bit-identical.
+  // wire: both coded), and the ops commute, so they end bit-identical.
   auto combine = [&] {
     if (wire) {
-      auto mine = view(d, count, dt);
-      mine.copy_(view(mineW, count, wireType(wire_)));
-      mine.add_(view(theirs, count, wireType(wire_)));
+      wire_.decode(mineW, count, floats(d));
+      wire_.decodeAdd(theirs, count, floats(d));
     } else {
       const void* ins[2] = {d, theirs};
       reduceInto(d, ins, 2, count, dt, op, 1);
@@ -285,27 +280,24 @@ void RingComm::allreduceSmall(void* data, int64_t count, at::ScalarType dt, RedO
   };
   named(ctx, [&] {
     if (me_ >= p2) {
-      exchange(me_ - p2, outgoing(), nullptr, count * wsize, ctx);
-      exchange(me_ - p2, nullptr, wire ? theirs : d, count * wsize, ctx);
-      if (wire) view(d, count, dt).copy_(view(theirs, count, wireType(wire_)));
+      exchange(me_ - p2, outgoing(), nullptr, wbytes, ctx);
+      exchange(me_ - p2, nullptr, wire ? theirs : d, wbytes, ctx);
+      if (wire) wire_.decode(theirs, count, floats(d));
       return;
     }
     if (me_ < extra) {
-      exchange(me_ + p2, nullptr, theirs, count * wsize, ctx);
+      exchange(me_ + p2, nullptr, theirs, wbytes, ctx);
       if (wire) outgoing();
       combine();
     }
     for (int mask = 1; mask < p2; mask <<= 1) {
-      exchange(me_ ^ mask, outgoing(), theirs, count * wsize, ctx);
+      exchange(me_ ^ mask, outgoing(), theirs, wbytes, ctx);
       combine();
     }
-    if (wire) {
-      // Round the result as the wire would, so the folded members, which
-      // receive it in 16 bits, hold the same values.
-      auto mine = view(d, count, dt);
-      mine.copy_(mine.to(wireType(wire_)));
-    }
-    if (me_ < extra) exchange(me_ + p2, outgoing(), nullptr, count * wsize, ctx);
+    // Round the result as the wire would, so the folded members, which
+    // receive it coded, hold the same values.
+    if (wire) wire_.round(floats(d), count, mineW);
+    if (me_ < extra) exchange(me_ + p2, outgoing(), nullptr, wbytes, ctx);
   });
 }
 

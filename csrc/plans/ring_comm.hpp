@@ -6,10 +6,10 @@
 // Every block moves in pieces of about FASTCOMM_CHUNK_BYTES, and a piece goes
 // on to the next step as soon as it is reduced, so receiving piece j+1,
 // reducing piece j and sending piece j-1 of the next step overlap (NCCL's
-// ring pipeline). With a 16-bit wire dtype, float32 sums travel as bf16/fp16
-// and are accumulated in float32; each block's owner rounds its finished
-// block the same way before the all-gather, so every rank ends with
-// bit-identical values.
+// ring pipeline). With a wire dtype (plans/wire_codec.hpp), float32 sums
+// travel coded and are accumulated in float32; each block's owner rounds its
+// finished block the same way, piece by piece as the all-gather sends it, so
+// every rank ends with bit-identical values.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -23,11 +23,9 @@
 #include "common/deadline.hpp"
 #include "common/reduce.hpp"
 #include "inter/transport.hpp"
+#include "plans/wire_codec.hpp"
 
 namespace fastcomm {
-
-enum class WireDtype { None, BF16, FP16 };
-WireDtype parseWireDtype(const std::string& name);
 
 class RingComm {
  public:
@@ -87,7 +85,7 @@ class RingComm {
   int me_;
   std::vector<transport::Connection*> conns_;
   int64_t chunkBytes_;
-  WireDtype wire_;
+  WireCodec wire_;
   std::vector<char> scratch_;
   std::function<std::string(int)> peerReason_;
 };

@@ -124,6 +124,9 @@ StagedRail::StagedRail(StagedDevice& device, std::vector<int> railRanks, int me,
   const int rails = static_cast<int>(railRanks_.size());
   TORCH_CHECK(rails >= 2 && me_ >= 0 && me_ < rails && railRanks_[me_] == groupRank_,
               "fastcomm: internal: bad rail");
+  TORCH_CHECK(wire_ == WireDtype::None || wire_ == WireDtype::BF16 || wire_ == WireDtype::FP16,
+              "fastcomm: FASTCOMM_WIRE_DTYPE int8 and fp8 code CPU tensors only; the multi-node "
+              "all_reduce of CUDA tensors takes none, bf16 or fp16");
   TORCH_CHECK(window_ >= kCudaWindowMin && window_ <= kCudaWindowMax && lag_ >= 1,
               "fastcomm: internal: staged window ", window_, " or lag ", lag_, " out of range");
   for (int j = 0; j < rails - 1; ++j) peers_.push_back(railRanks_[peerNode(j, me_)]);

@@ -128,8 +128,9 @@
 #include "common/config.hpp"
 #include "common/deadline.hpp"
 #include "common/reduce.hpp"
-#include "plans/ring_comm.hpp"
 #include "inter/transport.hpp"
+#include "plans/ring_comm.hpp"
+#include "plans/wire_codec.hpp"
 #include "kernels/staged_layout.hpp"
 
 namespace fastcomm {

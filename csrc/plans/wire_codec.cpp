@@ -1,0 +1,236 @@
+#include "plans/wire_codec.hpp"
+
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace fastcomm {
+namespace {
+
+int64_t blocksOf(int64_t n) { return (n + kWireBlock - 1) / kWireBlock; }
+
+// The scaled codes: the largest magnitude each holds, and its conversions.
+struct HalfCode {
+  using T = uint16_t;
+  static constexpr float kMax = 65504.0f;
+  static T to(float v) { return c10::Half(v).x; }
+  static float from(T c) { return c10::detail::fp16_ieee_to_fp32_value(c); }
+};
+
+struct Int8Code {
+  using T = int8_t;
+  static constexpr float kMax = 127.0f;
+  static T to(float v) { return static_cast<T>(std::nearbyint(v)); }
+  static float from(T c) { return static_cast<float>(c); }
+};
+
+struct Fp8Code {
+  using T = uint8_t;
+  static constexpr float kMax = 448.0f;  // e4m3fn's largest finite value
+  static T to(float v) { return c10::Float8_e4m3fn(v).x; }
+  static float from(T c) {
+    static const std::array<float, 256> table = [] {
+      std::array<float, 256> t{};
+      for (int i = 0; i < 256; ++i)
+        t[i] = static_cast<float>(
+            c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+      return t;
+    }();
+    return table[c];
+  }
+};
+
+// The smallest e with amax <= kMax * 2^e (at least float's smallest normal
+// exponent, so that 2^-e stays finite).
+int scaleExponent(float amax, float kMax) {
+  constexpr int kMinExp = std::numeric_limits<float>::min_exponent - 1;  // -126
+  if (!(amax > 0.0f)) return kMinExp;
+  int e = 0;
+  if (std::frexp(static_cast<double>(amax) / kMax, &e) == 0.5) --e;
+  while (std::ldexp(static_cast<double>(kMax), e) < amax) ++e;
+  return std::max(e, kMinExp);
+}
+
+// fp16 conversions go through ATen's vectorized copy (a scalar conversion is
+// several times slower than the network): the scaled values are staged here.
+float* staging(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
+at::Tensor flat(const void* p, int64_t n, at::ScalarType t) {
+  return at::from_blob(const_cast<void*>(p), {n}, at::TensorOptions().dtype(t));
+}
+
+template <typename C>
+void encodeScaled(const float* src, int64_t n, char* dst) {
+  const int64_t nb = blocksOf(n);
+  auto* codes = reinterpret_cast<typename C::T*>(dst + nb * sizeof(float));
+  constexpr bool kBulk = std::is_same_v<C, HalfCode>;
+  float* scaled = kBulk ? staging(n) : nullptr;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t lo = b * kWireBlock, m = std::min(kWireBlock, n - lo);
+    const float* x = src + lo;
+    float amax = 0.0f, poison = 0.0f;  // poison: NaN iff the block holds inf or NaN
+    for (int64_t i = 0; i < m; ++i) {
+      const float a = std::fabs(x[i]);
+      amax = a > amax ? a : amax;
+      poison += x[i] * 0.0f;
+    }
+    float scale;
+    if (std::isnan(poison)) {
+      scale = std::numeric_limits<float>::quiet_NaN();
+      if constexpr (kBulk) {
+        std::fill(scaled + lo, scaled + lo + m, 0.0f);
+      } else {
+        std::memset(codes + lo, 0, m * sizeof(typename C::T));
+      }
+    } else {
+      const int e = scaleExponent(amax, C::kMax);
+      scale = std::ldexp(1.0f, e);
+      const float inv = std::ldexp(1.0f, -e);
+      if constexpr (kBulk) {
+        for (int64_t i = 0; i < m; ++i) scaled[lo + i] = x[i] * inv;
+      } else {
+        for (int64_t i = 0; i < m; ++i) codes[lo + i] = C::to(x[i] * inv);
+      }
+    }
+    std::memcpy(dst + b * sizeof(float), &scale, sizeof(float));
+  }
+  if constexpr (kBulk) flat(codes, n, at::kHalf).copy_(flat(scaled, n, at::kFloat));
+}
+
+template <typename C, bool kAdd>
+void decodeScaled(const char* src, int64_t n, float* dst) {
+  const int64_t nb = blocksOf(n);
+  const auto* codes = reinterpret_cast<const typename C::T*>(src + nb * sizeof(float));
+  constexpr bool kBulk = std::is_same_v<C, HalfCode>;
+  float* unscaled = nullptr;
+  if constexpr (kBulk) {
+    unscaled = staging(n);
+    flat(unscaled, n, at::kFloat).copy_(flat(codes, n, at::kHalf));
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t lo = b * kWireBlock, m = std::min(kWireBlock, n - lo);
+    float scale;
+    std::memcpy(&scale, src + b * sizeof(float), sizeof(float));
+    float* y = dst + lo;
+    const typename C::T* c = codes + lo;
+    for (int64_t i = 0; i < m; ++i) {
+      float v;
+      if constexpr (kBulk) {
+        v = unscaled[lo + i] * scale;
+      } else {
+        v = C::from(c[i]) * scale;
+      }
+      if constexpr (kAdd) {
+        y[i] += v;
+      } else {
+        y[i] = v;
+      }
+    }
+  }
+}
+
+void encodeBf16(const float* src, int64_t n, char* dst) {
+  flat(dst, n, at::kBFloat16).copy_(flat(src, n, at::kFloat));
+}
+
+template <bool kAdd>
+void decodeBf16(const char* src, int64_t n, float* dst) {
+  const auto* in = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = c10::detail::f32_from_bits(in[i]);
+    if constexpr (kAdd) {
+      dst[i] += v;
+    } else {
+      dst[i] = v;
+    }
+  }
+}
+
+template <bool kAdd>
+void decodeAny(WireDtype wire, const void* src, int64_t n, float* dst) {
+  const char* s = static_cast<const char*>(src);
+  switch (wire) {
+    case WireDtype::BF16:
+      return decodeBf16<kAdd>(s, n, dst);
+    case WireDtype::FP16:
+      return decodeScaled<HalfCode, kAdd>(s, n, dst);
+    case WireDtype::INT8:
+      return decodeScaled<Int8Code, kAdd>(s, n, dst);
+    case WireDtype::FP8:
+      return decodeScaled<Fp8Code, kAdd>(s, n, dst);
+    case WireDtype::None:
+      break;
+  }
+  TORCH_INTERNAL_ASSERT(false, "fastcomm: no codec for wire dtype none");
+}
+
+}  // namespace
+
+WireDtype parseWireDtype(const std::string& name) {
+  if (name == "bf16") return WireDtype::BF16;
+  if (name == "fp16") return WireDtype::FP16;
+  if (name == "int8") return WireDtype::INT8;
+  if (name == "fp8") return WireDtype::FP8;
+  return WireDtype::None;
+}
+
+int64_t WireCodec::bytes(int64_t n) const {
+  switch (wire_) {
+    case WireDtype::BF16:
+      return 2 * n;
+    case WireDtype::FP16:
+      return blocksOf(n) * static_cast<int64_t>(sizeof(float)) + 2 * n;
+    case WireDtype::INT8:
+    case WireDtype::FP8:
+      return blocksOf(n) * static_cast<int64_t>(sizeof(float)) + n;
+    case WireDtype::None:
+      break;
+  }
+  return 4 * n;
+}
+
+void WireCodec::encode(const float* src, int64_t n, void* dst) const {
+  char* d = static_cast<char*>(dst);
+  switch (wire_) {
+    case WireDtype::BF16:
+      return encodeBf16(src, n, d);
+    case WireDtype::FP16:
+      return encodeScaled<HalfCode>(src, n, d);
+    case WireDtype::INT8:
+      return encodeScaled<Int8Code>(src, n, d);
+    case WireDtype::FP8:
+      return encodeScaled<Fp8Code>(src, n, d);
+    case WireDtype::None:
+      break;
+  }
+  TORCH_INTERNAL_ASSERT(false, "fastcomm: no codec for wire dtype none");
+}
+
+void WireCodec::decode(const void* src, int64_t n, float* dst) const {
+  decodeAny<false>(wire_, src, n, dst);
+}
+
+void WireCodec::decodeAdd(const void* src, int64_t n, float* dst) const {
+  decodeAny<true>(wire_, src, n, dst);
+}
+
+void WireCodec::round(float* data, int64_t n, void* scratch) const {
+  encode(data, n, scratch);
+  decode(scratch, n, data);
+}
+
+}  // namespace fastcomm
