@@ -653,31 +653,41 @@ def summarize(rows: Sequence[Row], series: Sequence[str]) -> list[dict[str, Any]
                     "max_latency_diff_size": worst_lat and worst_lat[1],
                     "busbw_size_min": min((sz for _, sz in bw), default=None),
                     "busbw_size_max": max((sz for _, sz in bw), default=None),
+                    "latency_size_min": min((sz for _, sz in lat), default=None),
+                    "latency_size_max": max((sz for _, sz in lat), default=None),
+                    "size_min": min((s for s, _, _ in both), default=None),
+                    "size_max": max((s for s, _, _ in both), default=None),
                 }
             )
     return out
 
 
 def summary_text(item: dict[str, Any]) -> str:
-    """One summary line of `summarize`."""
+    """One summary line of `summarize`: every figure names the sizes it was taken over, those
+    measured (not the ranges BW_RANGE and LATENCY_BELOW allow)."""
+
+    def span(lo: Optional[int], hi: Optional[int]) -> str:
+        return format_size(lo) if lo == hi else f"{format_size(lo)}..{format_size(hi)}"
+
+    measured = ""
+    if item.get("size_min") is not None:
+        measured = f"; sizes compared: {span(item['size_min'], item['size_max'])}"
     text = f"{item['series']} vs {item['peer']}: min busbw ratio "
     if item["min_busbw_ratio"] is None:
-        text += f"- (no size in {format_size(BW_RANGE[0])}..{format_size(BW_RANGE[1])})"
+        text += f"- (no size of {format_size(BW_RANGE[0])} or more{measured})"
     else:
-        # The sizes actually compared (files written before these keys: the whole range).
-        lo = format_size(item.get("busbw_size_min") or BW_RANGE[0])
-        hi = format_size(item.get("busbw_size_max") or BW_RANGE[1])
         text += (
             f"{item['min_busbw_ratio']:.2f} at {format_size(item['min_busbw_ratio_size'])} "
-            f"(over {lo}..{hi})"
+            f"(over {span(item['busbw_size_min'], item['busbw_size_max'])})"
         )
     text += "; max latency difference "
     if item["max_latency_diff_us"] is None:
-        text += f"- (no size below {format_size(LATENCY_BELOW)})"
+        text += f"- (no size below {format_size(LATENCY_BELOW)}{measured})"
     else:
         text += (
             f"{item['max_latency_diff_us']:+.2f} us at "
-            f"{format_size(item['max_latency_diff_size'])} (below {format_size(LATENCY_BELOW)}; "
+            f"{format_size(item['max_latency_diff_size'])} "
+            f"(over {span(item['latency_size_min'], item['latency_size_max'])}; "
             f"+ = {item['series']} slower)"
         )
     return text
@@ -762,8 +772,21 @@ def _meta_lines(meta: dict[str, Any]) -> list[str]:
         f"- World: {meta['world_size']} ranks ({meta['local_world_size']} per host); device "
         f"{meta['device']['type']}: {meta['device']['name']}",
     ]
-    sim = meta.get("sim_nodes")
-    if sim and sim.get("nodes", 1) > 1:
+    sim, net = meta.get("sim_nodes"), meta.get("netbed")
+    if net:
+        link = net["link"]
+        delay = f"{link['delay_us']:g} us one-way delay" if link["delay_us"] else "no delay"
+        moved = ", ".join(f"{k} {v / 2**20:.4g} MiB" for k, v in net["bytes_by_launch"].items())
+        out.append(
+            f"- Network: {net['nodes']} nodes x {sim['ranks_per_node']} ranks, each node a "
+            f"network namespace ({', '.join(net['node_addrs'])}), joined by a "
+            f"{net['topology']} shaped with tc: {link['rate']} ({link['rate_gbyte_s']:.4g} "
+            f"GB/s) each way, {delay}, tbf burst {link['burst_bytes']} B, limit "
+            f"{link['limit_bytes']} B, MTU {link['mtu']} (benchmarks/netbed.py); host ids by "
+            f"rank: {', '.join(sim['host_id_by_rank'])}; sent over the links by launch: "
+            f"{moved or 'not recorded'}"
+        )
+    elif sim and sim.get("nodes", 1) > 1:
         out.append(
             f"- Simulated nodes: {sim['nodes']} x {sim['ranks_per_node']} ranks; host ids by "
             f"rank: {', '.join(sim['host_id_by_rank'])}; set by the benchmark: "

@@ -22,6 +22,15 @@ On a machine without GPUs the driver can be exercised with Gloo as the peer:
 
     python benchmarks/run_multinode_sweep.py --device cpu --nproc-per-node 2 --sim-nodes 2 \
         --peer gloo --no-fastcomm --max-bytes 1M --json /tmp/sweep.json
+
+With --netbed RATE[,DELAY] every launch runs across --sim-nodes network namespaces joined by
+links shaped with tc (benchmarks/netbed.py; needs root): one torchrun per node, each with
+--nproc-per-node / --sim-nodes ranks, over a real (if simulated) network instead of TCP
+loopback inside one namespace. The link settings and the bytes that crossed the links go
+into the JSON metadata and the Markdown report.
+
+    python benchmarks/run_multinode_sweep.py --nproc-per-node 2 --sim-nodes 2 \
+        --netbed 25gbit,20us --wire-dtype bf16 --json sweep-25g.json --md sweep-25g.md
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from typing import Any, Optional, Sequence
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_collectives as bc  # noqa: E402 - next to this file, not an installed module
+import netbed as nb  # noqa: E402
 
 BENCH = os.path.join(HERE, "bench_collectives.py")
 # Set (overriding the environment) for every launch.
@@ -80,6 +90,7 @@ class Launch:
     json: str = ""
     returncode: Optional[int] = None
     seconds: Optional[float] = None
+    link: Optional[list[dict[str, Any]]] = None  # --netbed, per round: exit codes, link bytes
 
 
 # ----------------------------------------------------------------------------- command line
@@ -203,6 +214,26 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "count; every round's busbw kept in rounds_busbw_gbps): shows the spread between "
         "launches, which one launch per series cannot (default: %(default)s)",
     )
+    p.add_argument(
+        "--netbed",
+        metavar="RATE[,DELAY]",
+        type=_link,
+        help="run every launch across --sim-nodes network namespaces joined by links of this "
+        "rate and one-way delay (e.g. 25gbit or 100gbit,20us; benchmarks/netbed.py, needs "
+        "root), one torchrun per node, instead of one torchrun on TCP loopback",
+    )
+    p.add_argument(
+        "--iproute2",
+        help="with --netbed: a dpkg -x folder of iproute2 and its libraries, when ip and tc "
+        f"are not on PATH (or ${nb.IPROUTE2_ENV})",
+    )
+    p.add_argument(
+        "--master-port",
+        type=int,
+        default=nb.DEFAULT_PORT,
+        help="with --netbed: the rendezvous port of the first launch on node 0, one more for "
+        "each further launch (default: %(default)s)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the launches, run nothing")
     p.add_argument(
         "--merge-only",
@@ -218,7 +249,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error("--rounds must be at least 1")
     if args.peer == "fastcomm":
         p.error("--peer must be another backend than fastcomm")
+    if args.netbed and args.sim_nodes < 2:
+        p.error("--netbed needs --sim-nodes of at least 2 (the nodes of the testbed)")
     return args
+
+
+def _link_text(link: nb.Link) -> str:
+    """'25 Gbit/s' or '25 Gbit/s, 20 us delay'."""
+    rate = nb.format_rate(link.rate_bps)
+    return f"{rate}, {link.delay_us:g} us delay" if link.delay_us else rate
+
+
+def _link(text: str) -> nb.Link:
+    try:
+        return nb.parse_link(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 # ----------------------------------------------------------------------------- launches
@@ -254,16 +300,30 @@ def plan_launches(args: argparse.Namespace, out_dir: str, fallback: bool = False
         )
     if fallback:
         launches.append(Launch(f"{args.peer}-{DEFAULT_SETTING}", "peer", [args.peer]))
-    base = shlex.split(args.torchrun) + [
-        "--standalone",
-        f"--nproc_per_node={args.nproc_per_node}",
+    if args.netbed:
+        # One torchrun per node (run_launch fills in the node and the port): each node is a
+        # host of its own, so bench_collectives itself simulates nothing.
+        per_node = args.nproc_per_node // args.sim_nodes
+        launcher = shlex.split(args.torchrun) + [
+            f"--nnodes={args.sim_nodes}",
+            "--node_rank=<node>",
+            f"--nproc_per_node={per_node}",
+            f"--master_addr={nb.SUBNET}.1",
+            "--master_port=<port>",
+        ]
+    else:
+        launcher = shlex.split(args.torchrun) + [
+            "--standalone",
+            f"--nproc_per_node={args.nproc_per_node}",
+        ]
+    base = launcher + [
         BENCH,
         "--device",
         args.device,
         "--ops",
         args.ops,
         "--sim-nodes",
-        str(args.sim_nodes),
+        str(1 if args.netbed else args.sim_nodes),
         "--min-bytes",
         args.min_bytes,
         "--max-bytes",
@@ -289,12 +349,40 @@ def launch_env(launch: Launch) -> dict[str, str]:
     return env | LAUNCH_ENV | launch.env
 
 
-def run_launch(launch: Launch, timeout: Optional[float]) -> None:
-    """Run one launch to its end (or its timeout), recording exit status and duration."""
+def run_launch(
+    launch: Launch,
+    timeout: Optional[float],
+    bed: Optional[nb.Netbed] = None,
+    args: Optional[argparse.Namespace] = None,
+    port: int = nb.DEFAULT_PORT,
+) -> None:
+    """Run one launch to its end (or its timeout), recording exit status and duration; with a
+    testbed, one torchrun per node in its namespace."""
     shown = " ".join(f"{k}={v}" for k, v in (LAUNCH_ENV | launch.env).items())
     print(f"\n### launch {launch.name}: {shown} {shlex.join(launch.cmd)}", flush=True)
     if os.path.exists(launch.json):
         os.remove(launch.json)  # never merge a stale file
+    if bed is not None and args is not None:
+        per_node = args.nproc_per_node // args.sim_nodes
+        commands = nb.torchrun_commands(
+            bed.plan,
+            launch.cmd[launch.cmd.index(BENCH) :],
+            per_node,
+            port,
+            shlex.split(args.torchrun),
+        )
+        result = nb.launch(
+            bed,
+            commands,
+            env=launch_env(launch),
+            device=args.device,
+            nproc_per_node=per_node,
+            timeout=timeout,
+        )
+        launch.returncode, launch.seconds = result.worst, result.seconds
+        launch.link = [result.as_dict()]
+        print(f"### launch {launch.name}: {result.describe()}", flush=True)
+        return
     start = time.monotonic()
     # setsid: torchrun and its ranks in a process group of their own, so a timeout stops them all.
     proc = subprocess.Popen(launch.cmd, env=launch_env(launch), start_new_session=True)
@@ -390,9 +478,13 @@ def _usable(row: dict[str, Any]) -> bool:
 
 
 def merge(
-    launches: Sequence[Launch], loaded: dict[str, dict[str, Any]], args: argparse.Namespace
+    launches: Sequence[Launch],
+    loaded: dict[str, dict[str, Any]],
+    args: argparse.Namespace,
+    netbed: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
-    """One bench_collectives result (same schema) with the series of the sweep."""
+    """One bench_collectives result (same schema) with the series of the sweep; `netbed`: the
+    testbed's plan (Plan.as_dict()) when the launches ran on one."""
     peer = args.peer
     default_series, best_series = f"{peer}({DEFAULT_SETTING})", f"{peer}(best)"
     rows: list[dict[str, Any]] = []  # in series order, re-sorted below
@@ -456,7 +548,9 @@ def merge(
             wins[op][setting] += 1
     meta.update(
         {
-            "label": args.label or f"simulated {args.sim_nodes}-node sweep",
+            "label": args.label
+            or f"simulated {args.sim_nodes}-node sweep"
+            + (f" over {_link_text(args.netbed)}" if args.netbed else ""),
             "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "argv": list(sys.argv),
             "launcher_cmdline": shlex.join([sys.executable] + sys.argv),
@@ -485,12 +579,28 @@ def merge(
                         "returncode": la.returncode,
                         "seconds": la.seconds,
                         "loaded": la.name in loaded,
+                        "netbed": la.link,
                     }
                     for la in launches
                 ],
             },
         }
     )
+    if netbed is not None:
+        # Each node a host of its own: the simulated nodes are the testbed's namespaces.
+        per_node = args.nproc_per_node // args.sim_nodes
+        meta["sim_nodes"] = {
+            "nodes": args.sim_nodes,
+            "ranks_per_node": per_node,
+            "host_id_by_rank": meta.get("sim_nodes", {}).get("host_id_by_rank", []),
+            "set": {},
+            "kept": {},
+        }
+        meta["netbed"] = netbed | {
+            "bytes_by_launch": {
+                la.name: sum(sum(x["link_tx_bytes"]) for x in la.link) for la in launches if la.link
+            }
+        }
     wire = [la for la in launches if la.role == "wire" and la.name in loaded]
     if wire:
         meta["wire_dtype"] = wire[0].wire_dtype
@@ -501,6 +611,33 @@ def merge(
 
 
 # ----------------------------------------------------------------------------- main
+
+
+def run_all(
+    args: argparse.Namespace, launches: list[Launch], out_dir: str, bed: Optional[nb.Netbed]
+) -> None:
+    """Every launch, round after round (a launch's record: its first failure, total time)."""
+    port = args.master_port
+    for r in range(args.rounds):
+        if args.rounds > 1:
+            print(f"\n### round {r + 1} of {args.rounds}", flush=True)
+        for la in list(launches):
+            ran = for_round(la, r, args.rounds)
+            run_launch(ran, args.launch_timeout, bed, args, port)
+            port += 1
+            if ran is not la:
+                la.returncode = ran.returncode if la.returncode in (0, None) else la.returncode
+                la.seconds = (la.seconds or 0.0) + (ran.seconds or 0.0)
+                if ran.link is not None:
+                    la.link = (la.link or []) + ran.link
+            alone_planned = any(x.role == "peer" and x.setting == DEFAULT_SETTING for x in launches)
+            if la.role == "main" and not alone_planned and not os.path.exists(ran.json):
+                # fastcomm failed the whole launch: measure the peer's default on its own.
+                alone = plan_launches(args, out_dir, fallback=True)[-1]
+                print(f"### no result from {la.name}: adding {alone.name}", flush=True)
+                launches.insert(launches.index(la) + 1, alone)
+                run_launch(for_round(alone, r, args.rounds), args.launch_timeout, bed, args, port)
+                port += 1
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -521,25 +658,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     dropped = {k: os.environ[k] for k in SWEPT_VARS if k in os.environ}
     if dropped:
         print(f"### note: not passing {dropped} on: the sweep sets these itself", flush=True)
-    if not args.merge_only:
-        for r in range(args.rounds):
-            if args.rounds > 1:
-                print(f"\n### round {r + 1} of {args.rounds}", flush=True)
-            for la in list(launches):
-                ran = for_round(la, r, args.rounds)
-                run_launch(ran, args.launch_timeout)
-                if ran is not la:  # the launch's record: its first failure, its total time
-                    la.returncode = ran.returncode if la.returncode in (0, None) else la.returncode
-                    la.seconds = (la.seconds or 0.0) + (ran.seconds or 0.0)
-                alone_planned = any(
-                    x.role == "peer" and x.setting == DEFAULT_SETTING for x in launches
-                )
-                if la.role == "main" and not alone_planned and not os.path.exists(ran.json):
-                    # fastcomm failed the whole launch: measure the peer's default on its own.
-                    alone = plan_launches(args, out_dir, fallback=True)[-1]
-                    print(f"### no result from {la.name}: adding {alone.name}", flush=True)
-                    launches.insert(launches.index(la) + 1, alone)
-                    run_launch(for_round(alone, r, args.rounds), args.launch_timeout)
+    netbed_meta: Optional[dict[str, Any]] = None
+    if not args.merge_only and args.netbed:
+        # SIGTERM (a timeout around the sweep) and SIGHUP unwind like Ctrl-C: the testbed's
+        # namespaces are deleted on the way out.
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
+        try:
+            with nb.Netbed(args.sim_nodes, args.netbed, args.iproute2, log=sys.stdout) as bed:
+                netbed_meta = bed.plan.as_dict()
+                run_all(args, launches, out_dir, bed)
+        except nb.NetbedError as exc:
+            print(f"### no testbed: {exc}", file=sys.stderr)
+            return 1
+    elif not args.merge_only:
+        run_all(args, launches, out_dir, None)
     elif (args.fastcomm and args.together) and not os.path.exists(
         for_round(launches[0], 0, args.rounds).json
     ):
@@ -556,7 +689,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not loaded:
         print("### nothing to merge", file=sys.stderr)
         return 1
-    merged = merge(launches, loaded, args)
+    merged = merge(launches, loaded, args, netbed_meta)
     print()
     print(bc.render_markdown(merged), flush=True)
     outputs = argparse.Namespace(json=args.json, md=args.md, plot=args.plot, label=args.label)

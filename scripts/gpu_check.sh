@@ -15,6 +15,11 @@
 #   bench        collectives inside the node, fastcomm vs NCCL, all GPUs     -> bench_<n>gpu.{json,md}
 #   sweep        CUDA all_reduce as 2 simulated nodes (2 x n/2) beside NCCL's default and best
 #                socket settings                                             -> sweep_2x<k>.{json,md}
+#   netbed       the sweep's launches on the shaped-link testbed: 2 nodes as network namespaces
+#                joined by a veth pair shaped with tc, 256 KiB..1 GiB, one sweep per link in
+#                NETBED_LINKS (default "25gbit"; e.g. "100gbit,20us"); ip and tc from the
+#                Debian debs in build/iproute2-debs (carried; unpacked with dpkg -x)
+#                                                          -> netbed_2x<k>_<link>.{json,md}
 #   matmulbench  bf16 matmul / linear+gelu on the main shapes vs cuBLAS     -> matmul.{log,json}
 #   killed       a peer killed during the staged all_reduce, stacks of hung ranks -> killed.log
 #   capture      CUDA-graph capture across simulated nodes (4 GPUs as 2 x 2) -> capture.log
@@ -25,7 +30,7 @@
 #
 # Env: OUT (default ./out), FASTCOMM_PYTHON (default python3), CARRIED_DIR, PLOT=1 (also write
 # .png plots), PYTEST_ARGS, BENCH_ARGS, SWEEP_ARGS (e.g. "--rounds 3"), SWEEP_TIMEOUT,
-# MATMUL_ARGS. Everything is summarised in $OUT/gpu_check.log. At most 8 files come back from
+# NETBED_LINKS, MATMUL_ARGS. Everything is summarised in $OUT/gpu_check.log. At most 8 files come back from
 # the lent machines: run stages that write several files in calls of their own.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -145,6 +150,31 @@ for stage in "${stages[@]}"; do
         2>&1 | grep -v "^W1" | tail -n 40 | tee -a "$LOG"
       [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
       ;;
+    netbed)
+      # The testbed needs root and iproute2; the lent machines have no ip / tc, so Debian's
+      # iproute2 and its libraries travel as debs (benchmarks/README.md) and are unpacked here.
+      k=$((NGPU / 2))
+      nbdir=$(mktemp -d)
+      if compgen -G "$ROOT/build/iproute2-debs/*.deb" > /dev/null; then
+        command -v dpkg > /dev/null || say "no dpkg to unpack build/iproute2-debs"
+        for deb in "$ROOT"/build/iproute2-debs/*.deb; do dpkg -x "$deb" "$nbdir"; done
+        export NETBED_IPROUTE2="$nbdir"
+      fi
+      for link in ${NETBED_LINKS:-25gbit}; do
+        name="netbed_2x${k}_${link//,/_}"
+        say "CUDA all_reduce on the testbed, $NGPU GPUs as 2 nodes x $k, link $link"
+        timeout "${SWEEP_TIMEOUT:-540}" "$PY" benchmarks/run_multinode_sweep.py \
+          --nproc-per-node "$NGPU" --sim-nodes 2 --device cuda --ops all_reduce --netbed "$link" \
+          --min-bytes 256K --max-bytes 1G --factor 4 --repeats 3 --time-per-size 0.5 \
+          --socket-settings 4x4 --buffsizes default,16777216 --wire-dtype bf16 \
+          --launch-timeout 150 --out-dir "/tmp/fastcomm_$name" --json "$OUT/$name.json" \
+          --md "$OUT/$name.md" $(plot "$OUT/$name.png") \
+          --label "${NGPU} GPUs as 2 nodes x $k, link $link, all_reduce" ${SWEEP_ARGS:-} \
+          2>&1 | grep -v "^W1" | tail -n 40 | tee -a "$LOG"
+        [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+      done
+      rm -rf "$nbdir"
+      ;;
     matmulbench)
       say "matmul main shapes vs cuBLAS (bf16, alternating rounds)"
       "$PY" benchmarks/bench_matmul.py --dtype bf16 --variants auto --sizes 4096,8192 \
@@ -208,7 +238,7 @@ for stage in "${stages[@]}"; do
       [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
       ;;
     *)
-      echo "unknown stage $stage (build carried tests ops bench sweep matmulbench killed capture hooks ddpbench)" >&2
+      echo "unknown stage $stage (build carried tests ops bench sweep netbed matmulbench killed capture hooks ddpbench suite)" >&2
       exit 2
       ;;
   esac
