@@ -34,6 +34,7 @@ table from the JSON alone, with any Python that has matplotlib (torch is not nee
 from __future__ import annotations
 
 import argparse
+import glob
 import hashlib
 import json
 import math
@@ -77,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=os.path.join(HERE, "results", "wire-accuracy-charlm-cpu-2x2"))
     p.add_argument("--nproc", type=int, default=4, help="ranks when launching itself")
     p.add_argument("--nodes", type=int, default=2, help="simulated nodes (FASTCOMM_HOST_ID)")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
     p.add_argument("--batch", type=int, default=16, help="sequences per rank and step")
@@ -104,7 +105,8 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     ]  # fmt: skip
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    if glob.glob(os.path.join(ROOT, "torchext", "_C*.so")):  # built in place: this tree's
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     env["WIRE_ACCURACY_COMMAND"] = shlex.join([sys.executable, *sys.argv])
     start = time.monotonic()
     rc = subprocess.run(cmd, env=env, check=False).returncode
