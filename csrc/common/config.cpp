@@ -163,9 +163,9 @@ const std::vector<Setting>& settings() {
                        "inter-node transport: `auto` (`ib` when every rank has a usable RDMA "
                        "device, else `tcp`), `ib`, `tcp`"));
     v.push_back(choice("FASTCOMM_WIRE_DTYPE", A, &Config::wireDtype,
-                       {"none", "bf16", "fp16", "int8", "fp8"}, "none",
+                       {"none", "bf16", "fp16", "int8"}, "none",
                        "float32 SUM/AVG cross nodes coded, accumulated in float32: `bf16` rounds "
-                       "each value; `fp16`, `int8`, `fp8` (e4m3) code blocks of 256 values with a "
+                       "each value; `fp16` and `int8` code blocks of 256 values with a "
                        "power-of-two scale each (CPU tensors; the CUDA path takes `bf16` and "
                        "unscaled `fp16`)"));
     v.push_back(bytes("FASTCOMM_CHUNK_BYTES", A, &Config::chunkBytes, "1M",

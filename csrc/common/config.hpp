@@ -27,7 +27,7 @@ enum class Tier : int { Agreed, Local, Debug };
 // is told so in a warning.
 struct AgreedSettings {
   std::string transport = "auto";  // auto | ib | tcp; auto is resolved per group (InterPlan)
-  std::string wireDtype = "none";  // none | bf16 | fp16 | int8 | fp8
+  std::string wireDtype = "none";  // none | bf16 | fp16 | int8
   int64_t chunkBytes = 1 << 20;    // host pipeline chunk (shared memory: per rank and step)
   int64_t oneShotBytes = 32 << 10;
   int64_t p2pBytes = 256 << 10;

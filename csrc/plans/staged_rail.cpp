@@ -125,7 +125,7 @@ StagedRail::StagedRail(StagedDevice& device, std::vector<int> railRanks, int me,
   TORCH_CHECK(rails >= 2 && me_ >= 0 && me_ < rails && railRanks_[me_] == groupRank_,
               "fastcomm: internal: bad rail");
   TORCH_CHECK(wire_ == WireDtype::None || wire_ == WireDtype::BF16 || wire_ == WireDtype::FP16,
-              "fastcomm: FASTCOMM_WIRE_DTYPE int8 and fp8 code CPU tensors only; the multi-node "
+              "fastcomm: FASTCOMM_WIRE_DTYPE=int8 codes CPU tensors only; the multi-node "
               "all_reduce of CUDA tensors takes none, bf16 or fp16");
   TORCH_CHECK(window_ >= kCudaWindowMin && window_ <= kCudaWindowMax && lag_ >= 1,
               "fastcomm: internal: staged window ", window_, " or lag ", lag_, " out of range");

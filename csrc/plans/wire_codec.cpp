@@ -3,11 +3,9 @@
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
-#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -32,22 +30,6 @@ struct Int8Code {
   static constexpr float kMax = 127.0f;
   static T to(float v) { return static_cast<T>(std::nearbyint(v)); }
   static float from(T c) { return static_cast<float>(c); }
-};
-
-struct Fp8Code {
-  using T = uint8_t;
-  static constexpr float kMax = 448.0f;  // e4m3fn's largest finite value
-  static T to(float v) { return c10::Float8_e4m3fn(v).x; }
-  static float from(T c) {
-    static const std::array<float, 256> table = [] {
-      std::array<float, 256> t{};
-      for (int i = 0; i < 256; ++i)
-        t[i] = static_cast<float>(
-            c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
-      return t;
-    }();
-    return table[c];
-  }
 };
 
 // The smallest e with amax <= kMax * 2^e (at least float's smallest normal
@@ -170,8 +152,6 @@ void decodeAny(WireDtype wire, const void* src, int64_t n, float* dst) {
       return decodeScaled<HalfCode, kAdd>(s, n, dst);
     case WireDtype::INT8:
       return decodeScaled<Int8Code, kAdd>(s, n, dst);
-    case WireDtype::FP8:
-      return decodeScaled<Fp8Code, kAdd>(s, n, dst);
     case WireDtype::None:
       break;
   }
@@ -184,7 +164,6 @@ WireDtype parseWireDtype(const std::string& name) {
   if (name == "bf16") return WireDtype::BF16;
   if (name == "fp16") return WireDtype::FP16;
   if (name == "int8") return WireDtype::INT8;
-  if (name == "fp8") return WireDtype::FP8;
   return WireDtype::None;
 }
 
@@ -195,7 +174,6 @@ int64_t WireCodec::bytes(int64_t n) const {
     case WireDtype::FP16:
       return blocksOf(n) * static_cast<int64_t>(sizeof(float)) + 2 * n;
     case WireDtype::INT8:
-    case WireDtype::FP8:
       return blocksOf(n) * static_cast<int64_t>(sizeof(float)) + n;
     case WireDtype::None:
       break;
@@ -212,8 +190,6 @@ void WireCodec::encode(const float* src, int64_t n, void* dst) const {
       return encodeScaled<HalfCode>(src, n, d);
     case WireDtype::INT8:
       return encodeScaled<Int8Code>(src, n, d);
-    case WireDtype::FP8:
-      return encodeScaled<Fp8Code>(src, n, d);
     case WireDtype::None:
       break;
   }

@@ -2,7 +2,7 @@
 // for a lossy wire (the reduction itself always accumulates in float32).
 //
 // bf16 rounds each element; it has float32's range, so it never overflows.
-// fp16, int8 and fp8 (e4m3) code blocks of kWireBlock elements, each with a
+// fp16 and int8 code blocks of kWireBlock elements, each with a
 // float32 scale: the power of two that brings the block's largest magnitude
 // into the code's range. A partial sum can then never overflow, and decoding
 // is exact, so decode(encode(decode(encode(x)))) == decode(encode(x)): a block
@@ -16,7 +16,7 @@
 
 namespace fastcomm {
 
-enum class WireDtype { None, BF16, FP16, INT8, FP8 };
+enum class WireDtype { None, BF16, FP16, INT8 };
 WireDtype parseWireDtype(const std::string& name);
 
 // Elements that share one scale.
