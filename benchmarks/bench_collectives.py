@@ -62,6 +62,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # summation order.
 EXACT_INT_LIMIT = {torch.float32: 2**24, torch.bfloat16: 2**8, torch.float16: 2**11}
 WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # FASTCOMM_WIRE_DTYPE values
+# Block-scaled wires: the largest error of one coding, relative to the largest magnitude of its
+# block (int8: half a step of a power-of-two scale that puts that magnitude in (63.5, 127]).
+BLOCK_SCALED_WIRES = {"int8": 1 / 127}
 PATTERN_MOD = 251  # check data: element i of rank r is (i + 7r) % m + 1 with m <= 251
 CHECK_CHUNK = 1 << 24  # elements verified at a time, to bound the memory of the check
 ENV_PREFIXES = ("FASTCOMM_", "NCCL_", "NVSHMEM_", "TORCH_", "GLOO_", "CUDA_", "OMP_")
@@ -207,7 +210,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--wire-dtype",
-        choices=("none", *WIRE_DTYPES),
+        choices=("none", *WIRE_DTYPES, *BLOCK_SCALED_WIRES),
         default=None,
         help="set FASTCOMM_WIRE_DTYPE (inter-node compression); when not none the fastcomm "
         "series is labelled e.g. fastcomm(bf16) and checked with a relative tolerance "
@@ -302,6 +305,13 @@ def wire_rtol(wire: str, world: int) -> float:
     return world * torch.finfo(WIRE_DTYPES[wire]).eps
 
 
+def wire_max_rtol(wire: str, world: int) -> float:
+    """Tolerance of the check relative to the largest possible sum (world * m) when fastcomm
+    sends data in a block-scaled wire: a block's error scales with its largest value, not with
+    each value (at most `world` codings, as in wire_rtol)."""
+    return world * BLOCK_SCALED_WIRES.get(wire, 0.0)
+
+
 def _value(rank: Any, index: torch.Tensor, m: int) -> torch.Tensor:
     """Check value of element `index` of rank `rank`'s input (int64, 1..m)."""
     return (index + 7 * rank) % m + 1
@@ -354,8 +364,11 @@ class Buffers:
         if self.out is not self.inp:
             self.out.zero_()
 
-    def count_wrong(self, rank: int, world: int, m: int, rtol: float = 0.0) -> int:
-        """Output elements of this rank that differ from the exact result (by more than rtol)."""
+    def count_wrong(
+        self, rank: int, world: int, m: int, rtol: float = 0.0, max_rtol: float = 0.0
+    ) -> int:
+        """Output elements of this rank that differ from the exact result (by more than rtol of
+        it plus max_rtol of the largest possible sum, world * m)."""
         if self.op == "reduce" and rank != 0:
             return 0  # only the root receives the result
         wrong = 0
@@ -364,9 +377,10 @@ class Buffers:
             idx = torch.arange(start, stop, device=self.out.device, dtype=torch.int64)
             want = expected_output(self.op, idx, rank, world, self.layout.chunk, m)
             got = self.out[start:stop]
-            if rtol:
+            if rtol or max_rtol:
                 want64 = want.to(torch.float64)
-                ok = (got.to(torch.float64) - want64).abs() <= rtol * want64  # NaN: not ok
+                bound = rtol * want64 + max_rtol * world * m
+                ok = (got.to(torch.float64) - want64).abs() <= bound  # NaN: not ok
                 wrong += int((~ok).sum())
             else:
                 wrong += int((got != want.to(got.dtype)).sum())
@@ -434,11 +448,13 @@ class Bench:
         device: torch.device,
         series: dict[str, str],
         rtol: dict[str, float],
+        max_rtol: Optional[dict[str, float]] = None,
     ) -> None:
         self.args = args
         self.backends = backends
         self.series = series  # backend -> label of its rows
         self.rtol = rtol  # backend -> relative tolerance of the check (0: exact)
+        self.max_rtol = max_rtol or {}  # backend -> tolerance relative to the largest sum
         self.device = device
         self.dtype = DTYPES[args.dtype]
         self.rank = dist.get_rank()
@@ -544,7 +560,9 @@ class Bench:
                 bufs.fill(self.rank, m)
                 fn()
                 self.sync()
-                wrong = bufs.count_wrong(self.rank, self.world, m, self.rtol.get(b, 0.0))
+                wrong = bufs.count_wrong(
+                    self.rank, self.world, m, self.rtol.get(b, 0.0), self.max_rtol.get(b, 0.0)
+                )
                 row.wrong = int(self.reduce_ctrl([float(wrong)], dist.ReduceOp.SUM)[0])
         return [row for _, row, _ in prepared]
 
@@ -794,10 +812,14 @@ def _meta_lines(meta: dict[str, Any]) -> list[str]:
             f"given: {', '.join(f'`{k}={v}`' for k, v in sim['kept'].items()) or 'none'}"
         )
     if meta.get("wire_dtype", "none") != "none":
+        if meta.get("check_max_rtol"):
+            allows = f"an error of {meta['check_max_rtol']} of the largest possible sum"
+        else:
+            allows = f"a relative error of {meta.get('check_rtol', {})}"
         out.append(
             f"- fastcomm wire dtype: {meta['wire_dtype']} (busbw is the effective busbw: "
             f"computed from the {meta['dtype']} bytes, as for the other series; the check "
-            f"allows a relative error of {meta.get('check_rtol', {})})"
+            f"allows {allows})"
         )
     out += [
         f"- Versions: {', '.join(f'{k} {v}' for k, v in meta['versions'].items() if v)}",
@@ -1106,6 +1128,7 @@ def collect_metadata(
         | {"host_id_by_rank": [i["env"].get("FASTCOMM_HOST_ID", "") for i in infos]},
         "wire_dtype": wire,
         "check_rtol": {bench.series[b]: t for b, t in bench.rtol.items() if t},
+        "check_max_rtol": {bench.series[b]: t for b, t in bench.max_rtol.items() if t},
         "busbw_basis": f"bytes of the {a.dtype} buffers (with a compressed wire dtype: "
         "effective busbw)",
         "timing": (
@@ -1253,7 +1276,8 @@ def run(args: argparse.Namespace) -> int:
     world = dist.get_world_size()
     series = {b: f"{b}({wire})" if b == "fastcomm" and wire != "none" else b for b in backends}
     rtol = {"fastcomm": wire_rtol(wire, world)} if "fastcomm" in backends else {}
-    bench = Bench(args, backends, device, series, rtol)
+    max_rtol = {"fastcomm": wire_max_rtol(wire, world)} if "fastcomm" in backends else {}
+    bench = Bench(args, backends, device, series, rtol, max_rtol)
     meta = collect_metadata(bench, torchext, skipped, device, sim, wire)
     if rank == 0:
         print(f"# bench_collectives {meta['timestamp']} {meta['label']}")
@@ -1273,6 +1297,11 @@ def run(args: argparse.Namespace) -> int:
             )
         if meta["check_rtol"]:
             print(f"# check: relative tolerance {meta['check_rtol']} (wire dtype {wire})")
+        if meta["check_max_rtol"]:
+            print(
+                f"# check: tolerance {meta['check_max_rtol']} of the largest possible sum "
+                f"(block-scaled wire dtype {wire})"
+            )
         print(f"# timing: {meta['timing']}")
         print("# env: " + (" ".join(f"{k}={v}" for k, v in meta["env"].items()) or "-"), flush=True)
     rows: list[Row] = []

@@ -7,7 +7,7 @@ launch of bench_collectives.py. This driver runs, one after the other, on one ma
      running both side by side, interleaved);
   2. the peer alone, once per setting of a small sweep: NCCL_SOCKET_NTHREADS x
      NCCL_NSOCKS_PERTHREAD in --socket-settings, times NCCL_BUFFSIZE in --buffsizes;
-  3. optionally fastcomm alone with --wire-dtype bf16|fp16;
+  3. optionally fastcomm alone with --wire-dtype bf16|fp16|int8;
 
 all with the same --sim-nodes, --device, --ops, sizes and iteration options, and with
 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1. It then merges the
@@ -182,7 +182,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--wire-dtype",
-        choices=("none", *bc.WIRE_DTYPES),
+        choices=("none", *bc.WIRE_DTYPES, *bc.BLOCK_SCALED_WIRES),
         default="none",
         help="when not none, one more launch of fastcomm alone with this "
         "FASTCOMM_WIRE_DTYPE, the series fastcomm(<dtype>) (default: %(default)s)",
@@ -605,6 +605,7 @@ def merge(
     if wire:
         meta["wire_dtype"] = wire[0].wire_dtype
         meta["check_rtol"] = loaded[wire[0].name]["meta"].get("check_rtol", {})
+        meta["check_max_rtol"] = loaded[wire[0].name]["meta"].get("check_max_rtol", {})
     merged = {"schema": bc.SCHEMA, "meta": meta, "results": rows}
     merged["summary"] = bc.summarize([bc.Row(**r) for r in rows], series_order)
     return merged

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch_suite
@@ -23,23 +24,28 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_distributed_suite_cpu(tmp_path: Path) -> None:
+def run_suite(tmp_path: Path, *args: str, timeout: float) -> tuple[int, str, dict[str, Any]]:
+    """Runs the runner on CPU with forked ranks and `args`: its exit status, the tail of its
+    output, and its JSON summary."""
     summary_path = tmp_path / "summary.json"
     cmd = [
         sys.executable,
         os.path.abspath(torch_suite.__file__),
         "--device", "cpu",
         "--start", "fork",
-        "--jobs", "2",
-        "--timeout", "120",
         "--json", str(summary_path),
+        *args,
     ]  # fmt: skip
     proc = subprocess.run(
-        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=1200, check=False
+        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=timeout, check=False
     )
     output = (proc.stdout + proc.stderr)[-6000:]
     assert summary_path.exists(), f"the runner wrote no summary (exit {proc.returncode}):\n{output}"
-    summary = json.loads(summary_path.read_text())
+    return proc.returncode, output, json.loads(summary_path.read_text())
+
+
+def test_distributed_suite_cpu(tmp_path: Path) -> None:
+    code, output, summary = run_suite(tmp_path, "--jobs", "2", "--timeout", "120", timeout=1200)
     status = {t["test"]: t for t in summary["tests"]}
 
     failed = [f"{name}: {t['reason']}" for name, t in status.items() if t["status"] == "failed"]
@@ -54,29 +60,17 @@ def test_distributed_suite_cpu(tmp_path: Path) -> None:
         if status.get(name, {}).get("status") != "passed"
     ]
     assert not not_passed, "core tests that did not pass:\n  " + "\n  ".join(not_passed)
-    assert proc.returncode == 0, output
+    assert code == 0, output
 
 
 def test_stock_backend_runs_the_suite_unchanged(tmp_path: Path) -> None:
     """--stock runs the selected tests on gloo itself (the CPU stock backend), so a test that
     fails there too is told apart from a failure of fastcomm."""
-    summary_path = tmp_path / "summary.json"
-    cmd = [
-        sys.executable,
-        os.path.abspath(torch_suite.__file__),
-        "--device", "cpu",
-        "--stock",
-        "--start", "fork",
-        "-k", "test_all_reduce_sum",
-        "-k", "test_monitored_barrier_gloo",
-        "--json", str(summary_path),
-    ]  # fmt: skip
-    proc = subprocess.run(
-        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False
-    )
-    output = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, output
-    summary = json.loads(summary_path.read_text())
+    code, output, summary = run_suite(
+        tmp_path, "--stock", "-k", "test_all_reduce_sum", "-k", "test_monitored_barrier_gloo",
+        timeout=600,
+    )  # fmt: skip
+    assert code == 0, output
     assert summary["backend"] == "gloo", summary["backend"]
     status = {t["test"]: t["status"] for t in summary["tests"]}
     # gloo's own API runs here (it is not applicable to fastcomm)
