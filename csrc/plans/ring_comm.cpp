@@ -195,19 +195,17 @@ void RingComm::phase(char* data, const Blocks& b, at::ScalarType dt, RedOp op, b
     }
     return nullptr;
   };
+  ringPipeline(transport_, conns_[mod(r - 1, n)], conns_[mod(r + 1, n)], n - 1, K, pieceOf, bytesOf,
+               prepare, process, ctx);
   if (reduce && wire) {
-    // After the pass, this rank rounds its finished block as the wire will:
-    // in the pieces the all-gather sends, as a scale covers a block of a piece.
-    ringPipeline(transport_, conns_[mod(r - 1, n)], conns_[mod(r + 1, n)], n - 1, K, pieceOf,
-                 bytesOf, prepare, process, ctx);
+    // Round this rank's finished block as the wire will, in the pieces the
+    // all-gather sends it in (a scale covers a block of one piece), so every
+    // rank ends with the same values.
     for (int64_t j = 0; j * pieceElems < b.len[r]; ++j) {
       const int64_t len = std::min(pieceElems, b.len[r] - j * pieceElems);
       wire_.round(floats(data) + b.off[r] + j * pieceElems, len, sendSlots);
     }
-    return;
   }
-  ringPipeline(transport_, conns_[mod(r - 1, n)], conns_[mod(r + 1, n)], n - 1, K, pieceOf, bytesOf,
-               prepare, process, ctx);
 }
 
 void RingComm::allreduce(void* data, int64_t count, at::ScalarType dt, RedOp op,

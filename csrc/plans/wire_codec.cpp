@@ -3,7 +3,6 @@
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
-#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -17,12 +16,11 @@ namespace {
 
 int64_t blocksOf(int64_t n) { return (n + kWireBlock - 1) / kWireBlock; }
 
-// The scaled codes: the largest magnitude each holds, and its conversions.
+// The scaled codes: the largest magnitude each holds, and (int8) its
+// conversions; fp16 converts in bulk (encodeScaled, decodeScaled).
 struct HalfCode {
   using T = uint16_t;
   static constexpr float kMax = 65504.0f;
-  static T to(float v) { return c10::Half(v).x; }
-  static float from(T c) { return c10::detail::fp16_ieee_to_fp32_value(c); }
 };
 
 struct Int8Code {
