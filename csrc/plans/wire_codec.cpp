@@ -8,7 +8,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 namespace fastcomm {
@@ -16,18 +15,34 @@ namespace {
 
 int64_t blocksOf(int64_t n) { return (n + kWireBlock - 1) / kWireBlock; }
 
-// The scaled codes: the largest magnitude each holds, and (int8) its
-// conversions; fp16 converts in bulk (encodeScaled, decodeScaled).
+at::Tensor flat(const void* p, int64_t n, at::ScalarType t) {
+  return at::from_blob(const_cast<void*>(p), {n}, at::TensorOptions().dtype(t));
+}
+
+// The scaled codes: the largest magnitude each holds, and their conversions
+// of values already scaled into range. fp16 converts through ATen's
+// vectorized copy (a scalar conversion is several times slower than the
+// network).
 struct HalfCode {
   using T = uint16_t;
   static constexpr float kMax = 65504.0f;
+  static void to(const float* v, int64_t n, T* c) {
+    flat(c, n, at::kHalf).copy_(flat(v, n, at::kFloat));
+  }
+  static void from(const T* c, int64_t n, float* v) {
+    flat(v, n, at::kFloat).copy_(flat(c, n, at::kHalf));
+  }
 };
 
 struct Int8Code {
   using T = int8_t;
   static constexpr float kMax = 127.0f;
-  static T to(float v) { return static_cast<T>(std::nearbyint(v)); }
-  static float from(T c) { return static_cast<float>(c); }
+  static void to(const float* v, int64_t n, T* c) {
+    for (int64_t i = 0; i < n; ++i) c[i] = static_cast<T>(std::nearbyint(v[i]));
+  }
+  static void from(const T* c, int64_t n, float* v) {
+    for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>(c[i]);
+  }
 };
 
 // The smallest e with amax <= kMax * 2^e (at least float's smallest normal
@@ -41,24 +56,18 @@ int scaleExponent(float amax, float kMax) {
   return std::max(e, kMinExp);
 }
 
-// fp16 conversions go through ATen's vectorized copy (a scalar conversion is
-// several times slower than the network): the scaled values are staged here.
+// Values scaled into a code's range, between the scale pass and the
+// conversion (per thread: pieces are coded on the lanes).
 float* staging(int64_t n) {
   thread_local std::vector<float> buf;
   if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
   return buf.data();
 }
 
-at::Tensor flat(const void* p, int64_t n, at::ScalarType t) {
-  return at::from_blob(const_cast<void*>(p), {n}, at::TensorOptions().dtype(t));
-}
-
 template <typename C>
 void encodeScaled(const float* src, int64_t n, char* dst) {
   const int64_t nb = blocksOf(n);
-  auto* codes = reinterpret_cast<typename C::T*>(dst + nb * sizeof(float));
-  constexpr bool kBulk = std::is_same_v<C, HalfCode>;
-  float* scaled = kBulk ? staging(n) : nullptr;
+  float* scaled = staging(n);
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t lo = b * kWireBlock, m = std::min(kWireBlock, n - lo);
     const float* x = src + lo;
@@ -70,54 +79,35 @@ void encodeScaled(const float* src, int64_t n, char* dst) {
     }
     float scale;
     if (std::isnan(poison)) {
+      // Zeros, which the NaN scale decodes to NaN (inf * 0 would be NaN, no code).
       scale = std::numeric_limits<float>::quiet_NaN();
-      if constexpr (kBulk) {
-        std::fill(scaled + lo, scaled + lo + m, 0.0f);
-      } else {
-        std::memset(codes + lo, 0, m * sizeof(typename C::T));
-      }
+      std::fill(scaled + lo, scaled + lo + m, 0.0f);
     } else {
       const int e = scaleExponent(amax, C::kMax);
       scale = std::ldexp(1.0f, e);
       const float inv = std::ldexp(1.0f, -e);
-      if constexpr (kBulk) {
-        for (int64_t i = 0; i < m; ++i) scaled[lo + i] = x[i] * inv;
-      } else {
-        for (int64_t i = 0; i < m; ++i) codes[lo + i] = C::to(x[i] * inv);
-      }
+      for (int64_t i = 0; i < m; ++i) scaled[lo + i] = x[i] * inv;
     }
     std::memcpy(dst + b * sizeof(float), &scale, sizeof(float));
   }
-  if constexpr (kBulk) flat(codes, n, at::kHalf).copy_(flat(scaled, n, at::kFloat));
+  C::to(scaled, n, reinterpret_cast<typename C::T*>(dst + nb * sizeof(float)));
 }
 
 template <typename C, bool kAdd>
 void decodeScaled(const char* src, int64_t n, float* dst) {
   const int64_t nb = blocksOf(n);
-  const auto* codes = reinterpret_cast<const typename C::T*>(src + nb * sizeof(float));
-  constexpr bool kBulk = std::is_same_v<C, HalfCode>;
-  float* unscaled = nullptr;
-  if constexpr (kBulk) {
-    unscaled = staging(n);
-    flat(unscaled, n, at::kFloat).copy_(flat(codes, n, at::kHalf));
-  }
+  float* unscaled = staging(n);
+  C::from(reinterpret_cast<const typename C::T*>(src + nb * sizeof(float)), n, unscaled);
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t lo = b * kWireBlock, m = std::min(kWireBlock, n - lo);
     float scale;
     std::memcpy(&scale, src + b * sizeof(float), sizeof(float));
-    float* y = dst + lo;
-    const typename C::T* c = codes + lo;
     for (int64_t i = 0; i < m; ++i) {
-      float v;
-      if constexpr (kBulk) {
-        v = unscaled[lo + i] * scale;
-      } else {
-        v = C::from(c[i]) * scale;
-      }
+      const float v = unscaled[lo + i] * scale;
       if constexpr (kAdd) {
-        y[i] += v;
+        dst[lo + i] += v;
       } else {
-        y[i] = v;
+        dst[lo + i] = v;
       }
     }
   }
