@@ -1145,6 +1145,18 @@ def collect_metadata(
 # ----------------------------------------------------------------------------- main
 
 
+def sim_node(nodes: int) -> int:
+    """This process's simulated node when torchrun's ranks of a host act as `nodes` nodes:
+    GROUP_RANK * nodes + LOCAL_RANK // (LOCAL_WORLD_SIZE / nodes)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local_world % nodes:
+        raise ValueError(
+            f"--sim-nodes {nodes} does not divide LOCAL_WORLD_SIZE={local_world} ranks per host"
+        )
+    return int(os.environ.get("GROUP_RANK", "0")) * nodes + local_rank // (local_world // nodes)
+
+
 def apply_sim_nodes(nodes: int) -> dict[str, Any]:
     """Give this process the identity of simulated node k = LOCAL_RANK // (LOCAL_WORLD_SIZE / N).
 
@@ -1153,16 +1165,11 @@ def apply_sim_nodes(nodes: int) -> dict[str, Any]:
     before any process group exists: NCCL reads these once per process. Returns the record
     stored in the JSON metadata (rank 0's).
     """
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if nodes == 1:
         return {"nodes": 1, "ranks_per_node": local_world, "set": {}, "kept": {}}
-    if local_world % nodes:
-        raise ValueError(
-            f"--sim-nodes {nodes} does not divide LOCAL_WORLD_SIZE={local_world} ranks per host"
-        )
+    node = sim_node(nodes)
     per_node = local_world // nodes
-    node = int(os.environ.get("GROUP_RANK", "0")) * nodes + local_rank // per_node
     for key in ("FASTCOMM_HOST_ID", "NCCL_HOSTID"):
         os.environ[key] = f"simnode{node}"
     done: dict[str, str] = {}

@@ -389,13 +389,10 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if local_world % args.nodes:
-        raise SystemExit(f"--nodes {args.nodes} does not divide {local_world} ranks per host")
-    node = int(os.environ.get("GROUP_RANK", "0")) * args.nodes + local_rank // (
-        local_world // args.nodes
-    )
+    sys.path.insert(0, HERE)
+    import bench_collectives  # next to this file, not an installed module
+
+    node = bench_collectives.sim_node(args.nodes)
     os.environ["FASTCOMM_HOST_ID"] = f"simnode{node}"
     os.environ["FASTCOMM_WIRE_DTYPE"] = "none"
     torch.set_num_threads(1)
