@@ -278,6 +278,290 @@ __global__ void reduceStagedKernel(Op op, T* own, const char* recv, int64_t pitc
   }
 }
 
+// ----------------------------------------------------------------------------- block-scaled wires
+
+// The codes of the block-scaled wires: their largest magnitude, and their
+// round-to-nearest-even conversions (what plans/wire_codec.cpp does with
+// ATen's float -> half and std::nearbyint).
+struct HalfCode {
+  using Bits = unsigned short;
+  static constexpr float kMax = 65504.0f;
+  static __device__ Bits encode(float v) { return __half_as_ushort(__float2half_rn(v)); }
+  static __device__ float decode(Bits c) { return __half2float(__ushort_as_half(c)); }
+};
+struct Int8Code {
+  using Bits = unsigned char;
+  static constexpr float kMax = 127.0f;
+  static __device__ Bits encode(float v) {
+    return static_cast<Bits>(static_cast<signed char>(__float2int_rn(v)));
+  }
+  static __device__ float decode(Bits c) { return static_cast<float>(static_cast<signed char>(c)); }
+};
+
+constexpr int kWarp = 32;
+constexpr unsigned kAllLanes = 0xffffffffu;
+constexpr int kBlock = static_cast<int>(kScaleBlock);
+constexpr uint32_t kNanBits = 0x7fc00000u;  // std::numeric_limits<float>::quiet_NaN()
+
+// One warp holds one block: lane l the values of the 4-byte code words
+// q * 32 + l (q < kWords), kPer values each, so each access of the warp to
+// the codes covers 128 contiguous bytes, and to the data 256 or 512.
+template <typename Code>
+struct Shape {
+  static constexpr int kPer = 4 / static_cast<int>(sizeof(typename Code::Bits));
+  static constexpr int kWords = kBlock / kPer / kWarp;
+  using Values = float[kWords][kPer];
+};
+
+template <int N>
+struct alignas(4 * N) Floats {
+  float f[N];
+};
+
+__device__ __forceinline__ int64_t blocksOf(int64_t n) { return (n + kBlock - 1) / kBlock; }
+
+// 2^e, exactly, for normal results (-126 <= e <= 127).
+__device__ __forceinline__ float pow2(int e) { return __int_as_float((e + 127) << 23); }
+
+// The smallest e >= -126 with amax <= kMax * 2^e (wire_codec.cpp's
+// scaleExponent): the exponents' difference is the answer or one below it.
+__device__ __forceinline__ int scaleExponent(float amax, float kMax) {
+  if (!(amax > 0.0f)) return -126;
+  int e = ilogbf(amax) - ilogbf(kMax);
+  const double a = amax;
+  while (ldexp(static_cast<double>(kMax), e) < a) ++e;
+  while (ldexp(static_cast<double>(kMax), e - 1) >= a) --e;
+  return e < -126 ? -126 : e;
+}
+
+// The lane's values of the block at x (m values; zero past them), from or to
+// the data (device memory); `vec`: x is aligned for kPer floats at once.
+template <typename Code>
+__device__ __forceinline__ void loadValues(const float* x, int m, bool vec,
+                                           typename Shape<Code>::Values& v) {
+  using S = Shape<Code>;
+  const int lane = threadIdx.x % kWarp;
+#pragma unroll
+  for (int q = 0; q < S::kWords; ++q) {
+    const int e = (q * kWarp + lane) * S::kPer;
+    if (vec && e + S::kPer <= m) {
+      const Floats<S::kPer> f = *reinterpret_cast<const Floats<S::kPer>*>(x + e);
+#pragma unroll
+      for (int c = 0; c < S::kPer; ++c) v[q][c] = f.f[c];
+    } else {
+#pragma unroll
+      for (int c = 0; c < S::kPer; ++c) v[q][c] = e + c < m ? x[e + c] : 0.0f;
+    }
+  }
+}
+template <typename Code>
+__device__ __forceinline__ void storeValues(float* x, int m, bool vec,
+                                            const typename Shape<Code>::Values& v) {
+  using S = Shape<Code>;
+  const int lane = threadIdx.x % kWarp;
+#pragma unroll
+  for (int q = 0; q < S::kWords; ++q) {
+    const int e = (q * kWarp + lane) * S::kPer;
+    if (vec && e + S::kPer <= m) {
+      Floats<S::kPer> f;
+#pragma unroll
+      for (int c = 0; c < S::kPer; ++c) f.f[c] = v[q][c];
+      *reinterpret_cast<Floats<S::kPer>*>(x + e) = f;
+    } else {
+#pragma unroll
+      for (int c = 0; c < S::kPer; ++c)
+        if (e + c < m) x[e + c] = v[q][c];
+    }
+  }
+}
+
+// Codes the warp's block of m values (zero past them) into the staging: its
+// scale to *scale, its codes from `codes` on (the block's first). v becomes
+// the decoded values, what every receiver decodes.
+template <typename Code>
+__device__ __forceinline__ void encodeBlock(typename Shape<Code>::Values& v, int m, float* scale,
+                                            char* codes) {
+  using S = Shape<Code>;
+  using Bits = typename Code::Bits;
+  const int lane = threadIdx.x % kWarp;
+  float amax = 0.0f;
+  bool bad = false;  // inf or NaN in the block
+#pragma unroll
+  for (int q = 0; q < S::kWords; ++q)
+#pragma unroll
+    for (int c = 0; c < S::kPer; ++c) {
+      amax = fmaxf(amax, fabsf(v[q][c]));
+      bad = bad || !isfinite(v[q][c]);
+    }
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(kAllLanes, amax, o));
+  bad = __any_sync(kAllLanes, bad);
+  // A poisoned block: a NaN scale and zero codes, so it decodes to NaN.
+  const int e = bad ? 0 : scaleExponent(amax, Code::kMax);
+  const float s = bad ? __uint_as_float(kNanBits) : pow2(e);
+  const float inv = pow2(-e);
+  if (lane == 0) storeStaging(scale, s);
+#pragma unroll
+  for (int q = 0; q < S::kWords; ++q) {
+    const int w = q * kWarp + lane;
+    Bits b[S::kPer];
+    uint32_t word = 0;
+#pragma unroll
+    for (int c = 0; c < S::kPer; ++c) {
+      b[c] = bad ? Bits(0) : Code::encode(v[q][c] * inv);
+      word |= static_cast<uint32_t>(b[c]) << (8 * sizeof(Bits) * c);
+      v[q][c] = Code::decode(b[c]) * s;
+    }
+    const int first = w * S::kPer;
+    if (first + S::kPer <= m) {
+      storeStaging(reinterpret_cast<uint32_t*>(codes) + w, word);
+    } else {
+      // The piece's last word: not a byte past its codes.
+#pragma unroll
+      for (int c = 0; c < S::kPer; ++c)
+        if (first + c < m) storeStaging(reinterpret_cast<Bits*>(codes) + first + c, b[c]);
+    }
+  }
+}
+
+// The warp's block of m values decoded from the staging (zero past them).
+template <typename Code>
+__device__ __forceinline__ void decodeBlock(const float* scale, const char* codes, int m,
+                                            typename Shape<Code>::Values& v) {
+  using S = Shape<Code>;
+  using Bits = typename Code::Bits;
+  const int lane = threadIdx.x % kWarp;
+  const float s = loadStaging(scale);
+#pragma unroll
+  for (int q = 0; q < S::kWords; ++q) {
+    const int w = q * kWarp + lane;
+    const int first = w * S::kPer;
+    if (first + S::kPer <= m) {
+      const uint32_t word = loadStaging(reinterpret_cast<const uint32_t*>(codes) + w);
+#pragma unroll
+      for (int c = 0; c < S::kPer; ++c)
+        v[q][c] = Code::decode(static_cast<Bits>(word >> (8 * sizeof(Bits) * c))) * s;
+    } else {
+#pragma unroll
+      for (int c = 0; c < S::kPer; ++c)
+        v[q][c] =
+            first + c < m
+                ? Code::decode(loadStaging(reinterpret_cast<const Bits*>(codes) + first + c)) * s
+                : 0.0f;
+    }
+  }
+}
+
+// A coded piece of n values in a staging slot: its blocks' scales, then its codes.
+template <typename Code>
+struct CodedPiece {
+  char* slot;
+  int64_t n;
+  __device__ float* scale(int64_t b) const { return reinterpret_cast<float*>(slot) + b; }
+  __device__ char* codes(int64_t b) const {
+    return slot + blocksOf(n) * 4 + b * kBlock * static_cast<int64_t>(sizeof(typename Code::Bits));
+  }
+};
+
+// The warps of the grid's row, and this one's index among them.
+__device__ __forceinline__ int64_t warpIndex() {
+  return (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / kWarp;
+}
+__device__ __forceinline__ int64_t warpCount() {
+  return static_cast<int64_t>(gridDim.x) * blockDim.x / kWarp;
+}
+
+// P and B on a block-scaled wire: one row of blocks per staging slot
+// (blockIdx.y = j) codes chunk k's piece of node peerNode(j, me) into its
+// slot, or decodes the slot into it; one warp per block of the piece.
+template <typename Code, bool ToStaging>
+__global__ void moveScaledKernel(float* chunk, char* slots, int64_t pitch, HierLayout l, int64_t k,
+                                 int me) {
+  constexpr int kPer = Shape<Code>::kPer;
+  const int j = blockIdx.y;
+  const int p = peerNode(j, me);
+  const CodedPiece<Code> piece{slots + j * pitch, l.pieceLen(k, p)};
+  float* x = chunk + l.pieceOff(k, p);
+  const bool vec = reinterpret_cast<uintptr_t>(x) % (4 * kPer) == 0;
+  for (int64_t b = warpIndex(); b < blocksOf(piece.n); b += warpCount()) {
+    const int m = static_cast<int>(piece.n - b * kBlock < kBlock ? piece.n - b * kBlock : kBlock);
+    typename Shape<Code>::Values v;
+    if constexpr (ToStaging) {
+      loadValues<Code>(x + b * kBlock, m, vec, v);
+      encodeBlock<Code>(v, m, piece.scale(b), piece.codes(b));
+    } else {
+      decodeBlock<Code>(piece.scale(b), piece.codes(b), m, v);
+      storeValues<Code>(x + b * kBlock, m, vec, v);
+    }
+  }
+}
+
+// A on a block-scaled wire: own[i] + every peer's decoded piece[i] in float32
+// (divided by `divisor` > 0), coded into `out` and decoded back into own[].
+template <typename Code>
+__global__ void reduceScaledKernel(float* own, const char* recv, int64_t pitch, int nPeers,
+                                   int64_t n, int64_t divisor, char* out) {
+  constexpr int kPer = Shape<Code>::kPer;
+  const CodedPiece<Code> result{out, n};
+  const bool vec = reinterpret_cast<uintptr_t>(own) % (4 * kPer) == 0;
+  for (int64_t b = warpIndex(); b < blocksOf(n); b += warpCount()) {
+    const int m = static_cast<int>(n - b * kBlock < kBlock ? n - b * kBlock : kBlock);
+    typename Shape<Code>::Values acc, in;
+    loadValues<Code>(own + b * kBlock, m, vec, acc);
+    for (int j = 0; j < nPeers; ++j) {
+      const CodedPiece<Code> peer{const_cast<char*>(recv) + j * pitch, n};
+      decodeBlock<Code>(peer.scale(b), peer.codes(b), m, in);
+#pragma unroll
+      for (int q = 0; q < Shape<Code>::kWords; ++q)
+#pragma unroll
+        for (int c = 0; c < kPer; ++c) acc[q][c] += in[q][c];
+    }
+    if (divisor > 0) {
+#pragma unroll
+      for (int q = 0; q < Shape<Code>::kWords; ++q)
+#pragma unroll
+        for (int c = 0; c < kPer; ++c) acc[q][c] = acc[q][c] / static_cast<float>(divisor);
+    }
+    encodeBlock<Code>(acc, m, result.scale(b), result.codes(b));
+    storeValues<Code>(own + b * kBlock, m, vec, acc);
+  }
+}
+
+bool aligned4(const void* p) { return reinterpret_cast<uintptr_t>(p) % 4 == 0; }
+
+void checkScaledStaging(const void* a, const void* b, int64_t pitch) {
+  if (!aligned4(a) || !aligned4(b) || pitch % 4 != 0)
+    throw std::invalid_argument(
+        "fastcomm: internal: block-scaled wire staging must be 4-byte aligned");
+}
+
+// Thread blocks for `blocks` wire blocks (one warp each) per row of `rows`.
+int blocksForScaled(int64_t blocks, int rows) {
+  const int64_t most = kMaxBlocks / rows > 0 ? kMaxBlocks / rows : 1;
+  const int64_t b = (blocks + kThreads / kWarp - 1) / (kThreads / kWarp);
+  return static_cast<int>(b < 1 ? 1 : (b > most ? most : b));
+}
+
+template <typename Code, bool ToStaging>
+void launchMoveScaled(const void* chunk, void* slots, int64_t pitch, const HierLayout& l, int64_t k,
+                      int me, cudaStream_t s) {
+  checkScaledStaging(slots, slots, pitch);
+  const int rows = l.rails - 1;
+  const dim3 grid(blocksForScaled((l.q(k) + kBlock - 1) / kBlock, rows), rows);
+  // The kernel writes `chunk` only when !ToStaging (B); P passes it to be read.
+  moveScaledKernel<Code, ToStaging><<<grid, kThreads, 0, s>>>(
+      static_cast<float*>(const_cast<void*>(chunk)), static_cast<char*>(slots), pitch, l, k, me);
+}
+
+template <typename Code>
+void launchReduceScaled(void* own, const void* recv, int64_t pitch, int nPeers, int64_t n,
+                        int64_t divisor, void* out, cudaStream_t s) {
+  checkScaledStaging(recv, out, pitch);
+  reduceScaledKernel<Code><<<blocksForScaled((n + kBlock - 1) / kBlock, 1), kThreads, 0, s>>>(
+      static_cast<float*>(own), static_cast<const char*>(recv), pitch, nPeers, n, divisor,
+      static_cast<char*>(out));
+}
+
 // Blocks for `units` per row of `rows`, all rows together within kMaxBlocks.
 int blocksPerRow(int64_t units, int rows) {
   const int64_t most = kMaxBlocks / rows > 0 ? kMaxBlocks / rows : 1;
@@ -357,7 +641,7 @@ void forElem(Elem elem, F&& fn) {
 }
 
 // Chunk k's pieces between the shard and the staging slots, either way (the
-// staging holds the wire dtype when there is one). The kernels take the
+// staging holds the wire's codes when there is one). The kernels take the
 // chunk as const and the slots as writable whatever the direction; which
 // side they write follows kToStaging.
 template <bool kToStaging>
@@ -366,7 +650,9 @@ void moveStaging(Wire wire, int64_t esize, const void* chunk, void* slots, int64
   if (wire == Wire::BF16) {
     launchMove<float, __nv_bfloat16, kToStaging>(chunk, slots, pitch, l, k, me, s);
   } else if (wire == Wire::FP16) {
-    launchMove<float, __half, kToStaging>(chunk, slots, pitch, l, k, me, s);
+    launchMoveScaled<HalfCode, kToStaging>(chunk, slots, pitch, l, k, me, s);
+  } else if (wire == Wire::INT8) {
+    launchMoveScaled<Int8Code, kToStaging>(chunk, slots, pitch, l, k, me, s);
   } else {
     moveBits<kToStaging>(esize, chunk, slots, pitch, l, k, me, s);
   }
@@ -392,8 +678,10 @@ void reduceFromStaging(Elem elem, Op op, Wire wire, void* own, const void* recv,
       throw std::invalid_argument("fastcomm: wire dtype for float32 sums only");
     if (wire == Wire::BF16) {
       launchReduceStaged<float, __nv_bfloat16>(op, own, recv, pitch, nPeers, n, divisor, out, s);
+    } else if (wire == Wire::FP16) {
+      launchReduceScaled<HalfCode>(own, recv, pitch, nPeers, n, divisor, out, s);
     } else {
-      launchReduceStaged<float, __half>(op, own, recv, pitch, nPeers, n, divisor, out, s);
+      launchReduceScaled<Int8Code>(own, recv, pitch, nPeers, n, divisor, out, s);
     }
     check(cudaGetLastError(), "reduction kernel launch");
     return;
@@ -432,6 +720,13 @@ void loadWire() {
   load(moveKernel<float, W, false>);
 }
 
+template <typename Code>
+void loadScaledWire() {
+  load(reduceScaledKernel<Code>);
+  load(moveScaledKernel<Code, true>);
+  load(moveScaledKernel<Code, false>);
+}
+
 template <int Bytes>
 void loadMoves() {
   using B = typename Bits<Bytes>::T;
@@ -452,7 +747,8 @@ void preload() {
   loadReductions<int32_t>();
   loadReductions<int64_t>();
   loadWire<__nv_bfloat16>();
-  loadWire<__half>();
+  loadScaledWire<HalfCode>();
+  loadScaledWire<Int8Code>();
   loadMoves<1>();
   loadMoves<2>();
   loadMoves<4>();

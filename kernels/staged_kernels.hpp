@@ -1,9 +1,8 @@
 // Kernels of the CUDA multi-node all-reduce (plans/cuda/cuda_hier.*): the
 // steps of the rail, each reading and writing the staging in place (the
-// pieces for the peers staged, cast to a 16-bit wire dtype if asked; the
-// peers' pieces reduced into this rank's own; the reduced pieces put in
-// place). Host-callable launchers with plain types, so this header needs no
-// ATen.
+// pieces for the peers staged, coded for a wire dtype if asked; the peers'
+// pieces reduced into this rank's own; the reduced pieces put in place).
+// Host-callable launchers with plain types, so this header needs no ATen.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -18,30 +17,39 @@ namespace hierk {
 // Element types the path reduces (the NCCL arithmetic types but bool).
 enum class Elem : int { F32, F64, F16, BF16, I8, U8, I32, I64 };
 enum class Op : int { Sum, Prod, Min, Max };
-enum class Wire : int { None, BF16, FP16 };
+// How float32 sums travel: as they are; bf16 (each value rounded); fp16 or
+// int8 codes, block-scaled in plans/wire_codec.hpp's format, bit for bit
+// (each block of kScaleBlock values with the float32 power-of-two scale that
+// brings its largest magnitude into the code's range; a block holding inf or
+// NaN has a NaN scale and zero codes). A piece of n values in the staging is
+// then its blocks' scales followed by its codes (scaledWireBytes(n, 2 or 1)
+// bytes), so staging slots must be 4-byte aligned.
+enum class Wire : int { None, BF16, FP16, INT8 };
 
 // The steps of the rail (plans/staged_rail.hpp, StagedDevice): one
 // kernel each that reads or writes the staging in place, mapped pinned host
 // memory or device memory alike. Staging slots lie `pitch` bytes apart, slot
 // j for node peerNode(j, me); `chunk` is chunk k's first element of `esize`
 // bytes (float32 with a wire dtype). 16-byte loads and stores where the
-// addresses allow, else element by element.
+// addresses allow, else element by element (block-scaled wires: one warp per
+// block, 4-byte words of codes, the data in 8- or 16-byte vectors where
+// aligned).
 //
-// P(k): the pieces of chunk k the peers own -> `slots` (cast to the wire).
+// P(k): the pieces of chunk k the peers own -> `slots` (coded for the wire).
 void packToStaging(Wire wire, int64_t esize, const void* chunk, void* slots, int64_t pitch,
                    const HierLayout& l, int64_t k, int me, cudaStream_t stream);
 // A(k): own[i] = own[i] op peer j's piece[i] for j < nPeers, i < n, peer
 // j's piece read from recv + j * pitch bytes, accumulated in float (16-bit
 // types), double, or 64-bit integers; `divisor` > 0 divides the result (AVG;
 // integer division truncates). The result is stored in own[] and, as the
-// element type or rounded to the wire dtype, in out[] (the staging slot the
+// element type or coded for the wire, in out[] (the staging slot the
 // all-gather sends). With a wire dtype (float32 data, Sum only) the peers'
-// pieces are wire values and own[] gets the rounded result too, so the owner
-// keeps exactly what its peers receive.
+// pieces are coded, and own[] gets the decoded result, so the owner keeps
+// exactly what its peers receive.
 void reduceFromStaging(Elem elem, Op op, Wire wire, void* own, const void* recv, int64_t pitch,
                        int nPeers, int64_t n, int64_t divisor, void* out, cudaStream_t stream);
 // B(k): the peers' reduced pieces of chunk k from `slots` into place in the
-// chunk (from the wire dtype).
+// chunk (decoded from the wire).
 void gatherFromStaging(Wire wire, int64_t esize, const void* slots, int64_t pitch, void* chunk,
                        const HierLayout& l, int64_t k, int me, cudaStream_t stream);
 

@@ -12,7 +12,7 @@
 //
 // Pieces start on multiples of `align` elements (64 bytes) of the shard, and
 // a full chunk's pieces all have qMax elements; staging slots hold qMax
-// elements per peer.
+// elements per peer (on a block-scaled wire: their codes and scales).
 #pragma once
 
 #include <algorithm>
@@ -25,6 +25,16 @@
 #endif
 
 namespace fastcomm {
+
+// Float32 values that share one power-of-two scale on a block-scaled wire
+// dtype (fp16, int8); plans/wire_codec.hpp codes the same format on the host.
+constexpr int64_t kScaleBlock = 256;
+
+// Bytes of n values on a block-scaled wire of `codeBytes`-byte codes: the
+// float32 scales of its blocks first, then the codes.
+FASTCOMM_HD inline int64_t scaledWireBytes(int64_t n, int64_t codeBytes) {
+  return (n + kScaleBlock - 1) / kScaleBlock * 4 + n * codeBytes;
+}
 
 struct HierLayout {
   int64_t shard = 0;       // elements of this rank's shard
@@ -51,11 +61,14 @@ struct HierLayout {
   }
 
   // Bytes one piece slot needs for elements of `esize` bytes: the most over
-  // every element size, so one staging allocation serves every dtype.
+  // every element size, so one staging allocation serves every dtype. 1- and
+  // 2-byte elements may be a block-scaled wire's codes, whose scales come too.
   static int64_t pieceSlotBytes(int rails, int64_t chunkBytes) {
     int64_t most = 0;
-    for (int64_t esize : {1, 2, 4, 8})
-      most = std::max(most, make(0, rails, chunkBytes, esize).qMax * esize);
+    for (int64_t esize : {1, 2, 4, 8}) {
+      const int64_t q = make(0, rails, chunkBytes, esize).qMax;
+      most = std::max(most, esize <= 2 ? scaledWireBytes(q, esize) : q * esize);
+    }
     return most;
   }
 

@@ -166,8 +166,7 @@ const std::vector<Setting>& settings() {
                        {"none", "bf16", "fp16", "int8"}, "none",
                        "float32 SUM/AVG cross nodes coded, accumulated in float32: `bf16` rounds "
                        "each value; `fp16` and `int8` code blocks of 256 values with a "
-                       "power-of-two scale each (CPU tensors; the CUDA path takes `bf16` and "
-                       "unscaled `fp16`)"));
+                       "power-of-two scale each (CPU and CUDA tensors alike)"));
     v.push_back(bytes("FASTCOMM_CHUNK_BYTES", A, &Config::chunkBytes, "1M",
                       "pipeline chunk of the host plans and shared memory, per rank and step "
                       "(K/M/G suffixes)"));

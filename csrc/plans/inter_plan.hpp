@@ -18,7 +18,7 @@ namespace fastcomm {
 
 struct InterPlan {
   std::string transport;         // "tcp" or "ib" (FASTCOMM_TRANSPORT, "auto" resolved)
-  std::string wireDtype;         // none | bf16 | fp16
+  std::string wireDtype;         // none | bf16 | fp16 | int8
   int64_t chunkBytes = 0;        // host pipeline chunk
   bool cudaHier = true;          // CUDA all_reduce across nodes: staged pipeline
   int64_t cudaChunkBytes = 0;    // its pipeline chunk

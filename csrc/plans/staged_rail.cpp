@@ -31,6 +31,12 @@ constexpr int64_t kMinChunkBytes = 256 << 10;
 
 int64_t roundUp(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
+// The kernels code the host codec's format (kernels/staged_layout.hpp).
+static_assert(kScaleBlock == kWireBlock, "one block size for the wire's scales");
+
+// Bytes of one element's code on the wire (scales aside).
+int64_t codeBytes(WireDtype wire) { return wire == WireDtype::INT8 ? 1 : 2; }
+
 uint32_t loadFlag(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 void storeFlag(uint32_t* p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 
@@ -94,7 +100,8 @@ StagedRail::Staging StagedRail::stagingFor(int rails, int64_t chunkBytes, int64_
 }
 
 HierLayout StagedRail::layoutFor(int64_t shardElems, at::ScalarType dt, RedOp op) const {
-  const int64_t wsize = wireFor(dt, op) ? 2 : static_cast<int64_t>(c10::elementSize(dt));
+  const int64_t wsize =
+      wireFor(dt, op) ? codeBytes(wire_) : static_cast<int64_t>(c10::elementSize(dt));
   // A small op in one chunk runs its steps one after the other (stage, send,
   // reduce, send, place): cut it into kSmallOpChunks chunks, down to
   // kMinChunkBytes, so they overlap. The same on every rank (the shard and
@@ -124,9 +131,6 @@ StagedRail::StagedRail(StagedDevice& device, std::vector<int> railRanks, int me,
   const int rails = static_cast<int>(railRanks_.size());
   TORCH_CHECK(rails >= 2 && me_ >= 0 && me_ < rails && railRanks_[me_] == groupRank_,
               "fastcomm: internal: bad rail");
-  TORCH_CHECK(wire_ == WireDtype::None || wire_ == WireDtype::BF16 || wire_ == WireDtype::FP16,
-              "fastcomm: FASTCOMM_WIRE_DTYPE=int8 codes CPU tensors only; the multi-node "
-              "all_reduce of CUDA tensors takes none, bf16 or fp16");
   TORCH_CHECK(window_ >= kCudaWindowMin && window_ <= kCudaWindowMax && lag_ >= 1,
               "fastcomm: internal: staged window ", window_, " or lag ", lag_, " out of range");
   for (int j = 0; j < rails - 1; ++j) peers_.push_back(railRanks_[peerNode(j, me_)]);
@@ -274,7 +278,6 @@ void StagedRail::allreduce(char* shard, int64_t shardElems, at::ScalarType dt, R
   }
   const int64_t esize = static_cast<int64_t>(c10::elementSize(dt));
   const bool wire = wireFor(dt, op);
-  const int64_t wsize = wire ? 2 : esize;
   const HierLayout l = layoutFor(shardElems, dt, op);
 
   const bool capture = dev_.capturing();
@@ -285,7 +288,8 @@ void StagedRail::allreduce(char* shard, int64_t shardElems, at::ScalarType dt, R
   desc.deadline = ctx.deadline;  // captured: reset by every replay's host call
   desc.layout = l;
   desc.firstChunk = nextChunk_;
-  desc.esize = wsize;
+  desc.esize = esize;
+  desc.wire = wire ? wire_ : WireDtype::None;
   desc.failWork = std::move(failWork);
   const int64_t first = nextChunk_;
   nextChunk_ += l.chunks;
@@ -433,7 +437,6 @@ void StagedRail::runOp(Op& op) {
   const HierLayout& l = op.layout;
   const int64_t n = l.chunks;
   const int peers = static_cast<int>(peers_.size());
-  const int64_t es = op.esize;
   std::vector<ChunkState> cs;
   cs.reserve(n);
   for (int64_t k = 0; k < n; ++k) cs.emplace_back(peers);
@@ -465,7 +468,7 @@ void StagedRail::runOp(Op& op) {
         for (; c.rsRecvPosted < peers; ++c.rsRecvPosted) {
           const int j = c.rsRecvPosted;
           if (len == 0) continue;
-          auto r = rsConns_[j]->irecv(recvSlot(w, j), len * es, rsMr_.get());
+          auto r = rsConns_[j]->irecv(recvSlot(w, j), op.pieceBytes(len), rsMr_.get());
           if (!r) break;  // the connection's request limit: later
           c.rsRecv[j] = std::move(r);
         }
@@ -481,7 +484,7 @@ void StagedRail::runOp(Op& op) {
           const int j = c.agRecvPosted;
           const int64_t len = l.pieceLen(agRecvNext, peerNode(j, me_));
           if (len == 0) continue;
-          auto r = agConns_[j]->irecv(agRecvSlot(w, j), len * es, agMr_.get());
+          auto r = agConns_[j]->irecv(agRecvSlot(w, j), op.pieceBytes(len), agMr_.get());
           if (!r) break;
           c.agRecv[j] = std::move(r);
         }
@@ -506,7 +509,7 @@ void StagedRail::runOp(Op& op) {
           const int j = c.rsSendPosted;
           const int64_t len = l.pieceLen(rsSendNext, peerNode(j, me_));
           if (len == 0) continue;
-          auto r = rsConns_[j]->isend(sendSlot(w, j), len * es, rsMr_.get());
+          auto r = rsConns_[j]->isend(sendSlot(w, j), op.pieceBytes(len), rsMr_.get());
           if (!r) break;
           c.rsSend[j] = std::move(r);
         }
@@ -548,7 +551,7 @@ void StagedRail::runOp(Op& op) {
         for (; c.agSendPosted < peers; ++c.agSendPosted) {
           const int j = c.agSendPosted;
           if (len == 0) continue;
-          auto r = agConns_[j]->isend(agSendSlot(w), len * es, agMr_.get());
+          auto r = agConns_[j]->isend(agSendSlot(w), op.pieceBytes(len), agMr_.get());
           if (!r) break;
           c.agSend[j] = std::move(r);
         }

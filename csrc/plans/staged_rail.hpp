@@ -10,8 +10,8 @@
 //
 // Per chunk k (kernels/staged_layout.hpp: each chunk of the shard is cut into one
 // piece per rail member, piece p owned by the member on node p):
-//   P(k): the device stages the pieces the peers own in send slots (cast to
-//         the 16-bit wire dtype if asked);
+//   P(k): the device stages the pieces the peers own in send slots (coded
+//         for the wire dtype if asked);
 //   net:  the proxy sends them and receives the peers' copies of this rank's
 //         own piece;
 //   A(k): the device reduces those into the own piece and stages the result;
@@ -163,18 +163,20 @@ class StagedDevice {
   // in place. Staging piece slots lie `pitch` bytes apart, slot j
   // holding node peerNode(j, me)'s piece; `chunk` is chunk k's first element
   // of `esize` bytes. With a wire dtype the data is float32 and the slots
-  // hold wire values.
-  // P(k): the pieces of chunk k the peers own -> `slots` (cast to the wire).
+  // hold a piece as plans/wire_codec.hpp codes it (fp16, int8: its blocks'
+  // scales, then its codes).
+  // P(k): the pieces of chunk k the peers own -> `slots` (coded).
   virtual void packToStaging(WireDtype wire, int64_t esize, const void* chunk, void* slots,
                              int64_t pitch, const HierLayout& l, int64_t k, int me) = 0;
   // A(k): reduce() with the peers' pieces read from `recv` (peer j's at
-  // recv + j * pitch bytes) and the result stored both in own[] and, as dt
-  // or rounded to the wire dtype, in out[] (the all-gather send slot).
+  // recv + j * pitch bytes) and the result stored both in out[] (the
+  // all-gather send slot), as dt or coded, and in own[] (with a wire dtype:
+  // decoded, so the owner keeps exactly what its peers receive).
   virtual void reduceFromStaging(at::ScalarType dt, RedOp op, WireDtype wire, void* own,
                                  const void* recv, int64_t pitch, int nPeers, int64_t n,
                                  int64_t divisor, void* out) = 0;
   // B(k): the peers' reduced pieces of chunk k from `slots` into place in
-  // the chunk (from the wire dtype).
+  // the chunk (decoded).
   virtual void gatherFromStaging(WireDtype wire, int64_t esize, const void* slots, int64_t pitch,
                                  void* chunk, const HierLayout& l, int64_t k, int me) = 0;
   // Whether the operations issued now are recorded for replays (a CUDA graph
@@ -216,9 +218,14 @@ class StagedRail {
     std::chrono::milliseconds timeout{0};
     Clock::time_point deadline{};
     HierLayout layout;
-    int64_t firstChunk = 0;  // rail-wide chunk number of chunk 0 (its slot)
-    int64_t esize = 0;       // bytes per element on the wire
+    int64_t firstChunk = 0;            // rail-wide chunk number of chunk 0 (its slot)
+    int64_t esize = 0;                 // bytes per element of the data
+    WireDtype wire = WireDtype::None;  // how float32 sums travel (None: as they are)
     std::function<void(std::exception_ptr)> failWork;
+    // Bytes that a piece of `len` elements takes on the network.
+    int64_t pieceBytes(int64_t len) const {
+      return wire == WireDtype::None ? len * esize : WireCodec(wire).bytes(len);
+    }
   };
 
   // Staging the owner allocates and keeps alive until stop() returned and
@@ -266,9 +273,10 @@ class StagedRail {
     return wire_ != WireDtype::None && dt == at::kFloat && (op == RedOp::Sum || op == RedOp::Avg);
   }
   // The chunks and pieces of one all_reduce: chunks of about chunkBytes of
-  // what crosses the network, i.e. of 16-bit elements on a 16-bit wire
-  // (twice the float32 elements per chunk), since the per-chunk costs (the
-  // proxy's posts and flags, the device's waits) are paid per wire chunk.
+  // what crosses the network, i.e. of the wire's codes on a wire dtype (2 or
+  // 4 times the float32 elements per chunk; the scales of fp16 and int8 add
+  // 1/128 or 1/64), since the per-chunk costs (the proxy's posts and flags,
+  // the device's waits) are paid per wire chunk.
   // Small ops take smaller chunks (at least 4, of at least 256 KiB; the .cpp says
   // why), so their steps overlap too.
   HierLayout layoutFor(int64_t shardElems, at::ScalarType dt, RedOp op) const;

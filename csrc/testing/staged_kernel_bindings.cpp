@@ -1,10 +1,12 @@
-// The staged rail's chunk/piece layout (kernels/staged_layout.hpp) and, in
-// CUDA builds, its staging kernels alone (kernels/staged_kernels.hpp),
-// for tests/test_hier_layout.py and tests/test_staged_kernels.py.
+// The staged rail's chunk/piece layout (kernels/staged_layout.hpp), the host
+// wire codec (plans/wire_codec.hpp) and, in CUDA builds, the staging kernels
+// alone (kernels/staged_kernels.hpp), for tests/test_hier_layout.py and
+// tests/test_staged_kernels.py.
 #include <pybind11/stl.h>
 #include <torch/python.h>
 
 #include "kernels/staged_layout.hpp"
+#include "plans/wire_codec.hpp"
 #include "testing/bindings.hpp"
 
 #ifdef FASTCOMM_WITH_CUDA
@@ -23,8 +25,23 @@ using namespace fastcomm;
 hierk::Wire wireOf(const std::string& w) {
   if (w == "bf16") return hierk::Wire::BF16;
   if (w == "fp16") return hierk::Wire::FP16;
-  TORCH_CHECK(w == "none", "fastcomm: wire must be none, bf16 or fp16, not ", w);
+  if (w == "int8") return hierk::Wire::INT8;
+  TORCH_CHECK(w == "none", "fastcomm: wire must be none, bf16, fp16 or int8, not ", w);
   return hierk::Wire::None;
+}
+
+// A layout whose chunk 0, seen from node 1, has node 0's piece as the first
+// n elements of the shard: P and B then code and decode exactly those.
+HierLayout onePiece(int64_t n) {
+  TORCH_CHECK(n >= 1, "fastcomm: no values to code");
+  HierLayout l;
+  l.shard = 2 * n;
+  l.rails = 2;
+  l.align = 1;
+  l.qMax = n;
+  l.chunkElems = 2 * n;
+  l.chunks = 1;
+  return l;
 }
 
 hierk::Elem elemOf(at::ScalarType t) {
@@ -84,6 +101,24 @@ void bindKernels(py::module_& m) {
       },
       "hierk::reduceFromStaging of `recv` (peer j at j * pitch bytes) into `own` "
       "and `out`.");
+  m.def(
+      "_staged_encode",
+      [](const at::Tensor& x, const std::string& wire, const at::Tensor& out) {
+        TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kFloat && x.is_contiguous(),
+                    "fastcomm: x must be contiguous float32 on the GPU");
+        hierk::packToStaging(wireOf(wire), 4, x.data_ptr(), out.data_ptr(), 0, onePiece(x.numel()),
+                             0, 1, at::cuda::getCurrentCUDAStream());
+      },
+      "x coded into `out` by the kernel of P, as one piece.");
+  m.def(
+      "_staged_decode",
+      [](const at::Tensor& coded, const std::string& wire, const at::Tensor& x) {
+        TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kFloat && x.is_contiguous(),
+                    "fastcomm: x must be contiguous float32 on the GPU");
+        hierk::gatherFromStaging(wireOf(wire), 4, coded.data_ptr(), 0, x.data_ptr(),
+                                 onePiece(x.numel()), 0, 1, at::cuda::getCurrentCUDAStream());
+      },
+      "`coded` decoded into x by the kernel of B, as one piece.");
 }
 
 }  // namespace
@@ -91,8 +126,46 @@ void bindKernels(py::module_& m) {
 
 namespace fastcomm {
 namespace testing {
+namespace {
+
+WireDtype codecOf(const std::string& w) {
+  const WireDtype d = parseWireDtype(w);
+  TORCH_CHECK(d != WireDtype::None, "fastcomm: wire must be bf16, fp16 or int8, not ", w);
+  return d;
+}
+
+void checkFloatsOnHost(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "fastcomm: values must be contiguous float32 on the CPU");
+}
+
+}  // namespace
 
 void bindStagedKernels(py::module_& m) {
+  m.def(
+      "_wire_encode",
+      [](const at::Tensor& x, const std::string& wire) {
+        checkFloatsOnHost(x);
+        const WireCodec codec(codecOf(wire));
+        at::Tensor out = at::empty({codec.bytes(x.numel())}, at::kByte);
+        if (x.numel() > 0) codec.encode(x.data_ptr<float>(), x.numel(), out.data_ptr());
+        return out;
+      },
+      "x coded by the host wire codec (plans/wire_codec.hpp), as bytes.", py::arg("x"),
+      py::arg("wire"));
+  m.def(
+      "_wire_decode",
+      [](const at::Tensor& coded, int64_t n, const std::string& wire) {
+        const WireCodec codec(codecOf(wire));
+        TORCH_CHECK(coded.device().is_cpu() && coded.scalar_type() == at::kByte &&
+                        coded.is_contiguous() && coded.numel() == codec.bytes(n),
+                    "fastcomm: ", n, " coded values are ", codec.bytes(n), " contiguous bytes");
+        at::Tensor x = at::empty({n}, at::kFloat);
+        if (n > 0) codec.decode(coded.data_ptr(), n, x.data_ptr<float>());
+        return x;
+      },
+      "n values decoded by the host wire codec from `coded`.", py::arg("coded"), py::arg("n"),
+      py::arg("wire"));
   m.def(
       "_hier_layout",
       [](int64_t shard, int rails, int64_t chunkBytes, int64_t esize) {

@@ -30,23 +30,6 @@ namespace {
 uint32_t loadFlag(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 void storeFlag(uint32_t* p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 
-float wireToFloat(WireDtype w, const void* p, int64_t i) {
-  if (w == WireDtype::BF16) return static_cast<float>(static_cast<const c10::BFloat16*>(p)[i]);
-  return static_cast<float>(static_cast<const c10::Half*>(p)[i]);
-}
-
-// Rounds `v` to the wire type, stores it at p[i] and returns its value.
-float floatToWire(WireDtype w, void* p, int64_t i, float v) {
-  if (w == WireDtype::BF16) {
-    c10::BFloat16 b(v);
-    static_cast<c10::BFloat16*>(p)[i] = b;
-    return static_cast<float>(b);
-  }
-  c10::Half h(v);
-  static_cast<c10::Half*>(p)[i] = h;
-  return static_cast<float>(h);
-}
-
 struct Abandoned {};
 
 class EmulatedDevice final : public StagedDevice {
@@ -132,9 +115,8 @@ class EmulatedDevice final : public StagedDevice {
         const int64_t len = l.pieceLen(k, p);
         if (wire == WireDtype::None) {
           std::memcpy(dst, src, len * esize);
-        } else {
-          for (int64_t i = 0; i < len; ++i)
-            floatToWire(wire, dst, i, reinterpret_cast<const float*>(src)[i]);
+        } else if (len > 0) {
+          WireCodec(wire).encode(reinterpret_cast<const float*>(src), len, dst);
         }
       }
     });
@@ -145,13 +127,14 @@ class EmulatedDevice final : public StagedDevice {
     enqueue([=] {
       auto peer = [&](int j) { return static_cast<const char*>(recv) + j * pitch; };
       if (wire != WireDtype::None) {
+        // The kernels' arithmetic: own + each peer in turn, in float32.
+        const WireCodec codec(wire);
         float* o = static_cast<float*>(own);
-        for (int64_t i = 0; i < n; ++i) {
-          float acc = o[i];
-          for (int j = 0; j < nPeers; ++j) acc += wireToFloat(wire, peer(j), i);
-          if (divisor > 0) acc /= static_cast<float>(divisor);
-          o[i] = floatToWire(wire, out, i, acc);
-        }
+        for (int j = 0; j < nPeers; ++j) codec.decodeAdd(peer(j), n, o);
+        if (divisor > 0)
+          for (int64_t i = 0; i < n; ++i) o[i] /= static_cast<float>(divisor);
+        codec.encode(o, n, out);
+        codec.decode(out, n, o);
         return;
       }
       std::vector<const void*> ins{own};
@@ -171,9 +154,8 @@ class EmulatedDevice final : public StagedDevice {
         const int64_t len = l.pieceLen(k, p);
         if (wire == WireDtype::None) {
           std::memcpy(dst, src, len * esize);
-        } else {
-          for (int64_t i = 0; i < len; ++i)
-            reinterpret_cast<float*>(dst)[i] = wireToFloat(wire, src, i);
+        } else if (len > 0) {
+          WireCodec(wire).decode(src, len, reinterpret_cast<float*>(dst));
         }
       }
     });

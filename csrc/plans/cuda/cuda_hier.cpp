@@ -91,8 +91,17 @@ hierk::Op kernelOp(RedOp op) {
 }
 
 hierk::Wire kernelWire(WireDtype w) {
-  return w == WireDtype::BF16 ? hierk::Wire::BF16
-                              : (w == WireDtype::FP16 ? hierk::Wire::FP16 : hierk::Wire::None);
+  switch (w) {
+    case WireDtype::BF16:
+      return hierk::Wire::BF16;
+    case WireDtype::FP16:
+      return hierk::Wire::FP16;
+    case WireDtype::INT8:
+      return hierk::Wire::INT8;
+    case WireDtype::None:
+      break;
+  }
+  return hierk::Wire::None;
 }
 
 uint32_t loadFlag(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
