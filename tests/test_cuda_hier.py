@@ -3,8 +3,8 @@
 through pinned staging -> intra-node NCCL all-gather.
 
 Every test needs 4 GPUs (one per rank) and is skipped without them, but the 2x1 cases of
-test_three_streams, test_killed_peer_fails_everyone_clearly and test_staging_modes (2 GPUs as 2
-nodes of 1). The path's use is proven by its proxy's timeline events (FASTCOMM_TIMELINE=1), so a
+test_wire_dtype, test_three_streams, test_killed_peer_fails_everyone_clearly and
+test_staging_modes (2 GPUs as 2 nodes of 1). The path's use is proven by its proxy's timeline events (FASTCOMM_TIMELINE=1), so a
 silent fallback to the flat NCCL communicator fails the tests. References come from fresh random
 data every rank regenerates (tests/_harness.py gen), computed in float64 / int64.
 
@@ -32,6 +32,12 @@ pytestmark = [
 
 PROXY_THREAD = "fc-cuda-proxy"
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64"]
+# Node of each rank: 2 nodes x 2 GPUs (the node's NCCL reduce-scatter / all-gather around the
+# rail), and 2 nodes x 1 GPU (the rail alone; runs on a 2-GPU machine).
+LAYOUTS = [
+    pytest.param([0, 0, 1, 1], id="2x2"),
+    pytest.param([0, 1], id="2x1", marks=pytest.mark.cuda(world_size=2)),
+]
 
 
 def nodes_env(nodes: list[int], **extra: str) -> Any:
@@ -205,33 +211,72 @@ def test_uneven_nodes_stay_flat() -> None:
 # ----------------------------------------------------------------------------- wire dtype
 
 
+# Per wire dtype: the largest error of one coding of a value, relative to the value (bf16) or
+# to the largest magnitude of the block of 256 it is coded in (fp16, int8: block-scaled), and
+# a bound on the relative L2 error of a whole all_reduce of Gaussian data.
+WIRE_STEP = {"bf16": 2.0**-8, "fp16": 2.0**-11, "int8": 1 / 127}
+WIRE_L2 = {"bf16": 2.0**-7, "fp16": 2.0**-10, "int8": 2.0**-5}
+
+
+def _block_max(v: torch.Tensor) -> torch.Tensor:
+    """The largest of v (>= 0) within 255 places either side of each element: over every block
+    of 256 that may hold it (pieces, hence blocks, start anywhere on a 16-element grid)."""
+    m = torch.nn.functional.pad(v, (255, 255))
+    span = 1
+    while span < 256:  # m[i] = max(pad[i : i + 2 * span])
+        m = torch.maximum(m[:-span], m[span:])
+        span *= 2
+    return torch.maximum(m[: v.numel()], m[255 : 255 + v.numel()])
+
+
 def _check_wire_allreduce(
-    chk: Checker, key: str, n: int, op: str, wire: str, rank: int, ws: int, dev, group=None
+    chk: Checker,
+    key: str,
+    n: int,
+    op: str,
+    wire: str,
+    rank: int,
+    ws: int,
+    dev,
+    group=None,
+    outliers: bool = False,
 ) -> None:
-    """A float32 SUM/AVG all_reduce of n elements that must take the staged path with the
-    16-bit wire: within the wire's rounding of the float64 result, and rounded at all."""
+    """A float32 SUM/AVG all_reduce of n elements that must take the staged path with a wire
+    dtype. Each node's partial is coded once and the owner's sum once more, so the error is
+    within three codings relative to the sum of magnitudes (bf16: four of its roundings) or,
+    block-scaled, to that sum's largest over any block of 256 holding the element; the relative
+    L2 error within the wire's; finite; rounded at all; bit-identical on every rank.
+    `outliers`: values of about 1e3 and, at the same places on every rank, 5e4, whose sums pass
+    fp16's largest value (65504)."""
     import torchext
 
-    eps = {"bf16": 2.0**-8, "fp16": 2.0**-11}[wire]
     inputs = [gen(key, r, (n,), torch.float32, "SUM") for r in range(ws)]
+    if outliers:
+        for x in inputs:
+            x.mul_(1e3)[torch.arange(7, n, 997)] = 5e4
     t = inputs[rank].to(dev)
     dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=group)
     torch.cuda.current_stream(dev).synchronize()  # as in staging_modes_fn: no pageable wait
     got = t.cpu()
     chk.true(len(_proxy_chunks(torchext.timeline())) > 0, f"{key}: path not taken")
     exact = torch.stack([x.double() for x in inputs]).sum(0)
-    scale = torch.stack([x.double().abs() for x in inputs]).sum(0)
+    magnitude = torch.stack([x.double().abs() for x in inputs]).sum(0)
     if op == "AVG":
-        exact, scale = exact / ws, scale / ws
+        exact, magnitude = exact / ws, magnitude / ws
     err = (got.double() - exact).abs()
-    # Each node's partial is rounded once for the wire and the result once more:
-    # a few units of the wire type's rounding relative to the magnitudes summed.
-    bound = 4 * eps * scale + 1e-30
+    if wire == "bf16":
+        bound = 4 * WIRE_STEP[wire] * magnitude + 1e-30
+    else:
+        bound = 3 * WIRE_STEP[wire] * _block_max(magnitude) + 1e-30
+    chk.true(bool(torch.isfinite(got).all()), f"{key}: non-finite values")
     chk.true(
         bool((err <= bound).all()),
         f"{key}: error {err.max().item():.3g} above the bound (worst ratio "
         f"{(err / bound).max().item():.3g})",
     )
+    if not outliers:  # there, values far below their block's largest lose more
+        rel = (err.norm() / exact.norm()).item()
+        chk.true(rel <= WIRE_L2[wire], f"{key}: relative L2 error {rel:.3g}")
     chk.true(bool((err > 0).any()), f"{key}: no rounding at all: {wire} wire not in use?")
     _same_everywhere(chk, t, key)
 
@@ -254,16 +299,22 @@ def wire_fn(rank: int, ws: int, wire: str) -> dict[str, Any]:
         tm = mx[rank].to(dev)
         dist.all_reduce(tm, op=dist.ReduceOp.MAX)
         chk.reduced(tm.cpu(), mx, "MAX", f"n={n}: float32 max")
+    n = (1 << 20) + 11
+    _check_wire_allreduce(
+        chk, f"wire/{wire}/outliers", n, "SUM", wire, rank, ws, dev, outliers=True
+    )
     chk.raise_if_failed()
     return {}
 
 
-@pytest.mark.parametrize("wire", ["bf16", "fp16"])
-def test_wire_dtype(wire: str) -> None:
-    """FASTCOMM_WIRE_DTYPE: float32 SUM/AVG within the 16-bit rounding bound of the float64
-    reference, bit-identical on all ranks; integer sums and float MAX exact."""
-    env = nodes_env([0, 0, 1, 1], FASTCOMM_TIMELINE="1", FASTCOMM_WIRE_DTYPE=wire)
-    run_ranks(4, wire_fn, wire, env=env, timeout_s=300)
+@pytest.mark.parametrize("nodes", LAYOUTS)
+@pytest.mark.parametrize("wire", list(WIRE_STEP))
+def test_wire_dtype(wire: str, nodes: list[int]) -> None:
+    """FASTCOMM_WIRE_DTYPE: float32 SUM/AVG within the wire's coding bound of the float64
+    reference (fp16 and int8 block-scaled), finite where sums pass fp16's range, bit-identical
+    on all ranks; integer sums and float MAX exact."""
+    env = nodes_env(nodes, FASTCOMM_TIMELINE="1", FASTCOMM_WIRE_DTYPE=wire)
+    run_ranks(len(nodes), wire_fn, wire, env=env, timeout_s=300)
 
 
 # ----------------------------------------------------------------------------- semantics
@@ -716,24 +767,18 @@ def staging_modes_fn(rank: int, ws: int, staging: str) -> dict[str, Any]:
         chk.true(len(_proxy_chunks(torchext.timeline())) > 0, f"{key}: path not taken")
         chk.reduced(got, inputs, op, key)
         _same_everywhere(chk, t, key)
-    # the wire dtype, in a group of its own (its plan is read when the group is created)
-    os.environ["FASTCOMM_WIRE_DTYPE"] = "bf16"
-    wire_group = dist.new_group(backend=BACKEND)
-    for op in ("SUM", "AVG"):
-        _check_wire_allreduce(
-            chk, f"staging/wire/{op}", (2 << 20) + 1, op, "bf16", rank, ws, dev, wire_group
-        )
-    dist.destroy_process_group(wire_group)
+    # the wire dtypes, each in a group of its own (its plan is read when the group is created):
+    # bf16's cast and int8's block-scaled kernels on this staging
+    for wire in ("bf16", "int8"):
+        os.environ["FASTCOMM_WIRE_DTYPE"] = wire
+        wire_group = dist.new_group(backend=BACKEND)
+        for op in ("SUM", "AVG"):
+            _check_wire_allreduce(
+                chk, f"staging/{wire}/{op}", (2 << 20) + 1, op, wire, rank, ws, dev, wire_group
+            )
+        dist.destroy_process_group(wire_group)
     chk.raise_if_failed()
     return {}
-
-
-# Node of each rank: 2 nodes x 2 GPUs (the node's NCCL reduce-scatter / all-gather around the
-# rail), and 2 nodes x 1 GPU (the rail alone; runs on a 2-GPU machine).
-LAYOUTS = [
-    pytest.param([0, 0, 1, 1], id="2x2"),
-    pytest.param([0, 1], id="2x1", marks=pytest.mark.cuda(world_size=2)),
-]
 
 
 @pytest.mark.parametrize("nodes", LAYOUTS)
@@ -741,8 +786,9 @@ LAYOUTS = [
 def test_staging_modes(extra: dict[str, str], staging: str, nodes: list[int]) -> None:
     """The staged all_reduce over tcp (pinned host staging) and over the ib
     emulation (device staging, GPUDirect emulated with cudaMemcpy; or forced host staging):
-    dtypes and ops with AVG, aligned and odd sizes, the bf16 wire; equal to the float64/int64
-    references, identical on all ranks, and the staging the set-up logged is the expected one."""
+    dtypes and ops with AVG, aligned and odd sizes, the bf16 and int8 wires; equal to the
+    float64/int64 references (the wires: within their bounds), identical on all ranks, and the
+    staging the set-up logged is the expected one."""
     if staging == "device staging" and len(nodes) == 4 and not EMULATED_GDR_2X2:
         pytest.skip(
             "device staging under the ib emulation as 2 x 2 deadlocked in the CUDA driver "

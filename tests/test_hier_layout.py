@@ -1,7 +1,8 @@
 """Index arithmetic of the CUDA multi-node all_reduce (kernels/staged_layout.hpp), checked on
 the CPU: chunks tile the shard, pieces tile each chunk, every rail member owns one piece per
-chunk, and pieces are aligned and fit the staging slots. The kernels and the proxy use these
-functions as they are, so a mistake here would corrupt or hang the GPU path."""
+chunk, and pieces are aligned and fit the staging slots (block-scaled wire codes with their
+scales too). The kernels and the proxy use these functions as they are, so a mistake here
+would corrupt or hang the GPU path."""
 
 from __future__ import annotations
 
@@ -30,8 +31,11 @@ def _check(shard: int, rails: int, chunk_bytes: int, esize: int) -> None:
     assert d["chunk_elems"] == rails * q_max, where
     # a chunk is about the asked size: never more than one alignment unit per piece above it
     assert d["chunk_elems"] * esize <= max(chunk_bytes, esize) + rails * align * esize, where
-    # the staging slot of a piece holds a full piece of any element size
+    # the staging slot of a piece holds a full piece of any element size, and of 1- or 2-byte
+    # codes of a block-scaled wire their float32 scales too (one per 256 values)
     assert q_max * esize <= d["piece_slot_bytes"], where
+    if esize <= 2:
+        assert -(-q_max // 256) * 4 + q_max * esize <= d["piece_slot_bytes"], where
 
     covered = 0
     for k, c in enumerate(d["chunks"]):
