@@ -449,6 +449,51 @@ def clean_stale(tools: Tools) -> list[str]:
 # ----------------------------------------------------------------------------- the testbed
 
 
+# Run in each of two nodes by Netbed.tcp_ceiling: listens on its address, opens `streams`
+# connections to the peer, sends for `seconds` while receiving, prints the GB/s it received.
+TCP_PROBE = r"""
+import socket, sys, threading, time
+me, peer, port, streams, secs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+srv = socket.create_server((me, port), backlog=streams)
+outs, deadline = [], time.monotonic() + 30
+while len(outs) < streams:
+    try:
+        outs.append(socket.create_connection((peer, port), timeout=1))
+    except OSError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.05)
+ins = [srv.accept()[0] for _ in range(streams)]
+got, first, last = [0] * streams, [None] * streams, [0.0] * streams
+buf = memoryview(bytearray(4 << 20))
+def send(s):
+    end = time.monotonic() + secs
+    while time.monotonic() < end:
+        s.sendall(buf)
+    s.shutdown(socket.SHUT_WR)
+def recv(i, s):
+    m = memoryview(bytearray(4 << 20))
+    while True:
+        n = s.recv_into(m)
+        if not n:
+            return
+        now = time.monotonic()
+        if first[i] is None:
+            first[i] = now
+        else:
+            got[i] += n
+        last[i] = now
+th = [threading.Thread(target=send, args=(s,)) for s in outs]
+th += [threading.Thread(target=recv, args=(i, s)) for i, s in enumerate(ins)]
+for t in th:
+    t.start()
+for t in th:
+    t.join()
+span = max(last) - min(f for f in first if f is not None)
+print(sum(got) / span / 1e9)
+"""
+
+
 @dataclasses.dataclass
 class Counters:
     """Byte counters of one node's veth (what crossed its link, both directions)."""
@@ -458,6 +503,7 @@ class Counters:
     tx_packets: int
     rx_packets: int
     qdisc_drops: int  # packets the node end's qdiscs dropped (queue full)
+    tcp_retransmits: int = 0  # TCP segments the node's namespace sent again (RetransSegs)
 
     def minus(self, other: "Counters") -> "Counters":
         return Counters(
@@ -597,9 +643,44 @@ class Netbed:
                     info["tx"]["packets"],
                     info["rx"]["packets"],
                     sum(q.get("drops", 0) for q in qdiscs if q.get("kind") in ("tbf", "netem")),
+                    self._retransmits(n.netns),
                 )
             )
         return out
+
+    def _retransmits(self, netns: str) -> int:
+        """RetransSegs of the namespace's TCP (/proc/net/snmp is per network namespace)."""
+        text = subprocess.run(
+            self.tools.exec_prefix(netns) + ["cat", "/proc/net/snmp"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
+        rows = [line.split() for line in text.splitlines() if line.startswith("Tcp:")]
+        if len(rows) == 2 and "RetransSegs" in rows[0]:
+            return int(rows[1][rows[0].index("RetransSegs")])
+        return 0
+
+    def tcp_ceiling(self, streams: int = 4, seconds: float = 1.5) -> float:
+        """GB/s per direction that plain TCP gets between nodes 0 and 1 with `streams`
+        connections each way, both directions at once (the lower of the two): what this
+        machine's network stack makes of the shaped link, the ceiling of every backend on it."""
+        a, b = self.nodes[0], self.nodes[1]
+        port = 29000 + secrets.randbelow(1000)
+        procs = []
+        for me, peer in ((a, b), (b, a)):
+            argv = [sys.executable, "-c", TCP_PROBE, me.addr, peer.addr, str(port)]
+            argv += [str(streams), str(seconds)]
+            procs.append(
+                self.popen(self.nodes.index(me), argv, dict(os.environ), stdout=subprocess.PIPE)
+            )
+        rates = []
+        for proc in procs:
+            out, _ = proc.communicate(timeout=seconds + 60)
+            if proc.returncode != 0 or not out.strip():
+                raise NetbedError(f"the TCP probe exited {proc.returncode}")
+            rates.append(float(out.split()[-1]))
+        return min(rates)
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
@@ -668,12 +749,14 @@ class LaunchResult:
             "link_tx_bytes": [c.tx_bytes for c in self.link],
             "link_rx_bytes": [c.rx_bytes for c in self.link],
             "link_qdisc_drops": [c.qdisc_drops for c in self.link],
+            "link_tcp_retransmits": [c.tcp_retransmits for c in self.link],
         }
 
     def describe(self) -> str:
         per = ", ".join(
             f"node {i} sent {format_bytes(c.tx_bytes)} received {format_bytes(c.rx_bytes)}"
             + (f" ({c.qdisc_drops} packets dropped by its qdisc)" if c.qdisc_drops else "")
+            + (f" ({c.tcp_retransmits} TCP segments retransmitted)" if c.tcp_retransmits else "")
             for i, c in enumerate(self.link)
         )
         return f"exit {self.returncodes} in {self.seconds:.1f} s; over the links: {per}"

@@ -118,6 +118,12 @@ def _buffsizes(text: str) -> list[Optional[int]]:
     return out
 
 
+# What Netbed.tcp_ceiling measures, as the reports say it.
+TCP_CEILING_TEXT = (
+    "Plain TCP between the nodes on this link (4 connections each way, both directions at once)"
+)
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Command line of the driver (see --help)."""
     p = argparse.ArgumentParser(
@@ -668,6 +674,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             with nb.Netbed(args.sim_nodes, args.netbed, args.iproute2, log=sys.stdout) as bed:
                 netbed_meta = bed.plan.as_dict()
+                ceiling = bed.tcp_ceiling()
+                netbed_meta["tcp_ceiling_gbps"] = ceiling
+                print(f"### {TCP_CEILING_TEXT}: {ceiling:.3f} GB/s per direction", flush=True)
                 run_all(args, launches, out_dir, bed)
         except nb.NetbedError as exc:
             print(f"### no testbed: {exc}", file=sys.stderr)
@@ -695,6 +704,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(bc.render_markdown(merged), flush=True)
     outputs = argparse.Namespace(json=args.json, md=args.md, plot=args.plot, label=args.label)
     bc.write_outputs(merged, outputs)
+    if netbed_meta and "tcp_ceiling_gbps" in netbed_meta:
+        line = f"\n{TCP_CEILING_TEXT}: {netbed_meta['tcp_ceiling_gbps']:.3f} GB/s per direction.\n"
+        print(line, flush=True)
+        if args.md:
+            with open(args.md, "a") as f:
+                f.write(line)
     if args.rounds > 1:
         table = rounds_table(merged)
         print(table, flush=True)

@@ -215,10 +215,24 @@ def test_collectives_and_ddp_over_a_shaped_link(tools: object, link: object, tmp
         n = bed.nodes[node]
         listening = [line for line in res.output[node] if "tcp transport listening on" in line]
         assert len(listening) >= 2, tail
-        assert all(
-            f"{n.addr}:" in line and f"({n.ifname})" in line for line in listening
-        ), listening
+        assert all(f"{n.addr}:" in line and f"({n.ifname})" in line for line in listening), (
+            listening
+        )
     print(f"\n[{link.describe()}: {res.describe()}]")
+
+
+def test_tcp_ceiling_and_retransmit_counters(tools: object, link: object) -> None:
+    """Plain TCP between two nodes gets most of the shaped rate and never more; the counters of
+    each node read its own namespace's TCP."""
+    with nb.Netbed(2, link) as bed:
+        before = bed.counters()
+        gbps = bed.tcp_ceiling(streams=2, seconds=1.0)
+        after = bed.counters()
+    rate = link.rate_bps / 8 / 1e9
+    assert 0.5 * rate < gbps < 1.02 * rate, (gbps, rate)
+    for b, a in zip(before, after):
+        assert a.tcp_retransmits >= b.tcp_retransmits >= 0
+        assert a.tx_bytes - b.tx_bytes > 0.5 * gbps * 1e9
 
 
 def test_teardown_after_a_failing_command_and_an_exception(tools: object, link: object) -> None:
