@@ -7,7 +7,7 @@ launch of bench_collectives.py. This driver runs, one after the other, on one ma
      running both side by side, interleaved);
   2. the peer alone, once per setting of a small sweep: NCCL_SOCKET_NTHREADS x
      NCCL_NSOCKS_PERTHREAD in --socket-settings, times NCCL_BUFFSIZE in --buffsizes;
-  3. optionally fastcomm alone with --wire-dtype bf16|fp16|int8;
+  3. optionally fastcomm alone once per wire dtype of --wire-dtype (e.g. bf16,int8);
 
 all with the same --sim-nodes, --device, --ops, sizes and iteration options, and with
 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1. It then merges the
@@ -188,10 +188,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--wire-dtype",
-        choices=("none", *bc.WIRE_DTYPES, *bc.BLOCK_SCALED_WIRES),
+        type=_wire_dtypes,
         default="none",
-        help="when not none, one more launch of fastcomm alone with this "
-        "FASTCOMM_WIRE_DTYPE, the series fastcomm(<dtype>) (default: %(default)s)",
+        help="comma-separated FASTCOMM_WIRE_DTYPE values (bf16, fp16, int8): one more launch "
+        "of fastcomm alone for each, the series fastcomm(<dtype>) (default: %(default)s)",
     )
     p.add_argument(
         "--out-dir",
@@ -260,6 +260,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
+def _wire_dtypes(text: str) -> list[str]:
+    known = (*bc.WIRE_DTYPES, *bc.BLOCK_SCALED_WIRES)
+    names = [t.strip() for t in text.split(",") if t.strip() and t.strip() != "none"]
+    bad = [t for t in names if t not in known]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown wire dtype(s) {bad}: choose from {known}")
+    return list(dict.fromkeys(names))
+
+
 def _link_text(link: nb.Link) -> str:
     """'25 Gbit/s' or '25 Gbit/s, 20 us delay'."""
     rate = nb.format_rate(link.rate_bps)
@@ -300,10 +309,8 @@ def plan_launches(args: argparse.Namespace, out_dir: str, fallback: bool = False
             label = setting_label(threads, socks, buffsize)
             name = f"{args.peer}-" + label.replace(" buf=", "-buf")
             launches.append(Launch(name, "peer", [args.peer], label, env))
-    if args.wire_dtype != "none":
-        launches.append(
-            Launch(f"fastcomm-{args.wire_dtype}", "wire", ["fastcomm"], wire_dtype=args.wire_dtype)
-        )
+    for wire in args.wire_dtype:
+        launches.append(Launch(f"fastcomm-{wire}", "wire", ["fastcomm"], wire_dtype=wire))
     if fallback:
         launches.append(Launch(f"{args.peer}-{DEFAULT_SETTING}", "peer", [args.peer]))
     if args.netbed:
@@ -609,9 +616,11 @@ def merge(
         }
     wire = [la for la in launches if la.role == "wire" and la.name in loaded]
     if wire:
-        meta["wire_dtype"] = wire[0].wire_dtype
-        meta["check_rtol"] = loaded[wire[0].name]["meta"].get("check_rtol", {})
-        meta["check_max_rtol"] = loaded[wire[0].name]["meta"].get("check_max_rtol", {})
+        meta["wire_dtype"] = ",".join(la.wire_dtype for la in wire)
+        for key in ("check_rtol", "check_max_rtol"):
+            meta[key] = {}
+            for la in wire:
+                meta[key].update(loaded[la.name]["meta"].get(key, {}))
     merged = {"schema": bc.SCHEMA, "meta": meta, "results": rows}
     merged["summary"] = bc.summarize([bc.Row(**r) for r in rows], series_order)
     return merged

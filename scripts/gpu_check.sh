@@ -166,7 +166,7 @@ for stage in "${stages[@]}"; do
         timeout "${SWEEP_TIMEOUT:-540}" "$PY" benchmarks/run_multinode_sweep.py \
           --nproc-per-node "$NGPU" --sim-nodes 2 --device cuda --ops all_reduce --netbed "$link" \
           --min-bytes 256K --max-bytes 1G --factor 4 --repeats 3 --time-per-size 0.5 \
-          --socket-settings 4x4 --buffsizes default,16777216 --wire-dtype bf16 \
+          --socket-settings 4x4 --buffsizes default,16777216 --wire-dtype bf16,int8 \
           --launch-timeout 150 --out-dir "/tmp/fastcomm_$name" --json "$OUT/$name.json" \
           --md "$OUT/$name.md" $(plot "$OUT/$name.png") \
           --label "${NGPU} GPUs as 2 nodes x $k, link $link, all_reduce" ${SWEEP_ARGS:-} \
