@@ -19,8 +19,8 @@ is then checked on its own:
   - none: u = h = a = 0: float32 reassociation only, 1.25 * 2^-24 (kappa + 1), where
     kappa = (||p_1|| + ||p_2||) / ||s|| (1 without cancellation between the nodes);
   - bf16: u = 2^-8 (8 significant bits): about 2^-8 * 1.25 (kappa + 1) = 2^-6.7 for kappa = 1;
-  - fp16: u = 2^-11, a = 2^-25 (half the smallest subnormal: an unscaled fp16 wire), h = 2^-24
-    (a block-scaled one's subnormals): about 2^-9.7;
+  - fp16 (block-scaled like int8): u = 2^-11, h = 2^-24 (its subnormals below the block's
+    scale), a = 0: about 2^-9.7;
   - int8 (block-scaled, power-of-two scale): h = 1/127: the scale puts the block's largest
     magnitude in (63.5, 127] quantization steps, so half a step is below 1/127 of it; in RMS
     terms about 2^-7 * 1.25 (kappa + 1) * crest, crest = ||m|| / ||x|| (a few for gradients).
@@ -151,9 +151,13 @@ def int8_wire(x: torch.Tensor, offset: int) -> torch.Tensor:
     return block_scaled(x, offset, lambda v: v.round().clamp(-127, 127), 127.0)
 
 
+def fp16_wire(x: torch.Tensor, offset: int) -> torch.Tensor:
+    return block_scaled(x, offset, lambda v: v.half().float(), 65504.0)
+
+
 MODEL_WIRES = {
     "bf16": lambda x, off: x.to(torch.bfloat16).float(),
-    "fp16": lambda x, off: x.to(torch.float16).float(),
+    "fp16": fp16_wire,
     "int8": int8_wire,
 }
 
