@@ -75,7 +75,7 @@ char* RingComm::scratch(int64_t bytes) {
   return scratch_.data();
 }
 
-// The pipeline shared by both phases. Item k = step * K + piece; the send of
+// The pipeline of every ring pass. Item k = step * K + piece; the send of
 // item k carries what item k - K received (the block moves one hop per step),
 // so it may start as soon as that piece was processed.
 namespace {
@@ -105,7 +105,7 @@ void ringPipeline(transport::Transport& transport, transport::Connection* left,
       const Piece p = pieceOf(step, /*sending=*/true, sendPosted % K);
       std::unique_ptr<transport::Request> req;
       if (p.len > 0) {
-        const void* src = prepare(p, sendPosted % kWindow);
+        const void* src = prepare(step, p, sendPosted % kWindow);
         req = right->isend(src, bytesOf(p.len), nullptr);
         if (!req) break;  // retry later
       }
@@ -119,7 +119,7 @@ void ringPipeline(transport::Transport& transport, transport::Connection* left,
       const Piece p = pieceOf(step, /*sending=*/false, recvPosted % K);
       std::unique_ptr<transport::Request> req;
       if (p.len > 0) {
-        void* dst = process(p, recvPosted % kWindow, /*postOnly=*/true);
+        void* dst = process(step, p, recvPosted % kWindow, /*postOnly=*/true);
         req = left->irecv(dst, bytesOf(p.len), nullptr);
         if (!req) break;
       }
@@ -131,7 +131,7 @@ void ringPipeline(transport::Transport& transport, transport::Connection* left,
     while (processed < recvPosted && done(recvs[processed % kWindow])) {
       const int step = static_cast<int>(processed / K);
       const Piece p = pieceOf(step, /*sending=*/false, processed % K);
-      if (p.len > 0) process(p, processed % kWindow, /*postOnly=*/false);
+      if (p.len > 0) process(step, p, processed % kWindow, /*postOnly=*/false);
       ++processed;
       progressed = true;
     }
@@ -148,20 +148,22 @@ void ringPipeline(transport::Transport& transport, transport::Connection* left,
 
 }  // namespace
 
-void RingComm::phase(char* data, const Blocks& b, at::ScalarType dt, RedOp op, bool reduce,
-                     bool wire, const OpContext& ctx) {
+void RingComm::pass(char* data, const Blocks& b, at::ScalarType dt, RedOp op, int rsSteps,
+                    int agSteps, bool wire, const OpContext& ctx) {
   const int n = size(), r = me_;
   if (n == 1) return;
   const int64_t esize = static_cast<int64_t>(c10::elementSize(dt));
   const int64_t maxLen = *std::max_element(b.len.begin(), b.len.end());
   const int64_t pieceElems = std::max<int64_t>(1, chunkBytes_ / esize);
   const int64_t K = std::max<int64_t>(1, (maxLen + pieceElems - 1) / pieceElems);
-  // Reduce-scatter: step s sends block r-1-s and reduces the received block
+  // Reduce-scatter step s sends block r-1-s and reduces the received block
   // r-2-s into its own, so after n-1 steps block r is complete here.
-  // All-gather: step s forwards block r-s and receives block r-1-s.
-  const int shift = reduce ? 1 : 0;
+  // All-gather step s forwards block r-s and receives block r-1-s; right
+  // after a reduce-scatter its first step sends the block just completed.
   auto pieceOf = [&](int step, bool sending, int64_t j) {
-    const int blk = mod(sending ? r - shift - step : r - shift - 1 - step, n);
+    const int shift = step < rsSteps ? 1 : 0;
+    const int s = step < rsSteps ? step : step - rsSteps;
+    const int blk = mod(sending ? r - shift - s : r - shift - 1 - s, n);
     Piece p;
     p.off = b.off[blk] + j * pieceElems;
     p.len = std::max<int64_t>(0, std::min(pieceElems, b.len[blk] - j * pieceElems));
@@ -170,19 +172,23 @@ void RingComm::phase(char* data, const Blocks& b, at::ScalarType dt, RedOp op, b
   auto bytesOf = [&](int64_t len) { return wire ? wire_.bytes(len) : len * esize; };
   // Received pieces land in staging slots unless an all-gather can take them
   // in place; coded pieces are staged both ways.
-  const bool stageRecv = reduce || wire;
+  const bool stageRecv = rsSteps > 0 || wire;
   const int64_t slotBytes = bytesOf(pieceElems);
   char* recvSlots = scratch(kWindow * slotBytes * ((stageRecv ? 1 : 0) + (wire ? 1 : 0)));
   char* sendSlots = recvSlots + (stageRecv ? kWindow * slotBytes : 0);
-  auto prepare = [&](const Piece& p, int64_t slot) -> const void* {
+  auto prepare = [&](int step, const Piece& p, int64_t slot) -> const void* {
     if (!wire) return data + p.off * esize;
     char* s = sendSlots + slot * slotBytes;
     wire_.encode(floats(data) + p.off, p.len, s);
+    // The owner of a finished block keeps it as the wire carries it (a scale
+    // covers one piece), so every rank ends with the same values.
+    if (rsSteps > 0 && step == rsSteps) wire_.decode(s, p.len, floats(data) + p.off);
     return s;
   };
-  auto process = [&](const Piece& p, int64_t slot, bool postOnly) -> void* {
+  auto process = [&](int step, const Piece& p, int64_t slot, bool postOnly) -> void* {
     char* d = data + p.off * esize;
-    if (!stageRecv) return d;  // all-gather: received in place
+    const bool reduce = step < rsSteps;
+    if (!reduce && !wire) return d;  // all-gather: received in place
     char* s = recvSlots + slot * slotBytes;
     if (postOnly) return s;
     if (!reduce) {
@@ -195,12 +201,10 @@ void RingComm::phase(char* data, const Blocks& b, at::ScalarType dt, RedOp op, b
     }
     return nullptr;
   };
-  ringPipeline(transport_, conns_[mod(r - 1, n)], conns_[mod(r + 1, n)], n - 1, K, pieceOf, bytesOf,
-               prepare, process, ctx);
-  if (reduce && wire) {
-    // Round this rank's finished block as the wire will, in the pieces the
-    // all-gather sends it in (a scale covers a block of one piece), so every
-    // rank ends with the same values.
+  ringPipeline(transport_, conns_[mod(r - 1, n)], conns_[mod(r + 1, n)], rsSteps + agSteps, K,
+               pieceOf, bytesOf, prepare, process, ctx);
+  if (wire && rsSteps > 0 && agSteps == 0) {
+    // A reduce-scatter alone rounds its block the same way, in the same pieces.
     for (int64_t j = 0; j * pieceElems < b.len[r]; ++j) {
       const int64_t len = std::min(pieceElems, b.len[r] - j * pieceElems);
       wire_.round(floats(data) + b.off[r] + j * pieceElems, len, sendSlots);
@@ -225,10 +229,7 @@ void RingComm::allreduce(void* data, int64_t count, at::ScalarType dt, RedOp op,
     b.len.push_back(std::min<int64_t>(count, off + blockLen) - off);
   }
   const bool wire = useWire(dt, op);
-  named(ctx, [&] {
-    phase(static_cast<char*>(data), b, dt, op, /*reduce=*/true, wire, ctx);
-    phase(static_cast<char*>(data), b, dt, op, /*reduce=*/false, wire, ctx);
-  });
+  named(ctx, [&] { pass(static_cast<char*>(data), b, dt, op, size() - 1, size() - 1, wire, ctx); });
 }
 
 void RingComm::exchange(int peer, const void* sendBuf, void* recvBuf, int64_t bytes,
@@ -309,7 +310,7 @@ void RingComm::reduceScatter(void* data, int64_t blockCount, at::ScalarType dt, 
     b.len.push_back(blockCount);
   }
   named(ctx,
-        [&] { phase(static_cast<char*>(data), b, dt, op, /*reduce=*/true, useWire(dt, op), ctx); });
+        [&] { pass(static_cast<char*>(data), b, dt, op, size() - 1, 0, useWire(dt, op), ctx); });
 }
 
 void RingComm::allgather(void* data, int64_t blockBytes, const OpContext& ctx) {
@@ -320,8 +321,7 @@ void RingComm::allgather(void* data, int64_t blockBytes, const OpContext& ctx) {
     b.len.push_back(blockBytes);
   }
   named(ctx, [&] {
-    phase(static_cast<char*>(data), b, at::kByte, RedOp::Sum, /*reduce=*/false, /*wire=*/false,
-          ctx);
+    pass(static_cast<char*>(data), b, at::kByte, RedOp::Sum, 0, size() - 1, /*wire=*/false, ctx);
   });
 }
 

@@ -65,11 +65,13 @@ class RingComm {
   struct Blocks {
     std::vector<int64_t> off, len;  // in elements
   };
-  // One ring pass over `b`: with `reduce` a reduce-scatter (afterwards block
-  // index() is reduced here), else an all-gather (block index() is final
-  // here; afterwards all are).
-  void phase(char* data, const Blocks& b, at::ScalarType dt, RedOp op, bool reduce, bool wire,
-             const OpContext& ctx);
+  // One pipelined ring pass over `b`: `rsSteps` reduce-scatter steps (after
+  // size() - 1 of them block index() is reduced here), then `agSteps`
+  // all-gather steps (block index() is final here; after size() - 1 of them
+  // all are). One pass for both halves of an all-reduce: a piece goes on to
+  // the all-gather as soon as it is reduced, with no pause between them.
+  void pass(char* data, const Blocks& b, at::ScalarType dt, RedOp op, int rsSteps, int agSteps,
+            bool wire, const OpContext& ctx);
   bool useWire(at::ScalarType dt, RedOp op) const;
   // Sends `sendBuf` to and receives `recvBuf` from member `peer` (either may
   // be null), both of `bytes`, and waits for both.
