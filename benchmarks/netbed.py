@@ -652,6 +652,7 @@ class Netbed:
         """RetransSegs of the namespace's TCP (/proc/net/snmp is per network namespace)."""
         text = subprocess.run(
             self.tools.exec_prefix(netns) + ["cat", "/proc/net/snmp"],
+            env=self.tools.env(),  # ip itself may need the unpacked libraries
             capture_output=True,
             text=True,
             check=False,
