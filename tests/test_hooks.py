@@ -289,7 +289,7 @@ G_WIDE = 1024  # wide model: a 1024 x 1024 weight, 4 MiB of float32 gradients in
 
 def _gpu_model(seed: int, device: torch.device, wide: bool = False) -> nn.Module:
     """Small layers; ``wide`` adds a G_WIDE x G_WIDE layer, whose bucket (4 MiB, or 2 MiB
-    compressed to 16 bits) is above FASTCOMM_CUDA_HIER_MIN_BYTES (1 MiB) while the others'
+    compressed to 16 bits) is at or above FASTCOMM_CUDA_HIER_MIN_BYTES (2 MiB) while the others'
     stay below it."""
     torch.manual_seed(seed)
     layers: list[nn.Module] = [nn.Linear(G_IN, G_HIDDEN), nn.Tanh()]

@@ -32,7 +32,9 @@ struct AgreedSettings {
   int64_t oneShotBytes = 32 << 10;
   int64_t p2pBytes = 256 << 10;
   bool cudaHier = true;
-  int64_t cudaHierMinBytes = 1 << 20;
+  // Below it NCCL's flat communicator wins on a shaped link: at 1 MiB a lost
+  // tail on one of the rail's sockets costs a TCP loss probe (>= 10 ms).
+  int64_t cudaHierMinBytes = 2 << 20;
   bool cudaInterHost = false;
   // The staged rail's chunk (bytes on the wire per rank's shard) is larger than
   // the host chunk: every chunk costs kernel launches and stream waits.
