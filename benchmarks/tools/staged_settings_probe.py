@@ -1,33 +1,34 @@
-"""Tail latency of the CUDA all_reduce across nodes under several settings, with TCP counters.
+"""Tail latency of all_reduce across nodes under several settings, with TCP counters.
 
 Run on the shaped-link testbed, one rank per node; each setting gets a process group of its own
-(the settings are read when a group is created). Per setting and size it prints the median and
-mean time per call, how many calls took over 3x the median, the TCP retransmissions of this
-node's namespace meanwhile, and first the plain-TCP throughput between the two nodes:
+(settings are read when a group is created). It prints first the plain-TCP throughput between
+the two nodes (1 and 4 connections each way, both directions at once), then per setting and
+size the median and mean time per call, the slowest call, how many calls took over 3x the
+median, and the TCP counters of rank 0's network namespace that moved meanwhile:
 
-    python benchmarks/netbed.py --rate 25gbit --device cuda --nproc-per-node 1 -- \
+    python benchmarks/netbed.py --rate 25gbit --device cuda --nproc-per-node 1 -- \\
         benchmarks/tools/staged_settings_probe.py 25gbit
 
-DIAG_CPU=1 runs it on CPU tensors (the host path instead of the staged rail).
+`--device cpu` measures CPU tensors (the host path instead of the staged rail).
 """
 
-import os, sys, time, socket, threading, statistics
-import torch, torch.distributed as dist
-import torchext  # noqa
+from __future__ import annotations
 
-rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-CPU = os.environ.get("DIAG_CPU") == "1"
-DEV = "cpu" if CPU else "cuda"
-if not CPU:
-    torch.cuda.set_device(0)
+import argparse
+import fcntl
+import os
+import socket
+import statistics
+import struct
+import threading
+import time
 
+import torch
+import torch.distributed as dist
 
-def sync():
-    if not CPU:
-        torch.cuda.synchronize()
+import torchext  # noqa: F401  (registers the backend)
 
-
-KEYS = [
+TCP_COUNTERS = (
     "RetransSegs",
     "TCPLossProbes",
     "TCPTimeouts",
@@ -38,172 +39,166 @@ KEYS = [
     "TCPLostRetransmit",
     "TCPSackRecovery",
     "TCPLossProbeRecovery",
-]
+)
+SIZES = ((256 << 10, 300), (1 << 20, 300), (4 << 20, 100), (16 << 20, 40), (256 << 20, 6))
 
 
-def netstat():
+def setting(sockets: int, chunk: str, **more: str) -> dict[str, str]:
+    return {"FASTCOMM_TCP_SOCKETS": str(sockets), "FASTCOMM_CUDA_CHUNK_BYTES": chunk, **more}
+
+
+SETTINGS = (
+    setting(8, "4M"),
+    setting(2, "1M"),
+    setting(4, "1M"),
+    setting(4, "2M"),
+    setting(8, "1M"),
+    setting(2, "2M"),
+    setting(2, "1M", FASTCOMM_CUDA_HIER_MIN_BYTES="256K"),
+    setting(4, "1M", FASTCOMM_CUDA_WINDOW="12"),
+)
+
+
+def tcp_counters() -> dict[str, int]:
+    """The TCP counters of this process's network namespace."""
     out = {}
     for path in ("/proc/net/snmp", "/proc/net/netstat"):
-        lines = open(path).read().splitlines()
-        for a, b in zip(lines[::2], lines[1::2]):
-            for k, v in zip(a.split()[1:], b.split()[1:]):
-                if k in KEYS:
+        with open(path) as f:
+            lines = f.read().splitlines()
+        for names, values in zip(lines[::2], lines[1::2]):
+            for k, v in zip(names.split()[1:], values.split()[1:]):
+                if k in TCP_COUNTERS:
                     out[k] = int(v)
     return out
 
 
-def raw_tcp(streams, secs=1.0, port=39000):
-    peer = 1 - rank
-    me_addr, peer_addr = f"10.77.0.{rank + 1}", f"10.77.0.{peer + 1}"
-    srv = socket.socket()
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind((me_addr, port + streams))
-    srv.listen(64)
+def softnet_drops() -> int:
+    """Packets the kernel dropped from full receive backlogs, over all CPUs (not per namespace)."""
+    with open("/proc/net/softnet_stat") as f:
+        return sum(int(line.split()[1], 16) for line in f)
+
+
+def interface_address(ifname: str) -> str:
+    """The IPv4 address of `ifname` (SIOCGIFADDR)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        req = struct.pack("256s", ifname.encode()[:15])
+        return socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, req)[20:24])
+
+
+def plain_tcp(me: str, peer: str, streams: int, port: int, seconds: float = 1.0) -> float:
+    """GB/s received from `peer` while sending to it over `streams` connections each way."""
+    srv = socket.create_server((me, port), backlog=streams)
     dist.barrier()
-    outs = []
-    for _ in range(streams):
-        s = socket.socket()
-        s.connect((peer_addr, port + streams))
-        outs.append(s)
+    outs = [socket.create_connection((peer, port)) for _ in range(streams)]
     ins = [srv.accept()[0] for _ in range(streams)]
     dist.barrier()
     got = [0] * streams
-    stop = time.perf_counter() + secs
+    stop = time.perf_counter() + seconds
     buf = memoryview(bytearray(4 << 20))
 
-    def send(s):
+    def send(s: socket.socket) -> None:
         while time.perf_counter() < stop:
             s.sendall(buf)
         s.shutdown(socket.SHUT_WR)
 
-    def recv(i, s):
-        b = bytearray(4 << 20)
-        m = memoryview(b)
-        while True:
-            n = s.recv_into(m)
-            if not n:
-                break
+    def recv(i: int, s: socket.socket) -> None:
+        m = memoryview(bytearray(4 << 20))
+        while n := s.recv_into(m):
             if time.perf_counter() < stop:
                 got[i] += n
 
-    th = [threading.Thread(target=send, args=(s,)) for s in outs] + [
-        threading.Thread(target=recv, args=(i, s)) for i, s in enumerate(ins)
-    ]
-    for t in th:
+    threads = [threading.Thread(target=send, args=(s,)) for s in outs]
+    threads += [threading.Thread(target=recv, args=(i, s)) for i, s in enumerate(ins)]
+    for t in threads:
         t.start()
-    for t in th:
+    for t in threads:
         t.join()
     for s in outs + ins + [srv]:
         s.close()
-    return sum(got) / secs / 1e9
+    return sum(got) / seconds / 1e9
 
 
-dist.init_process_group("fastcomm", **({} if CPU else {"device_id": torch.device("cuda", 0)}))
-if rank == 0:
-    print("# link:", sys.argv[1:], flush=True)
+def probe(group: dist.ProcessGroup, size: int, calls: int, device: str) -> str:
+    x = torch.randn(size // 4, device=device)
 
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
 
-def softnet_drops():
-    return sum(int(l.split()[1], 16) for l in open("/proc/net/softnet_stat"))
-
-
-if rank == 0:
-    print(
-        "# netdev_max_backlog",
-        (
-            open("/proc/sys/net/core/netdev_max_backlog").read().strip()
-            if os.path.exists("/proc/sys/net/core/netdev_max_backlog")
-            else "n/a"
-        ),
-        "softnet drops",
-        softnet_drops(),
-        flush=True,
-    )
-for streams in (1, 4):
-    try:
-        bw = raw_tcp(streams, port=39000 + 100 * streams)
-    except Exception as e:
-        print(f"rank {rank} raw TCP {streams} streams failed: {e!r}", flush=True)
-        bw = 0.0
-    t = torch.tensor([bw], device=DEV)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    if rank == 0:
-        print(
-            f"raw TCP both ways, {streams} streams each way: {t.item():.3f} GB/s per direction (min over ranks)",
-            flush=True,
-        )
-
-
-def C(s, c, **kw):
-    d = {"FASTCOMM_TCP_SOCKETS": str(s), "FASTCOMM_CUDA_CHUNK_BYTES": c}
-    d.update(kw)
-    return d
-
-
-configs = [
-    C(8, "4M"),
-    C(2, "1M"),
-    C(4, "1M"),
-    C(4, "2M"),
-    C(8, "1M"),
-    C(2, "2M"),
-    C(2, "1M", FASTCOMM_CUDA_HIER_MIN_BYTES="256K"),
-    C(4, "1M", FASTCOMM_CUDA_WINDOW="12"),
-]
-for cfg in configs:
-    saved = {k: os.environ.get(k) for k in cfg}
-    os.environ.update(cfg)
-    g = dist.new_group(backend="fastcomm")
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    for size, n in (
-        (256 << 10, 300),
-        (1 << 20, 300),
-        (4 << 20, 100),
-        (16 << 20, 40),
-        (256 << 20, 6),
-    ):
-        x = torch.randn(size // 4, device=DEV)
-        for _ in range(5):
-            dist.all_reduce(x, group=g)
+    for _ in range(5):
+        dist.all_reduce(x, group=group)
+    sync()
+    dist.barrier(group=group)
+    before, drops = tcp_counters(), softnet_drops()
+    times = []
+    start = time.perf_counter()
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        dist.all_reduce(x, group=group)
         sync()
-        dist.barrier(group=g)
-        before = netstat()
-        sd0 = softnet_drops()
-        times = []
-        t00 = time.perf_counter()
-        for _ in range(n):
-            t0 = time.perf_counter()
-            dist.all_reduce(x, group=g)
-            sync()
-            times.append((time.perf_counter() - t0) * 1e6)
-        total = (time.perf_counter() - t00) * 1e6
-        after = netstat()
-        diff_sd = softnet_drops() - sd0
-        diff = {
-            k: after.get(k, 0) - before.get(k, 0)
-            for k in KEYS
-            if after.get(k, 0) != before.get(k, 0)
-        }
-        tt = torch.tensor(
-            [
-                statistics.median(times),
-                total / n,
-                max(times),
-                sum(t > 3 * statistics.median(times) for t in times),
-            ],
-            device=DEV,
-            dtype=torch.float64,
-        )
-        dist.all_reduce(tt, op=dist.ReduceOp.MAX, group=g)
-        med, mean, mx, slow = tt.tolist()
+        times.append((time.perf_counter() - t0) * 1e6)
+    total = (time.perf_counter() - start) * 1e6
+    after, drops = tcp_counters(), softnet_drops() - drops
+    moved = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    med = statistics.median(times)
+    stats = [med, total / calls, max(times), sum(t > 3 * med for t in times)]
+    worst = torch.tensor(stats, device=device, dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's view
+    med, mean, longest, slow = worst.tolist()
+    return (
+        f"{size >> 10:>7} KiB  median {med:9.1f} us  mean {mean:9.1f}  busbw(mean) "
+        f"{size / mean / 1e3:6.2f} GB/s  max {longest:9.1f}  slow(>3x med) {int(slow):3d}/{calls}"
+        f"  softnet drops {drops} tcp r0 {moved}"
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("link", help="the link's name, printed with the results")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    args = p.parse_args()
+    rank = int(os.environ["RANK"])
+    if args.device == "cuda":
+        torch.cuda.set_device(0)
+        dist.init_process_group("fastcomm", device_id=torch.device("cuda", 0))
+    else:
+        dist.init_process_group("fastcomm")
+    if dist.get_world_size() != 2:
+        raise SystemExit("one rank on each of two nodes")
+    if rank == 0:
+        backlog = "/proc/sys/net/core/netdev_max_backlog"  # only in the root namespace
+        limit = open(backlog).read().strip() if os.path.exists(backlog) else "n/a"
+        print(f"# link: {args.link}", flush=True)
+        print(f"# netdev_max_backlog {limit} softnet drops {softnet_drops()}", flush=True)
+    addrs: list[str] = [""] * 2
+    dist.all_gather_object(addrs, interface_address(os.environ["FASTCOMM_SOCKET_IFNAME"]))
+    for streams in (1, 4):
+        gbps = plain_tcp(addrs[rank], addrs[1 - rank], streams, port=39000 + 100 * streams)
+        t = torch.tensor([gbps], device=args.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
         if rank == 0:
             print(
-                f"{' '.join(k[9:] + '=' + v for k, v in cfg.items()):70s} {size >> 10:>7} KiB  median {med:9.1f} us  mean {mean:9.1f}  busbw(mean) {size / mean / 1e3:6.2f} GB/s  max {mx:9.1f}  slow(>3x med) {int(slow):3d}/{n}  softnet drops {diff_sd} tcp r0 {diff}",
+                f"raw TCP both ways, {streams} streams each way: {t.item():.3f} GB/s per "
+                "direction (min over ranks)",
                 flush=True,
             )
-    dist.destroy_process_group(g)
-dist.destroy_process_group()
+    for env in SETTINGS:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        group = dist.new_group(backend="fastcomm")
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        label = " ".join(f"{k[len('FASTCOMM_') :]}={v}" for k, v in env.items())
+        for size, calls in SIZES:
+            line = probe(group, size, calls, args.device)
+            if rank == 0:
+                print(f"{label:70s} {line}", flush=True)
+        dist.destroy_process_group(group)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
