@@ -677,7 +677,12 @@ class Netbed:
             )
         rates = []
         for proc in procs:
-            out, _ = proc.communicate(timeout=seconds + 60)
+            try:
+                out, _ = proc.communicate(timeout=seconds + 60)
+            except subprocess.TimeoutExpired:
+                for p in procs:
+                    _stop(p)
+                raise NetbedError("the TCP probe did not finish in time") from None
             if proc.returncode != 0 or not out.strip():
                 raise NetbedError(f"the TCP probe exited {proc.returncode}")
             rates.append(float(out.split()[-1]))
