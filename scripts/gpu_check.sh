@@ -17,8 +17,9 @@
 #                socket settings                                             -> sweep_2x<k>.{json,md}
 #   netbed       the sweep's launches on the shaped-link testbed: 2 nodes as network namespaces
 #                joined by a veth pair shaped with tc, 256 KiB..1 GiB, one sweep per link in
-#                NETBED_LINKS (default "25gbit"; e.g. "25gbit 100gbit"; a delay such as "25gbit,20us" needs the kernel's netem, which the lent machines lack); ip and tc from the
-#                Debian debs in build/iproute2-debs (carried; unpacked with dpkg -x)
+#                NETBED_LINKS (default "25gbit"; e.g. "25gbit 100gbit"; a delay such as
+#                "25gbit,20us" needs the kernel's netem, which the lent machines lack); ip and
+#                tc from the Debian debs in build/iproute2-debs (carried; unpacked with dpkg -x)
 #                                                          -> netbed_2x<k>_<link>.{json,md}
 #   matmulbench  bf16 matmul / linear+gelu on the main shapes vs cuBLAS     -> matmul.{log,json}
 #   killed       a peer killed during the staged all_reduce, stacks of hung ranks -> killed.log
