@@ -18,23 +18,9 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define FASTCOMM_HD __host__ __device__
-#else
-#define FASTCOMM_HD
-#endif
+#include "wire_format.hpp"
 
 namespace fastcomm {
-
-// Float32 values that share one power-of-two scale on a block-scaled wire
-// dtype (fp16, int8); plans/wire_codec.hpp codes the same format on the host.
-constexpr int64_t kScaleBlock = 256;
-
-// Bytes of n values on a block-scaled wire of `codeBytes`-byte codes: the
-// float32 scales of its blocks first, then the codes.
-FASTCOMM_HD inline int64_t scaledWireBytes(int64_t n, int64_t codeBytes) {
-  return (n + kScaleBlock - 1) / kScaleBlock * 4 + n * codeBytes;
-}
 
 struct HierLayout {
   int64_t shard = 0;       // elements of this rank's shard

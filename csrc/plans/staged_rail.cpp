@@ -31,9 +31,6 @@ constexpr int64_t kMinChunkBytes = 256 << 10;
 
 int64_t roundUp(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
-// The kernels code the host codec's format (kernels/staged_layout.hpp).
-static_assert(kScaleBlock == kWireBlock, "one block size for the wire's scales");
-
 // Bytes of one element's code on the wire (scales aside).
 int64_t codeBytes(WireDtype wire) { return wire == WireDtype::INT8 ? 1 : 2; }
 

@@ -13,7 +13,7 @@
 namespace fastcomm {
 namespace {
 
-int64_t blocksOf(int64_t n) { return (n + kWireBlock - 1) / kWireBlock; }
+int64_t blocksOf(int64_t n) { return (n + kScaleBlock - 1) / kScaleBlock; }
 
 at::Tensor flat(const void* p, int64_t n, at::ScalarType t) {
   return at::from_blob(const_cast<void*>(p), {n}, at::TensorOptions().dtype(t));
@@ -69,7 +69,7 @@ constexpr int64_t kGroupBlocks = 64;
 // Values scaled into a code's range, between the scale pass and the
 // conversion (per thread: pieces are coded on the lanes).
 float* staging() {
-  thread_local std::vector<float> buf(kGroupBlocks * kWireBlock);
+  thread_local std::vector<float> buf(kGroupBlocks * kScaleBlock);
   return buf.data();
 }
 
@@ -95,10 +95,10 @@ void encodeScaled(const float* src, int64_t n, char* dst) {
   auto* codes = reinterpret_cast<typename C::T*>(dst + nb * sizeof(float));
   float* scaled = staging();
   for (int64_t g = 0; g < nb; g += kGroupBlocks) {
-    const int64_t first = g * kWireBlock;
-    const int64_t count = std::min(kGroupBlocks * kWireBlock, n - first);
+    const int64_t first = g * kScaleBlock;
+    const int64_t count = std::min(kGroupBlocks * kScaleBlock, n - first);
     for (int64_t b = g; b < std::min(nb, g + kGroupBlocks); ++b) {
-      const int64_t lo = b * kWireBlock, m = std::min(kWireBlock, n - lo);
+      const int64_t lo = b * kScaleBlock, m = std::min(kScaleBlock, n - lo);
       const float* x = src + lo;
       float* out = scaled + (lo - first);
       const uint32_t most = maxMagnitudeBits(x, m);
@@ -127,10 +127,10 @@ void decodeScaled(const char* src, int64_t n, float* dst) {
   const auto* codes = reinterpret_cast<const typename C::T*>(src + nb * sizeof(float));
   float* unscaled = staging();
   for (int64_t g = 0; g < nb; g += kGroupBlocks) {
-    const int64_t first = g * kWireBlock;
-    C::from(codes + first, std::min(kGroupBlocks * kWireBlock, n - first), unscaled);
+    const int64_t first = g * kScaleBlock;
+    C::from(codes + first, std::min(kGroupBlocks * kScaleBlock, n - first), unscaled);
     for (int64_t b = g; b < std::min(nb, g + kGroupBlocks); ++b) {
-      const int64_t lo = b * kWireBlock, m = std::min(kWireBlock, n - lo);
+      const int64_t lo = b * kScaleBlock, m = std::min(kScaleBlock, n - lo);
       const float* in = unscaled + (lo - first);
       float* out = dst + lo;
       float scale;
@@ -194,9 +194,9 @@ int64_t WireCodec::bytes(int64_t n) const {
     case WireDtype::BF16:
       return 2 * n;
     case WireDtype::FP16:
-      return blocksOf(n) * static_cast<int64_t>(sizeof(float)) + 2 * n;
+      return scaledWireBytes(n, 2);
     case WireDtype::INT8:
-      return blocksOf(n) * static_cast<int64_t>(sizeof(float)) + n;
+      return scaledWireBytes(n, 1);
     case WireDtype::None:
       break;
   }
