@@ -20,13 +20,17 @@ import os
 import socket
 import statistics
 import struct
-import threading
+import subprocess
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
 import torchext  # noqa: F401  (registers the backend)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import netbed as nb  # noqa: E402
 
 TCP_COUNTERS = (
     "RetransSegs",
@@ -86,36 +90,12 @@ def interface_address(ifname: str) -> str:
 
 
 def plain_tcp(me: str, peer: str, streams: int, port: int, seconds: float = 1.0) -> float:
-    """GB/s received from `peer` while sending to it over `streams` connections each way."""
-    srv = socket.create_server((me, port), backlog=streams)
+    """GB/s received from `peer` while sending to it over `streams` connections each way: the
+    testbed's own probe (netbed.TCP_PROBE), run by both ranks at once."""
+    argv = [sys.executable, "-c", nb.TCP_PROBE, me, peer, str(port), str(streams), str(seconds)]
     dist.barrier()
-    outs = [socket.create_connection((peer, port)) for _ in range(streams)]
-    ins = [srv.accept()[0] for _ in range(streams)]
-    dist.barrier()
-    got = [0] * streams
-    stop = time.perf_counter() + seconds
-    buf = memoryview(bytearray(4 << 20))
-
-    def send(s: socket.socket) -> None:
-        while time.perf_counter() < stop:
-            s.sendall(buf)
-        s.shutdown(socket.SHUT_WR)
-
-    def recv(i: int, s: socket.socket) -> None:
-        m = memoryview(bytearray(4 << 20))
-        while n := s.recv_into(m):
-            if time.perf_counter() < stop:
-                got[i] += n
-
-    threads = [threading.Thread(target=send, args=(s,)) for s in outs]
-    threads += [threading.Thread(target=recv, args=(i, s)) for i, s in enumerate(ins)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for s in outs + ins + [srv]:
-        s.close()
-    return sum(got) / seconds / 1e9
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=seconds + 60)
+    return float(out.stdout.split()[-1])
 
 
 def probe(group: dist.ProcessGroup, size: int, calls: int, device: str) -> str:
