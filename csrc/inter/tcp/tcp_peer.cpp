@@ -31,7 +31,7 @@ std::unique_ptr<Request> Peer::post(bool send, char* data, int64_t bytes) {
     }
   } else {
     FrameHeader h{kFrameMagic, kCts, 0, seq, static_cast<uint64_t>(bytes)};
-    queueLocked(sockFor(seq), OutFrame{h, nullptr, nullptr, 0}, true);
+    queueControlLocked(sockFor(seq), OutFrame{h, nullptr, nullptr, 0});
   }
   return std::make_unique<TcpRequest>(std::move(op), rank_);
 }
@@ -123,7 +123,7 @@ void Peer::startSendLocked(const std::shared_ptr<Op>& op, int64_t posted) {
     // Tell the receiver (its request fails too) and fail ours; the stream
     // stays in step because neither side moves payload for this message.
     FrameHeader h{kFrameMagic, kMismatch, 0, op->seq, static_cast<uint64_t>(op->bytes)};
-    queueLocked(sockFor(op->seq), OutFrame{h, nullptr, nullptr, 0}, true);
+    queueControlLocked(sockFor(op->seq), OutFrame{h, nullptr, nullptr, 0});
     finishLocked(op, OpStatus::Failed,
                  "fastcomm: tcp message size mismatch with rank " + std::to_string(rank_) + " (" +
                      addr_ + "): this rank sent " + std::to_string(op->bytes) + " bytes, rank " +
@@ -132,31 +132,57 @@ void Peer::startSendLocked(const std::shared_ptr<Op>& op, int64_t posted) {
                      std::to_string(rank_) + ")");
     return;
   }
-  const size_t nsock = socks_.size();
   const int64_t stripes = stripeCount(op->bytes);
-  // Stripe j goes to socket (seq + j) % S: one lock per socket, frames in
-  // offset order within each socket.
-  for (size_t k = 0; k < std::min<size_t>(nsock, static_cast<size_t>(stripes)); ++k) {
-    Sock* s = sockFor(op->seq + k);
-    {
-      std::lock_guard<std::mutex> lock(s->mu);
-      for (int64_t j = static_cast<int64_t>(k); j < stripes; j += static_cast<int64_t>(nsock)) {
-        int64_t off = j * kStripeBytes;
-        int64_t len = std::min(kStripeBytes, op->bytes - off);
-        if (len < 0) len = 0;
-        FrameHeader h{kFrameMagic, kData, static_cast<uint32_t>(len), op->seq,
-                      static_cast<uint64_t>(off)};
-        s->data.push_back(OutFrame{h, op, op->data + off, 0});
-      }
+  int active;
+  {
+    std::lock_guard<std::mutex> lock(stripeMu_);
+    for (int64_t j = 0; j < stripes; ++j) {
+      const int64_t off = j * kStripeBytes;
+      const int64_t len = std::max<int64_t>(0, std::min(kStripeBytes, op->bytes - off));
+      stripes_.push_back(Stripe{op, off, len});
     }
-    s->worker->wake(s);
+    active = activeSockets_;
   }
+  // Every data socket with nothing to write takes stripes from here on.
+  for (int k = 0; k < active; ++k) socks_[k]->worker->wake(socks_[k].get());
 }
 
-void Peer::queueLocked(Sock* s, OutFrame f, bool control) {
+bool Peer::nextStripe(int sockIndex, OutFrame* out) {
+  std::lock_guard<std::mutex> lock(stripeMu_);
+  if (sockIndex >= activeSockets_ || stripes_.empty()) return false;
+  Stripe st = std::move(stripes_.front());
+  stripes_.pop_front();
+  const char* payload = st.op->data + st.off;
+  FrameHeader h{kFrameMagic, kData, static_cast<uint32_t>(st.len), st.op->seq,
+                static_cast<uint64_t>(st.off)};
+  *out = OutFrame{h, std::move(st.op), payload, 0};
+  return true;
+}
+
+void Peer::sendRate(int64_t bytes, double seconds) {
+  int grownTo = 0;
+  {
+    std::lock_guard<std::mutex> lock(stripeMu_);
+    rateBytes_ += bytes;
+    rateSeconds_ += seconds;
+    if (rateBytes_ < kRateSampleBytes) return;
+    const double perSocket = rateBytes_ / std::max(rateSeconds_, 1e-9);
+    const int n = activeSockets_;
+    if (perSocket >= kSocketRateToGrow && n < static_cast<int>(socks_.size())) {
+      grownTo = ++activeSockets_;
+    } else if (n > 1 && perSocket * n < 0.5 * kSocketRateToGrow * (n - 1)) {
+      --activeSockets_;
+    }
+    rateBytes_ = 0;
+    rateSeconds_ = 0;
+  }
+  if (grownTo > 0) socks_[grownTo - 1]->worker->wake(socks_[grownTo - 1].get());
+}
+
+void Peer::queueControlLocked(Sock* s, OutFrame f) {
   {
     std::lock_guard<std::mutex> lock(s->mu);
-    (control ? s->ctrl : s->data).push_back(std::move(f));
+    s->ctrl.push_back(std::move(f));
   }
   s->worker->wake(s);
 }
@@ -180,6 +206,10 @@ void Peer::failLocked(const std::string& why) {
   error_ = why;
   failed_.store(true, std::memory_order_release);
   earlyCts_.clear();
+  {
+    std::lock_guard<std::mutex> lock(stripeMu_);
+    stripes_.clear();
+  }
   for (auto* ops : {&sends_, &recvs_}) {
     std::vector<std::shared_ptr<Op>> pending;
     for (auto& kv : *ops) pending.push_back(kv.second);

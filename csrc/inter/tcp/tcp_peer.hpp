@@ -1,10 +1,12 @@
 // One connection of the tcp transport: its requests (Op), its sockets with
-// their frame queues (Sock), and the per-peer protocol state (Peer): message
-// numbers, CTS matching, size mismatches, failure. The progress threads
-// (worker.hpp) move the bytes; Peer decides where they go.
+// their control frame queues (Sock), and the per-peer protocol state (Peer):
+// message numbers, CTS matching, the stripes waiting to be sent, size
+// mismatches, failure. The progress threads (worker.hpp) move the bytes; Peer
+// decides where they go.
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -71,13 +73,16 @@ struct Sock {
   size_t rleft = 0;
   OutFrame cur;  // the frame being written
   bool hasCur = false;
+  // Since the first time the kernel refused more of `cur` (EAGAIN), and the
+  // bytes of it written since: the flow's drain rate (Peer::sendRate).
+  std::chrono::steady_clock::time_point fullSince{};
+  int64_t writtenSinceFull = 0;
 
-  // Guarded by mu: frames queued by any thread. Control frames (CTS,
-  // MISMATCH) go before queued data so that a large send on this socket does
-  // not delay the other direction's flow control.
+  // Guarded by mu: control frames (CTS, MISMATCH) queued by any thread. They
+  // go before the next stripe, so that this direction's data does not delay
+  // the other direction's flow control.
   std::mutex mu;
   std::deque<OutFrame> ctrl;
-  std::deque<OutFrame> data;
 
   bool dirty = false;  // guarded by the worker's mutex: in its dirty list
 
@@ -88,7 +93,6 @@ struct Sock {
     hasCur = false;
     std::lock_guard<std::mutex> lock(mu);
     ctrl.clear();
-    data.clear();
   }
 };
 
@@ -126,6 +130,15 @@ class Peer {
   // One frame of `op` was fully written or read.
   void frameDone(const std::shared_ptr<Op>& op);
 
+  // The next DATA frame to write, for socket `sockIndex` that has nothing
+  // left to write; false when no stripe waits or the socket carries no data
+  // now.
+  bool nextStripe(int sockIndex, OutFrame* out);
+
+  // A data socket wrote `bytes` in `seconds` while its kernel buffer was full
+  // (the rate its flow drains); decides how many sockets carry data.
+  void sendRate(int64_t bytes, double seconds);
+
   // One more socket reached a clean end of stream; true when all did.
   bool socketEof() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -152,7 +165,7 @@ class Peer {
 
   std::unique_ptr<Request> failedRequest(bool send, char* data, int64_t bytes);
   void startSendLocked(const std::shared_ptr<Op>& op, int64_t posted);
-  void queueLocked(Sock* s, OutFrame f, bool control);
+  void queueControlLocked(Sock* s, OutFrame f);
   void finishLocked(const std::shared_ptr<Op>& op, OpStatus st, const std::string& err);
   void failLocked(const std::string& why);
 
@@ -170,6 +183,32 @@ class Peer {
   std::map<uint64_t, std::shared_ptr<Op>> recvs_;
   std::map<uint64_t, int64_t> earlyCts_;  // CTS that came before their isend
   size_t eofSockets_ = 0;
+
+  // The stripes of cleared sends, in message and offset order. A data socket
+  // takes the next one when it has written its last (Worker::handleWrite),
+  // so a socket that the link or the kernel serves faster carries more.
+  //
+  // Data goes on the fewest sockets that carry it: flows that share one
+  // bottleneck are unfair at any instant, restart slowly after idling, and a
+  // message over several of them ends with its slowest; but one flow cannot
+  // fill a fast link either. So sockets [0, activeSockets_) carry data, the
+  // others only control frames: one socket at first, one more whenever the
+  // sockets in use drain at least kSocketRateToGrow each while the kernel
+  // holds them full (sendRate), one fewer when all of them together drain
+  // less than half of what one fewer would at that rate.
+  // Guarded by stripeMu_ (taken after mu_, never before).
+  static constexpr int64_t kRateSampleBytes = 16 << 20;
+  static constexpr double kSocketRateToGrow = 1e9;  // bytes per second
+  struct Stripe {
+    std::shared_ptr<Op> op;
+    int64_t off;
+    int64_t len;
+  };
+  std::mutex stripeMu_;
+  std::deque<Stripe> stripes_;
+  int activeSockets_ = 1;
+  int64_t rateBytes_ = 0;
+  double rateSeconds_ = 0;
 };
 
 class TcpConnection : public Connection {

@@ -154,7 +154,7 @@ void Worker::socketEof(Sock* s) {
   bool owed = s->rop != nullptr || s->rgot > 0 || s->hasCur;
   {
     std::lock_guard<std::mutex> lock(s->mu);
-    owed = owed || !s->ctrl.empty() || !s->data.empty();
+    owed = owed || !s->ctrl.empty();
   }
   if (owed || s->peer->socketEof()) {
     socketFailed(s, 0, "recv");
@@ -262,21 +262,33 @@ void Worker::handleWrite(Sock* s) {
     deregister(s);
     return;
   }
-  if (s->eof) {  // a frame for a socket the peer has closed
-    socketFailed(s, 0, "send");
+  if (s->eof) {
+    // The peer closed this socket: a control frame for it fails the
+    // connection; stripes go to the other sockets (all of them ending fails
+    // the connection too, socketEof).
+    bool owed;
+    {
+      std::lock_guard<std::mutex> lock(s->mu);
+      owed = !s->ctrl.empty();
+    }
+    if (owed) socketFailed(s, 0, "send");
     return;
   }
   for (int iter = 0; iter < 32; ++iter) {
     if (!s->hasCur) {
-      std::lock_guard<std::mutex> lock(s->mu);
-      auto& q = !s->ctrl.empty() ? s->ctrl : s->data;
-      if (q.empty()) {
+      {
+        std::lock_guard<std::mutex> lock(s->mu);
+        if (!s->ctrl.empty()) {
+          s->cur = std::move(s->ctrl.front());
+          s->ctrl.pop_front();
+          s->hasCur = true;
+        }
+      }
+      if (!s->hasCur) s->hasCur = p->nextStripe(s->index, &s->cur);
+      if (!s->hasCur) {
         setWantOut(s, false);
         return;
       }
-      s->cur = std::move(q.front());
-      q.pop_front();
-      s->hasCur = true;
     }
     OutFrame& f = s->cur;
     const size_t hdrBytes = sizeof(FrameHeader);
@@ -293,6 +305,7 @@ void Worker::handleWrite(Sock* s) {
     if (pinned && !p->pin(f.op)) {  // the send failed meanwhile: drop the frame
       s->cur = OutFrame{};
       s->hasCur = false;
+      s->fullSince = {};
       continue;
     }
     msghdr msg{};
@@ -303,6 +316,10 @@ void Worker::handleWrite(Sock* s) {
     if (pinned) p->unpin(f.op);
     if (n < 0) {
       if (err == EAGAIN || err == EWOULDBLOCK) {
+        if (f.op && s->fullSince == std::chrono::steady_clock::time_point{}) {
+          s->fullSince = std::chrono::steady_clock::now();
+          s->writtenSinceFull = 0;
+        }
         setWantOut(s, true);
         return;
       }
@@ -311,7 +328,13 @@ void Worker::handleWrite(Sock* s) {
       return;
     }
     f.sent += static_cast<size_t>(n);
+    s->writtenSinceFull += n;
     if (f.sent == total) {
+      if (s->fullSince != std::chrono::steady_clock::time_point{}) {
+        const std::chrono::duration<double> d = std::chrono::steady_clock::now() - s->fullSince;
+        p->sendRate(s->writtenSinceFull, d.count());
+        s->fullSince = {};
+      }
       std::shared_ptr<Op> op = std::move(f.op);
       s->cur = OutFrame{};
       s->hasCur = false;
