@@ -1,5 +1,7 @@
 #include "inter/tcp/worker.hpp"
 
+#include <linux/tcp.h>
+#include <netinet/in.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -7,6 +9,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstddef>
 #include <chrono>
 #include <string>
 #include <system_error>
@@ -21,6 +24,27 @@ namespace transport {
 namespace tcp {
 
 thread_local Worker* Worker::tlsWorker_ = nullptr;
+
+namespace {
+
+// The rate at which the socket's flow delivers, as the kernel measured it
+// over its last acknowledged round trip; false when the flow had too little
+// to send then (app-limited: a lower bound only), or when it acknowledged
+// less than a stripe since the last rate taken (the kernel's figure would
+// repeat a stale sample).
+bool deliveryRate(Sock* s, double* bytesPerSecond) {
+  tcp_info ti{};
+  socklen_t len = sizeof ti;
+  if (::getsockopt(s->fd.get(), IPPROTO_TCP, TCP_INFO, &ti, &len) != 0) return false;
+  if (len < offsetof(tcp_info, tcpi_delivery_rate) + sizeof ti.tcpi_delivery_rate) return false;
+  if (ti.tcpi_bytes_acked < s->ackedAtRate + static_cast<uint64_t>(kStripeBytes)) return false;
+  s->ackedAtRate = ti.tcpi_bytes_acked;
+  if (ti.tcpi_delivery_rate_app_limited || ti.tcpi_delivery_rate == 0) return false;
+  *bytesPerSecond = static_cast<double>(ti.tcpi_delivery_rate);
+  return true;
+}
+
+}  // namespace
 
 Worker::Worker(int id) : id_(id) {
   ep_.reset(epoll_create1(EPOLL_CLOEXEC));
@@ -159,6 +183,7 @@ void Worker::socketEof(Sock* s) {
   if (owed || s->peer->socketEof()) {
     socketFailed(s, 0, "recv");
   } else {
+    s->peer->dataSocketClosed(s->index);
     deregister(s);  // level-triggered EPOLLIN would fire forever
   }
 }
@@ -271,7 +296,11 @@ void Worker::handleWrite(Sock* s) {
       std::lock_guard<std::mutex> lock(s->mu);
       owed = !s->ctrl.empty();
     }
-    if (owed) socketFailed(s, 0, "send");
+    if (owed) {
+      socketFailed(s, 0, "send");
+    } else {
+      p->dataSocketClosed(s->index);
+    }
     return;
   }
   for (int iter = 0; iter < 32; ++iter) {
@@ -305,7 +334,6 @@ void Worker::handleWrite(Sock* s) {
     if (pinned && !p->pin(f.op)) {  // the send failed meanwhile: drop the frame
       s->cur = OutFrame{};
       s->hasCur = false;
-      s->fullSince = {};
       continue;
     }
     msghdr msg{};
@@ -316,10 +344,6 @@ void Worker::handleWrite(Sock* s) {
     if (pinned) p->unpin(f.op);
     if (n < 0) {
       if (err == EAGAIN || err == EWOULDBLOCK) {
-        if (f.op && s->fullSince == std::chrono::steady_clock::time_point{}) {
-          s->fullSince = std::chrono::steady_clock::now();
-          s->writtenSinceFull = 0;
-        }
         setWantOut(s, true);
         return;
       }
@@ -328,16 +352,17 @@ void Worker::handleWrite(Sock* s) {
       return;
     }
     f.sent += static_cast<size_t>(n);
-    s->writtenSinceFull += n;
     if (f.sent == total) {
-      if (s->fullSince != std::chrono::steady_clock::time_point{}) {
-        const std::chrono::duration<double> d = std::chrono::steady_clock::now() - s->fullSince;
-        p->sendRate(s->writtenSinceFull, d.count());
-        s->fullSince = {};
-      }
       std::shared_ptr<Op> op = std::move(f.op);
+      const bool data = f.hdr.type == kData;
       s->cur = OutFrame{};
       s->hasCur = false;
+      if (data) {
+        s->dataFrames.fetch_add(1, std::memory_order_relaxed);
+        double rate;
+        if (deliveryRate(s, &rate)) p->flowRate(rate);
+        p->stripeWritten(s->index);
+      }
       if (op) p->frameDone(op);
     }
   }
