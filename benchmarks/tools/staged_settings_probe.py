@@ -8,7 +8,8 @@ node's namespace meanwhile, and first the plain-TCP throughput between the two n
     python benchmarks/netbed.py --rate 25gbit --device cuda --nproc-per-node 1 -- \
         benchmarks/tools/staged_settings_probe.py 25gbit
 
-DIAG_CPU=1 runs it on CPU tensors (the host path instead of the staged rail).
+DIAG_CPU=1 runs it on CPU tensors (the host path instead of the staged rail), with 8, 4 and 2
+sockets.
 """
 
 import os, sys, time, socket, threading, statistics
@@ -150,6 +151,8 @@ configs = [
     C(2, "1M", FASTCOMM_CUDA_HIER_MIN_BYTES="256K"),
     C(4, "1M", FASTCOMM_CUDA_WINDOW="12"),
 ]
+if CPU:  # the chunk and window settings are the staged rail's: only the socket count applies
+    configs = [C(s, "4M") for s in (8, 4, 2)]
 for cfg in configs:
     saved = {k: os.environ.get(k) for k in cfg}
     os.environ.update(cfg)
