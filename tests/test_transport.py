@@ -177,6 +177,33 @@ def _many_small(chk: Checker, ep: Any, rank: int, world: int, tag: str, count: i
         chk.equal(inb[p], _payload(offsets[-1], tag, p, rank), f"{tag}: small messages from {p}")
 
 
+def _lone_messages(chk: Checker, ep: Any, rank: int, peer: int) -> None:
+    """tcp: every socket carries data at first, and a lone message of up to one stripe, sent
+    once the one before it completed, goes on socket 0 (the lowest free one), not on whichever
+    socket's progress thread wakes first."""
+    import torch
+
+    c = ep.counters()
+    socks = c["sockets_per_peer"]
+    chk.true(c["data_sockets"] == socks, f"lone: {c['data_sockets']} of {socks} carry data")
+    before = [c[f"data_frames_socket{k}"] for k in range(socks)]
+    count = 40
+    for i in range(count):  # ping-pong: the ranks take turns sending
+        n = (i * 40961) % STRIPE + 1
+        if (rank + i) % 2 == 0:
+            ep.send(peer, _payload(n, "lone", i))
+        else:
+            got = torch.empty(n, dtype=torch.uint8)
+            ep.recv(peer, got)
+            chk.equal(got, _payload(n, "lone", i), f"lone: message {i}")
+    c = ep.counters()
+    frames = [c[f"data_frames_socket{k}"] - before[k] for k in range(socks)]
+    chk.true(
+        frames[0] == count // 2 and sum(frames) == count // 2,
+        f"lone: {count // 2} messages sent one at a time went on sockets {frames}",
+    )
+
+
 def _expect_error(chk: Checker, fn: Any, what: str, *needles: str) -> str:
     try:
         fn()
@@ -214,6 +241,8 @@ def _two_rank_suite(rank: int, world: int, name: str) -> None:
 
     ep = _endpoint(store, rank, world, name)
     max_in_flight = C._TRANSPORT_MAX_IN_FLIGHT
+    if name == "tcp":
+        _lone_messages(chk, ep, rank, peer)
 
     # Blocking send/recv in both orders.
     for n in (0, 5, 3 << 20):
@@ -404,8 +433,8 @@ def _never_connects(rank: int, world: int, name: str, timeout_s: float) -> float
 def test_two_ranks(name: str) -> None:
     """All sizes both ways in several configurations (tcp: the defaults, 1 socket and thread,
     8 sockets on 4 threads, 2 sockets with 64 KiB kernel buffers; ib: 1/2/4 queue pairs),
-    many small messages in order, the in-flight limit, a late receiver, a size mismatch,
-    close() and leaks."""
+    many small messages in order, tcp's choice of socket for lone messages, the in-flight
+    limit, a late receiver, a size mismatch, close() and leaks."""
     run_ranks(2, _two_rank_suite, name, init=False, timeout_s=120, env=TRANSPORT_ENV[name])
 
 

@@ -31,7 +31,7 @@ std::unique_ptr<Request> Peer::post(bool send, char* data, int64_t bytes) {
     }
   } else {
     FrameHeader h{kFrameMagic, kCts, 0, seq, static_cast<uint64_t>(bytes)};
-    queueLocked(sockFor(seq), OutFrame{h, nullptr, nullptr, 0}, true);
+    queueControlLocked(controlSocket(seq), OutFrame{h, nullptr, nullptr, 0});
   }
   return std::make_unique<TcpRequest>(std::move(op), rank_);
 }
@@ -123,7 +123,7 @@ void Peer::startSendLocked(const std::shared_ptr<Op>& op, int64_t posted) {
     // Tell the receiver (its request fails too) and fail ours; the stream
     // stays in step because neither side moves payload for this message.
     FrameHeader h{kFrameMagic, kMismatch, 0, op->seq, static_cast<uint64_t>(op->bytes)};
-    queueLocked(sockFor(op->seq), OutFrame{h, nullptr, nullptr, 0}, true);
+    queueControlLocked(controlSocket(op->seq), OutFrame{h, nullptr, nullptr, 0});
     finishLocked(op, OpStatus::Failed,
                  "fastcomm: tcp message size mismatch with rank " + std::to_string(rank_) + " (" +
                      addr_ + "): this rank sent " + std::to_string(op->bytes) + " bytes, rank " +
@@ -132,31 +132,137 @@ void Peer::startSendLocked(const std::shared_ptr<Op>& op, int64_t posted) {
                      std::to_string(rank_) + ")");
     return;
   }
-  const size_t nsock = socks_.size();
   const int64_t stripes = stripeCount(op->bytes);
-  // Stripe j goes to socket (seq + j) % S: one lock per socket, frames in
-  // offset order within each socket.
-  for (size_t k = 0; k < std::min<size_t>(nsock, static_cast<size_t>(stripes)); ++k) {
-    Sock* s = sockFor(op->seq + k);
-    {
-      std::lock_guard<std::mutex> lock(s->mu);
-      for (int64_t j = static_cast<int64_t>(k); j < stripes; j += static_cast<int64_t>(nsock)) {
-        int64_t off = j * kStripeBytes;
-        int64_t len = std::min(kStripeBytes, op->bytes - off);
-        if (len < 0) len = 0;
-        FrameHeader h{kFrameMagic, kData, static_cast<uint32_t>(len), op->seq,
-                      static_cast<uint64_t>(off)};
-        s->data.push_back(OutFrame{h, op, op->data + off, 0});
-      }
+  uint64_t wake;
+  {
+    std::lock_guard<std::mutex> lock(stripeMu_);
+    for (int64_t j = 0; j < stripes; ++j) {
+      const int64_t off = j * kStripeBytes;
+      const int64_t len = std::max<int64_t>(0, std::min(kStripeBytes, op->bytes - off));
+      stripes_.push_back(Stripe{op, off, len});
     }
+    wake = dispatchLocked();
+  }
+  wakeSockets(wake);
+}
+
+uint64_t Peer::dispatchLocked() {
+  const int n = activeSockets_;
+  const uint64_t active = n >= 64 ? ~uint64_t{0} : (uint64_t{1} << n) - 1;
+  int64_t unclaimed =
+      static_cast<int64_t>(stripes_.size()) - static_cast<int64_t>(__builtin_popcountll(woken_));
+  uint64_t free = idle_ & active & ~closed_;
+  uint64_t wake = 0;
+  for (; unclaimed > 0 && free != 0; --unclaimed) {
+    const uint64_t bit = free & (~free + 1);  // the lowest
+    free &= free - 1;
+    idle_ &= ~bit;
+    woken_ |= bit;
+    wake |= bit;
+  }
+  return wake;
+}
+
+void Peer::wakeSockets(uint64_t mask) {
+  for (; mask != 0; mask &= mask - 1) {
+    Sock* s = socks_[static_cast<size_t>(__builtin_ctzll(mask))].get();
     s->worker->wake(s);
   }
 }
 
-void Peer::queueLocked(Sock* s, OutFrame f, bool control) {
+bool Peer::nextStripe(int sockIndex, OutFrame* out) {
+  const uint64_t bit = uint64_t{1} << sockIndex;
+  uint64_t wake = 0;
+  {
+    std::lock_guard<std::mutex> lock(stripeMu_);
+    if (idle_ & bit) return false;
+    woken_ &= ~bit;
+    if (sockIndex < activeSockets_ && !stripes_.empty()) {
+      Stripe st = std::move(stripes_.front());
+      stripes_.pop_front();
+      const char* payload = st.op->data + st.off;
+      FrameHeader h{kFrameMagic, kData, static_cast<uint32_t>(st.len), st.op->seq,
+                    static_cast<uint64_t>(st.off)};
+      *out = OutFrame{h, std::move(st.op), payload, 0};
+      return true;
+    }
+    idle_ |= bit;
+    // Shed while it was busy: what it leaves goes to a socket still in use.
+    if (!stripes_.empty()) wake = dispatchLocked();
+  }
+  wakeSockets(wake);
+  return false;
+}
+
+void Peer::stripeWritten(int sockIndex) {
+  const uint64_t bit = uint64_t{1} << sockIndex;
+  uint64_t wake = 0;
+  {
+    std::lock_guard<std::mutex> lock(stripeMu_);
+    if (!stripes_.empty() && sockIndex < activeSockets_) return;  // it takes the next one
+    idle_ |= bit;
+    if (!stripes_.empty()) wake = dispatchLocked();
+  }
+  wakeSockets(wake);
+}
+
+void Peer::dataSocketClosed(int sockIndex) {
+  const uint64_t bit = uint64_t{1} << sockIndex;
+  uint64_t wake = 0;
+  {
+    std::lock_guard<std::mutex> lock(stripeMu_);
+    if (closed_ & bit) return;
+    closed_ |= bit;
+    idle_ |= bit;
+    woken_ &= ~bit;
+    if (!stripes_.empty()) wake = dispatchLocked();
+  }
+  wakeSockets(wake);
+}
+
+Sock* Peer::controlSocket(uint64_t seq) {
+  uint64_t free;
+  {
+    std::lock_guard<std::mutex> lock(stripeMu_);
+    free = idle_ & ~closed_;
+  }
+  if (free != 0) return socks_[static_cast<size_t>(__builtin_ctzll(free))].get();
+  return socks_[seq % socks_.size()].get();
+}
+
+void Peer::flowRate(double bytesPerSecond) {
+  uint64_t wake = 0;
+  {
+    std::lock_guard<std::mutex> lock(stripeMu_);
+    rates_[static_cast<size_t>(rateSamples_)] = bytesPerSecond;
+    if (++rateSamples_ < kRateSamples) return;
+    rateSamples_ = 0;
+    // Quartiles, not the mean: a sample taken as a burst of acknowledgements
+    // arrives can exceed the link many times over. A socket comes back when
+    // three in four samples say each flow is fast, and goes when three in
+    // four say the flows are slow.
+    std::sort(rates_.begin(), rates_.end());
+    const double low = rates_[kRateSamples / 4];
+    const double high = rates_[kRateSamples * 3 / 4];
+    const int n = activeSockets_;
+    if (low >= kSocketRateToGrow && n < static_cast<int>(socks_.size())) {
+      ++activeSockets_;
+      wake = dispatchLocked();
+    } else {
+      // The fewest sockets that carry the measured total at kSocketRateToShed
+      // each; at most half of them go per decision, so that one skewed
+      // decision does not drop a fast connection to a single flow.
+      const int enough = 1 + static_cast<int>(std::min(high * n / kSocketRateToShed, 64.0));
+      if (enough < n) activeSockets_ = std::max(enough, (n + 1) / 2);
+    }
+  }
+  wakeSockets(wake);
+}
+
+void Peer::queueControlLocked(Sock* s, OutFrame f) {
   {
     std::lock_guard<std::mutex> lock(s->mu);
-    (control ? s->ctrl : s->data).push_back(std::move(f));
+    s->ctrl.push_back(std::move(f));
   }
   s->worker->wake(s);
 }
@@ -180,6 +286,10 @@ void Peer::failLocked(const std::string& why) {
   error_ = why;
   failed_.store(true, std::memory_order_release);
   earlyCts_.clear();
+  {
+    std::lock_guard<std::mutex> lock(stripeMu_);
+    stripes_.clear();
+  }
   for (auto* ops : {&sends_, &recvs_}) {
     std::vector<std::shared_ptr<Op>> pending;
     for (auto& kv : *ops) pending.push_back(kv.second);

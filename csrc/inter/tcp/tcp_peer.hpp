@@ -1,9 +1,11 @@
 // One connection of the tcp transport: its requests (Op), its sockets with
-// their frame queues (Sock), and the per-peer protocol state (Peer): message
-// numbers, CTS matching, size mismatches, failure. The progress threads
-// (worker.hpp) move the bytes; Peer decides where they go.
+// their control frame queues (Sock), and the per-peer protocol state (Peer):
+// message numbers, CTS matching, the stripes waiting to be sent, size
+// mismatches, failure. The progress threads (worker.hpp) move the bytes; Peer
+// decides where they go.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <deque>
@@ -71,13 +73,15 @@ struct Sock {
   size_t rleft = 0;
   OutFrame cur;  // the frame being written
   bool hasCur = false;
+  uint64_t ackedAtRate = 0;  // the flow's acknowledged bytes at its last rate sample
 
-  // Guarded by mu: frames queued by any thread. Control frames (CTS,
-  // MISMATCH) go before queued data so that a large send on this socket does
-  // not delay the other direction's flow control.
+  std::atomic<int64_t> dataFrames{0};  // DATA frames fully written (counters)
+
+  // Guarded by mu: control frames (CTS, MISMATCH) queued by any thread. They
+  // go before the next stripe, so that this direction's data does not delay
+  // the other direction's flow control.
   std::mutex mu;
   std::deque<OutFrame> ctrl;
-  std::deque<OutFrame> data;
 
   bool dirty = false;  // guarded by the worker's mutex: in its dirty list
 
@@ -88,15 +92,19 @@ struct Sock {
     hasCur = false;
     std::lock_guard<std::mutex> lock(mu);
     ctrl.clear();
-    data.clear();
   }
 };
 
 // The state of one connection: its sockets and the requests of both directions.
 class Peer {
  public:
-  Peer(int rank, std::string addr, std::shared_ptr<Notifier> notifier)
-      : rank_(rank), addr_(std::move(addr)), notifier_(std::move(notifier)) {}
+  // `sockets`: how many sockets the connection has (added through socks()).
+  Peer(int rank, std::string addr, std::shared_ptr<Notifier> notifier, int sockets)
+      : rank_(rank),
+        addr_(std::move(addr)),
+        notifier_(std::move(notifier)),
+        activeSockets_(sockets),
+        idle_(sockets >= 64 ? ~uint64_t{0} : (uint64_t{1} << sockets) - 1) {}
 
   int rank() const { return rank_; }
   const std::string& addr() const { return addr_; }
@@ -126,6 +134,30 @@ class Peer {
   // One frame of `op` was fully written or read.
   void frameDone(const std::shared_ptr<Op>& op);
 
+  // The next DATA frame to write, for socket `sockIndex` that has nothing
+  // left to write; false when no stripe waits or the socket was not asked to
+  // carry one.
+  bool nextStripe(int sockIndex, OutFrame* out);
+
+  // Socket `sockIndex` wrote its DATA frame to the kernel. Called before the
+  // frame counts as done, so that a send posted once its request completes
+  // already finds the socket free.
+  void stripeWritten(int sockIndex);
+
+  // The peer closed socket `sockIndex`: it carries no more stripes.
+  void dataSocketClosed(int sockIndex);
+
+  // A data socket's flow delivered `bytesPerSecond` while it had data to
+  // send (Worker's deliveryRate, the kernel's measure); decides how many
+  // sockets carry data.
+  void flowRate(double bytesPerSecond);
+
+  // How many sockets carry data now.
+  int dataSockets() {
+    std::lock_guard<std::mutex> lock(stripeMu_);
+    return activeSockets_;
+  }
+
   // One more socket reached a clean end of stream; true when all did.
   bool socketEof() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -148,11 +180,13 @@ class Peer {
   void closeSockets();
 
  private:
-  Sock* sockFor(uint64_t seq) { return socks_[seq % socks_.size()].get(); }
+  // Where control frames go: the lowest socket with no stripe to write, so
+  // that they neither wait behind a stripe nor wake an idle flow.
+  Sock* controlSocket(uint64_t seq);
 
   std::unique_ptr<Request> failedRequest(bool send, char* data, int64_t bytes);
   void startSendLocked(const std::shared_ptr<Op>& op, int64_t posted);
-  void queueLocked(Sock* s, OutFrame f, bool control);
+  void queueControlLocked(Sock* s, OutFrame f);
   void finishLocked(const std::shared_ptr<Op>& op, OpStatus st, const std::string& err);
   void failLocked(const std::string& why);
 
@@ -170,6 +204,48 @@ class Peer {
   std::map<uint64_t, std::shared_ptr<Op>> recvs_;
   std::map<uint64_t, int64_t> earlyCts_;  // CTS that came before their isend
   size_t eofSockets_ = 0;
+
+  // The stripes of cleared sends, in message and offset order. A data socket
+  // takes the next one when it has written its last (Worker::handleWrite),
+  // so a socket that the link or the kernel serves faster carries more.
+  //
+  // A socket with no stripe to write is idle. New stripes go to the lowest
+  // idle sockets, one woken per stripe (dispatchLocked); busy sockets pull
+  // more as they finish. So a lone small message rides socket 0, whose flow
+  // stays warm, and a lost tail of it is recovered from the next message's
+  // segments instead of waiting for a loss probe on an idle flow.
+  //
+  // Sockets [0, activeSockets_) carry data, the others only control frames.
+  // Every socket carries data at first, which fills a fast link. Flows that
+  // share a slow bottleneck are unfair at any instant and restart slowly
+  // after idling, and a message over several of them ends with its slowest,
+  // so sockets are shed when the flows in use deliver, while they have data
+  // to send, less in total than kSocketRateToShed for each socket that one
+  // fewer would have; one comes back whenever each delivers at least
+  // kSocketRateToGrow (flowRate: the rates of kRateSamples samples).
+  // Guarded by stripeMu_ (taken after mu_, never before).
+  static constexpr int kRateSamples = 16;
+  static constexpr double kSocketRateToShed = 0.25e9;  // bytes per second
+  static constexpr double kSocketRateToGrow = 1e9;
+  struct Stripe {
+    std::shared_ptr<Op> op;
+    int64_t off;
+    int64_t len;
+  };
+  // Claims the lowest idle data sockets, one per queued stripe that no woken
+  // socket will take; returns them as a mask to wake (wakeSockets, after
+  // stripeMu_ is released).
+  uint64_t dispatchLocked();
+  void wakeSockets(uint64_t mask);
+
+  std::mutex stripeMu_;
+  std::deque<Stripe> stripes_;
+  int activeSockets_;
+  uint64_t idle_;        // bit k: socket k has no stripe to write and was not woken for one
+  uint64_t woken_ = 0;   // woken for a stripe, not yet taken one
+  uint64_t closed_ = 0;  // closed by the peer
+  int rateSamples_ = 0;
+  std::array<double, kRateSamples> rates_{};
 };
 
 class TcpConnection : public Connection {

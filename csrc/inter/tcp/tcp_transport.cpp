@@ -91,6 +91,25 @@ class TcpTransport : public Transport {
     notifier_->wait(max, spinMicros_);
   }
 
+  // data_frames_socket<k>: DATA frames written on socket k of any connection;
+  // data_sockets: the sockets carrying data now, summed over the connections.
+  std::map<std::string, int64_t> counters() const override {
+    std::lock_guard<std::mutex> lock(closeMu_);
+    std::map<std::string, int64_t> out;
+    out["sockets_per_peer"] = sockets_;
+    int64_t dataSockets = 0;
+    for (int k = 0; k < sockets_; ++k) out["data_frames_socket" + std::to_string(k)] = 0;
+    for (auto& p : peers_) {
+      dataSockets += p->dataSockets();
+      for (auto& s : p->socks()) {
+        out["data_frames_socket" + std::to_string(s->index)] +=
+            s->dataFrames.load(std::memory_order_relaxed);
+      }
+    }
+    out["data_sockets"] = dataSockets;
+    return out;
+  }
+
   void close() override {
     std::lock_guard<std::mutex> lock(closeMu_);
     if (closed_) return;
@@ -126,7 +145,7 @@ class TcpTransport : public Transport {
   bool connected_ = false;
   std::vector<std::shared_ptr<Peer>> peers_;
   std::vector<std::unique_ptr<Worker>> workers_;
-  std::mutex closeMu_;
+  mutable std::mutex closeMu_;
   bool closed_ = false;
 };
 
@@ -162,7 +181,7 @@ std::vector<std::unique_ptr<Connection>> TcpTransport::connect(
       remote.len = len;
       addr = remote.toString();
     }
-    auto peer = std::make_shared<Peer>(peers[i], addr, notifier_);
+    auto peer = std::make_shared<Peer>(peers[i], addr, notifier_, sockets_);
     for (int k = 0; k < sockets_; ++k, ++g) {
       auto s = std::make_unique<Sock>();
       s->peer = peer.get();

@@ -17,10 +17,15 @@
 //   progress. The CTS also carries the posted size, so a size mismatch fails
 //   both requests (the receiver learns it from MISMATCH) and the connection
 //   goes on.
-// - Message #seq is cut into 512 KiB stripes; stripe j travels on socket
-//   (seq + j) % S, so small messages rotate over the sockets and large ones
-//   use all of them. Payloads move straight between the socket and the user
-//   buffer (sendmsg of header + buffer, recv into the buffer).
+// - Message #seq is cut into 512 KiB stripes, queued per connection; the
+//   lowest free sockets are woken for them and every busy socket takes the
+//   next when it has written its last, so lone small messages stay on socket
+//   0 and large ones use every socket that carries data. Every socket does at
+//   first; sockets are shed while the kernel measures their flows delivering
+//   slowly, and come back when the rest deliver fast (Peer in tcp_peer.hpp).
+//   Control frames go on the lowest socket with no stripe to write. Payloads
+//   move straight between the socket and the user buffer (sendmsg of header
+//   + buffer, recv into the buffer).
 // - FASTCOMM_TCP_THREADS progress threads each own a subset of the sockets in
 //   an epoll set; an eventfd wakes one when another thread queues a frame.
 // - EOF, reset or any socket error fails every pending and future request of

@@ -1,5 +1,7 @@
 #include "inter/tcp/worker.hpp"
 
+#include <linux/tcp.h>
+#include <netinet/in.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -7,6 +9,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstddef>
 #include <chrono>
 #include <string>
 #include <system_error>
@@ -21,6 +24,27 @@ namespace transport {
 namespace tcp {
 
 thread_local Worker* Worker::tlsWorker_ = nullptr;
+
+namespace {
+
+// The rate at which the socket's flow delivers, as the kernel measured it
+// over its last acknowledged round trip; false when the flow had too little
+// to send then (app-limited: a lower bound only), or when it acknowledged
+// less than a stripe since the last rate taken (the kernel's figure would
+// repeat a stale sample).
+bool deliveryRate(Sock* s, double* bytesPerSecond) {
+  tcp_info ti{};
+  socklen_t len = sizeof ti;
+  if (::getsockopt(s->fd.get(), IPPROTO_TCP, TCP_INFO, &ti, &len) != 0) return false;
+  if (len < offsetof(tcp_info, tcpi_delivery_rate) + sizeof ti.tcpi_delivery_rate) return false;
+  if (ti.tcpi_bytes_acked < s->ackedAtRate + static_cast<uint64_t>(kStripeBytes)) return false;
+  s->ackedAtRate = ti.tcpi_bytes_acked;
+  if (ti.tcpi_delivery_rate_app_limited || ti.tcpi_delivery_rate == 0) return false;
+  *bytesPerSecond = static_cast<double>(ti.tcpi_delivery_rate);
+  return true;
+}
+
+}  // namespace
 
 Worker::Worker(int id) : id_(id) {
   ep_.reset(epoll_create1(EPOLL_CLOEXEC));
@@ -154,11 +178,12 @@ void Worker::socketEof(Sock* s) {
   bool owed = s->rop != nullptr || s->rgot > 0 || s->hasCur;
   {
     std::lock_guard<std::mutex> lock(s->mu);
-    owed = owed || !s->ctrl.empty() || !s->data.empty();
+    owed = owed || !s->ctrl.empty();
   }
   if (owed || s->peer->socketEof()) {
     socketFailed(s, 0, "recv");
   } else {
+    s->peer->dataSocketClosed(s->index);
     deregister(s);  // level-triggered EPOLLIN would fire forever
   }
 }
@@ -262,21 +287,37 @@ void Worker::handleWrite(Sock* s) {
     deregister(s);
     return;
   }
-  if (s->eof) {  // a frame for a socket the peer has closed
-    socketFailed(s, 0, "send");
+  if (s->eof) {
+    // The peer closed this socket: a control frame for it fails the
+    // connection; stripes go to the other sockets (all of them ending fails
+    // the connection too, socketEof).
+    bool owed;
+    {
+      std::lock_guard<std::mutex> lock(s->mu);
+      owed = !s->ctrl.empty();
+    }
+    if (owed) {
+      socketFailed(s, 0, "send");
+    } else {
+      p->dataSocketClosed(s->index);
+    }
     return;
   }
   for (int iter = 0; iter < 32; ++iter) {
     if (!s->hasCur) {
-      std::lock_guard<std::mutex> lock(s->mu);
-      auto& q = !s->ctrl.empty() ? s->ctrl : s->data;
-      if (q.empty()) {
+      {
+        std::lock_guard<std::mutex> lock(s->mu);
+        if (!s->ctrl.empty()) {
+          s->cur = std::move(s->ctrl.front());
+          s->ctrl.pop_front();
+          s->hasCur = true;
+        }
+      }
+      if (!s->hasCur) s->hasCur = p->nextStripe(s->index, &s->cur);
+      if (!s->hasCur) {
         setWantOut(s, false);
         return;
       }
-      s->cur = std::move(q.front());
-      q.pop_front();
-      s->hasCur = true;
     }
     OutFrame& f = s->cur;
     const size_t hdrBytes = sizeof(FrameHeader);
@@ -313,8 +354,15 @@ void Worker::handleWrite(Sock* s) {
     f.sent += static_cast<size_t>(n);
     if (f.sent == total) {
       std::shared_ptr<Op> op = std::move(f.op);
+      const bool data = f.hdr.type == kData;
       s->cur = OutFrame{};
       s->hasCur = false;
+      if (data) {
+        s->dataFrames.fetch_add(1, std::memory_order_relaxed);
+        double rate;
+        if (deliveryRate(s, &rate)) p->flowRate(rate);
+        p->stripeWritten(s->index);
+      }
       if (op) p->frameDone(op);
     }
   }
