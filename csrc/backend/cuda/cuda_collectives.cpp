@@ -261,7 +261,9 @@ class CudaWork : public c10d::Work {
   // An NVLink kernel that gave up on a peer completes like any other: its
   // report, not its end event, tells the failure.
   void failIfNvlinkTimedOut() {
-    if (viaNvlink_ && owner_->pollNvlink()) fail(owner_->error());
+    if (!viaNvlink_ || !owner_->pollNvlink()) return;
+    // Null only while another thread is still failing the group.
+    if (auto e = owner_->error()) fail(e);
   }
   // Marks the entry started once the start event has fired (timing only).
   void traceStarted() {
