@@ -118,8 +118,8 @@ def _sources(cuda: bool) -> list[str]:
     cpp = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
     cpp = [s for s in cpp if not s.startswith(TESTING_DIR + os.sep)]
     if not cuda:
-        # Files under a cuda/ or nccl/ folder use the CUDA runtime or NCCL.
-        cuda_only = (f"{os.sep}cuda{os.sep}", f"{os.sep}nccl{os.sep}")
+        # Files under a cuda/, nccl/ or nvlink/ folder use the CUDA runtime or NCCL.
+        cuda_only = (f"{os.sep}cuda{os.sep}", f"{os.sep}nccl{os.sep}", f"{os.sep}nvlink{os.sep}")
         cpp = [s for s in cpp if not any(d in s for d in cuda_only)]
         return cpp
     cu = glob.glob(os.path.join("kernels", "**", "*.cu"), recursive=True)
@@ -279,7 +279,9 @@ class BuildExt(cpp_extension.BuildExtension):
         else:
             jobs = int(os.environ.get("MAX_JOBS") or os.cpu_count() or 1)
             ptx = os.environ.get("FASTCOMM_CUDA_PTX_ONLY", "0") == "1"
-            work = n_cpp * self.SECONDS_PER_CPP + len(cu) * self.SECONDS_PER_CU["ptx" if ptx else "sm"]
+            work = (
+                n_cpp * self.SECONDS_PER_CPP + len(cu) * self.SECONDS_PER_CU["ptx" if ptx else "sm"]
+            )
             minutes = work / max(1, min(jobs, len(ext.sources))) / 60
             low, high = max(1, round(minutes * 0.8)), max(2, round(minutes * 1.3))
             note = f"first build, about {low}-{high} min with {jobs} jobs"

@@ -78,6 +78,7 @@ def test_every_tier_is_used_and_variables_are_unique() -> None:
         ("FASTCOMM_CUDA_WINDOW", "2"),
         ("FASTCOMM_TCP_SOCKETS", "0"),
         ("FASTCOMM_CUDA_INTER", "gloo"),
+        ("FASTCOMM_NVLINK_ALLREDUCE", "on"),
     ],
 )
 def test_bad_value_names_the_variable(monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> None:

@@ -65,7 +65,9 @@ def stats(group: Optional[dist.ProcessGroup] = None) -> dict[str, dict[str, floa
     pair of timing events, recorded only with ``FASTCOMM_CUDA_TIMING=1`` (they
     cost GPU time, so by default CUDA collectives count calls and bytes only).
     With ``FASTCOMM_CUDA_INTER=host``, the key ``cuda_via_host`` also counts the CUDA
-    collectives staged through host memory across nodes.
+    collectives staged through host memory across nodes. The keys ``nvlink_one_shot`` and
+    ``nvlink_two_shot`` count the CUDA all_reduces that ran on fastcomm's NVLink kernels inside
+    a node (each also counted as ``all_reduce``; a captured one once, at its capture).
     """
     return _backend(group).stats()
 

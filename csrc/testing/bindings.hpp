@@ -24,6 +24,7 @@ void bindMatmul(pybind11::module_& m);
 void bindIbEmu(pybind11::module_& m);
 // trace_cost: the flight recorder's cost per op (benchmarks/bench_trace.py).
 void bindTrace(pybind11::module_& m);
+void bindNvlink(pybind11::module_& m);
 
 }  // namespace testing
 }  // namespace fastcomm

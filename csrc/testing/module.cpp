@@ -14,4 +14,5 @@ PYBIND11_MODULE(_testing, m) {
   fastcomm::testing::bindMatmul(m);
   fastcomm::testing::bindIbEmu(m);
   fastcomm::testing::bindTrace(m);
+  fastcomm::testing::bindNvlink(m);
 }

@@ -15,6 +15,7 @@
 
 #include "intra/nccl/nccl_collectives.hpp"
 #include "intra/nccl/nccl_utils.hpp"
+#include "intra/nvlink/nvlink_allreduce.hpp"
 #include "common/deadline.hpp"
 #include "common/logging.hpp"
 #include "plans/cuda/cuda_hier.hpp"
@@ -97,6 +98,13 @@ class CudaCollectives::Impl {
   // must not be under a CUDA graph capture (a clear error then).
   bool useHier(const at::Tensor& t, RedOp op, const CudaOpInfo& info);
   WorkPtr launchHier(const CudaOpInfo& info, const at::Tensor& t, RedOp op);
+  // The NVLink kernel for the all_reduce of `t` (None: NCCL); the same answer
+  // on every rank.
+  NvlinkAlgo nvlinkAlgo(const at::Tensor& t, RedOp op);
+  WorkPtr launchNvlink(const CudaOpInfo& info, const at::Tensor& t, RedOp op, NvlinkAlgo algo);
+  // Whether an NVLink kernel reported a wait that timed out; the first time,
+  // the group fails with a timeout error naming the op and the peer.
+  bool pollNvlink();
   void startCoalescing();
   WorkPtr endCoalescing(const CudaOpInfo& info);
   void cancelCoalescing() {
@@ -134,6 +142,12 @@ class CudaCollectives::Impl {
   std::optional<InterPlan> plan_;   // several nodes: the choices agreed through the store
   std::unique_ptr<CudaHier> hier_;  // created at the first all_reduce that takes it
   bool hierTried_ = false;          // (under issueMu_) null hier_ then means unavailable
+  // One node whose GPUs all reach each other over NVLink: the peer-memory kernels.
+  std::unique_ptr<NvlinkAllreduce> nvlink_;
+  // (under issueMu_) The last eager NVLink op's end and stream.
+  std::shared_ptr<at::cuda::CUDAEvent> nvlinkLastEnd_;
+  cudaStream_t nvlinkLastStream_ = nullptr;
+  std::atomic<bool> nvlinkReported_{false};
   ncclComm_t comm_ = nullptr;
   std::optional<at::cuda::CUDAStream> stream_;
   at::cuda::CUDAEvent syncEvent_{cudaEventDisableTiming};
@@ -183,7 +197,10 @@ class CudaWork : public c10d::Work {
                 ") was captured into a CUDA graph: it runs with every replay and has no "
                 "completion state of its own; synchronize the stream that replays the graph");
     const bool done = end_->query();
-    if (done) traceCompleted();
+    if (done) {
+      failIfNvlinkTimedOut();
+      traceCompleted();
+    }
     return done;
   }
   bool isSuccess() const override { return !exception(); }
@@ -219,6 +236,7 @@ class CudaWork : public c10d::Work {
                     ") did not complete within ", limit.count(), " ms");
         std::this_thread::sleep_for(std::chrono::microseconds(50));
       }
+      failIfNvlinkTimedOut();
       traceCompleted();
     }
     if (auto e = exception()) std::rethrow_exception(e);
@@ -239,6 +257,13 @@ class CudaWork : public c10d::Work {
   }
   void traceCompleted() {
     if (trace_) owner_->trace_->completed(trace_);
+  }
+  // An NVLink kernel that gave up on a peer completes like any other: its
+  // report, not its end event, tells the failure.
+  void failIfNvlinkTimedOut() {
+    if (!viaNvlink_ || !owner_->pollNvlink()) return;
+    // Null only while another thread is still failing the group.
+    if (auto e = owner_->error()) fail(e);
   }
   // Marks the entry started once the start event has fired (timing only).
   void traceStarted() {
@@ -269,6 +294,7 @@ class CudaWork : public c10d::Work {
   Clock::time_point enqueued_ = Clock::now();
   const uint64_t trace_;       // flight recorder entry, 0: none
   bool traceStarted_ = false;  // (watchdog thread only)
+  bool viaNvlink_ = false;     // ran on the NVLink kernels
 };
 
 }  // namespace
@@ -295,6 +321,15 @@ CudaCollectives::Impl::Impl(const c10::intrusive_ptr<c10d::Store>& store, int ra
                              OpContext::start("NCCL communicator setup", 0, timeout_));
   }
   stream_ = at::cuda::getStreamFromPool(/*isHighPriority=*/true, device_.index());
+  if (cfg_.nvlinkAllreduce && topo_.numNodes() == 1 && size_ > 1) {
+    try {
+      nvlink_ = NvlinkAllreduce::create(store_, rank_, size_, device_, timeout_);
+    } catch (...) {
+      ncclCommAbort(comm_);  // no destructor runs for a constructor that throws
+      comm_ = nullptr;
+      throw;
+    }
+  }
   int version = 0;
   ncclGetVersion(&version);
   if (rank_ == 0) {
@@ -323,8 +358,12 @@ void CudaCollectives::Impl::shutdown() {
   }
   std::lock_guard<std::mutex> lock(issueMu_);
   hier_.reset();
+  const bool failed = error() != nullptr;
+  // Kernels waiting on a peer that is gone give up, so waiting for them
+  // returns.
+  if (nvlink_ && failed) nvlink_->abort();
   if (comm_ != nullptr) {
-    if (error_) {
+    if (failed) {
       ncclCommAbort(comm_);
     } else {
       // Let queued collectives finish, then release the communicator.
@@ -332,6 +371,12 @@ void CudaCollectives::Impl::shutdown() {
       ncclRelease(comm_);
     }
     comm_ = nullptr;
+  }
+  if (nvlink_) {
+    // Every eager NVLink op is ordered before the last one (launchNvlink).
+    if (nvlinkLastEnd_) nvlinkLastEnd_->synchronize();
+    nvlink_->shutdown(failed);
+    nvlink_.reset();
   }
 }
 
@@ -454,6 +499,74 @@ WorkPtr CudaCollectives::Impl::launchHier(const CudaOpInfo& info, const at::Tens
   };
   issue({{std::move(body), work}}, hinfo, capturing);
   return work;
+}
+
+NvlinkAlgo CudaCollectives::Impl::nvlinkAlgo(const at::Tensor& t, RedOp op) {
+  if (!nvlink_) return NvlinkAlgo::None;
+  const NvlinkAlgo algo = nvlink_->choose(t, op);
+  if (algo == NvlinkAlgo::None) return algo;
+  std::lock_guard<std::mutex> lock(issueMu_);
+  // A coalesced block is one NCCL group: it stays on NCCL.
+  return coalescing_ ? NvlinkAlgo::None : algo;
+}
+
+WorkPtr CudaCollectives::Impl::launchNvlink(const CudaOpInfo& info, const at::Tensor& t, RedOp op,
+                                            NvlinkAlgo algo) {
+  checkHealthy();
+  c10::cuda::CUDAGuard guard(device_);
+  auto current = at::cuda::getCurrentCUDAStream(device_.index());
+  // Under capture the kernel goes into the graph as it is: the copy into the
+  // registered buffer is part of it and the call counter is advanced on the
+  // device, so every replay is a fresh all_reduce of the captured tensor.
+  const bool capturing = isCapturing(current.stream());
+  auto work = c10::make_intrusive<CudaWork>(rank_, info, Tensors{t}, Tensors{t}, device_, this,
+                                            *events_, cfg_.cudaTiming && !capturing, capturing);
+  work->viaNvlink_ = true;
+  std::lock_guard<std::mutex> lock(issueMu_);
+  NvlinkAllreduce* nvlink = nvlink_.get();
+  TORCH_CHECK(nvlink != nullptr, "fastcomm: internal: ", info.name, " lost its NVLink path");
+  // Two eager calls on different streams (async_op=True on the internal
+  // stream, then a synchronous one on the caller's) would otherwise run at
+  // once on the same buffers and counters: a call waits for the previous one
+  // where the stream changed. A replay is ordered by the stream it runs on.
+  std::shared_ptr<at::cuda::CUDAEvent> lastEnd = capturing ? nullptr : nvlinkLastEnd_;
+  const cudaStream_t lastStream = nvlinkLastStream_;
+  cudaStream_t used = nullptr;
+  const uint64_t seq = info.seq;
+  Body body = [nvlink, t, op, algo, seq, capturing, lastEnd, lastStream, &used](ncclComm_t,
+                                                                                cudaStream_t s) {
+    if (lastEnd && lastStream != s) C10_CUDA_CHECK(cudaStreamWaitEvent(s, lastEnd->event(), 0));
+    used = s;
+    nccl::DeviceContig c(t);
+    c.load();
+    nvlink->allreduce(c.work, c.work, op, algo, s, seq, capturing);
+    c.finish();
+  };
+  issue({{std::move(body), work}}, info, capturing);
+  if (!capturing) {
+    nvlinkLastEnd_ = work->end_;
+    nvlinkLastStream_ = used;
+  }
+  stats_.addCall(algo == NvlinkAlgo::OneShot ? "nvlink_one_shot" : "nvlink_two_shot",
+                 static_cast<uint64_t>(info.bytes));
+  return work;
+}
+
+bool CudaCollectives::Impl::pollNvlink() {
+  if (!nvlink_) return false;
+  const auto t = nvlink_->timedOut();
+  if (!t) return false;
+  if (!nvlinkReported_.exchange(true)) {
+    const std::string why = "fastcomm: all_reduce (seq " + std::to_string(t->seq) +
+                            (t->captured ? ", captured in a CUDA graph" : "") +
+                            ") failed on group rank " + std::to_string(rank_) + ": timeout after " +
+                            std::to_string(timeout_.count()) + " ms waiting for group rank(s) " +
+                            formatRanks({t->peer}) +
+                            " in the NVLink all-reduce; the NCCL communicator was aborted";
+    FASTCOMM_LOG(Warn, why);
+    fail(why);
+  }
+  return true;
 }
 
 void CudaCollectives::Impl::issue(const std::vector<Deferred>& items, const CudaOpInfo& info,
@@ -584,6 +697,8 @@ void CudaCollectives::Impl::watchdogLoop() {
     } catch (const std::exception& e) {
       FASTCOMM_LOG(Debug, "heartbeat to the store failed: " << e.what());
     }
+    // Before the completions below: a kernel that gave up has completed too.
+    pollNvlink();
     std::deque<c10::intrusive_ptr<CudaWork>> works;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -651,6 +766,7 @@ void CudaCollectives::Impl::abort(const std::string& why) {
     // waits for the device while it frees (NCCL issues #829, #1013), so the
     // communicators that share the comm stream are aborted together, after
     // the rail's flag waits between them are released (CudaHier).
+    if (nvlink_) nvlink_->abort();
     if (hier_) {
       hier_->abortComms(why, comm_);
     } else {
@@ -687,8 +803,10 @@ nccl::Call CudaCollectives::Impl::call(ncclComm_t comm, cudaStream_t s) const {
 }
 
 WorkPtr CudaCollectives::allreduce(Tensors tensors, RedOp op, const CudaOpInfo& info) {
-  if (tensors.size() == 1 && impl_->useHier(tensors[0], op, info)) {
-    return impl_->launchHier(info, tensors[0], op);
+  if (tensors.size() == 1) {
+    if (impl_->useHier(tensors[0], op, info)) return impl_->launchHier(info, tensors[0], op);
+    const NvlinkAlgo algo = impl_->nvlinkAlgo(tensors[0], op);
+    if (algo != NvlinkAlgo::None) return impl_->launchNvlink(info, tensors[0], op, algo);
   }
   Impl* impl = impl_.get();
   return impl->launch(info, tensors, tensors, [impl, tensors, op](ncclComm_t c, cudaStream_t s) {

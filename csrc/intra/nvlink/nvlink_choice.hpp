@@ -1,0 +1,36 @@
+// Which CUDA all_reduces of a group with working NVLink peer access run on
+// the peer-memory kernels (kernels/nvlink_allreduce.hpp) and which stay on
+// NCCL: a function of dtype, op, size and group size alone, so every rank
+// picks the same for the same call.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+
+#include "common/reduce.hpp"
+
+namespace fastcomm {
+
+enum class NvlinkAlgo : int { None, OneShot, TwoShot };
+
+// Bytes of each data half of a registered buffer: the largest all_reduce the
+// kernels take (calls alternate between two halves).
+constexpr int64_t kNvlinkHalfBytes = int64_t{4} << 20;
+
+// Up to oneShotBytes: one-shot (every rank reads every peer's copy, one
+// barrier); up to twoShotBytes: two-shot (reduce-scatter and all-gather
+// through peer memory, two barriers); above: NCCL. One-shot reads
+// (world - 1) x the message per rank, so its range shrinks as the group grows.
+struct NvlinkLimits {
+  int64_t oneShotBytes;
+  int64_t twoShotBytes;
+};
+NvlinkLimits nvlinkLimits(int world);
+
+// float32, float16 and bfloat16; SUM, AVG, MIN and MAX; 1 byte to the limits.
+NvlinkAlgo chooseNvlinkAllreduce(at::ScalarType dtype, RedOp op, int64_t bytes, int world);
+
+const char* nvlinkAlgoName(NvlinkAlgo algo);
+
+}  // namespace fastcomm

@@ -1,0 +1,31 @@
+// In CUDA builds, the NVLink all-reduce's size limits per kernel
+// (intra/nvlink/nvlink_choice.hpp), so tests/test_nvlink_allreduce.py
+// checks the switch-over wherever the limits are set.
+#include <torch/python.h>
+
+#include "testing/bindings.hpp"
+
+#ifdef FASTCOMM_WITH_CUDA
+#include "intra/nvlink/nvlink_choice.hpp"
+#endif
+
+namespace fastcomm {
+namespace testing {
+
+void bindNvlink(pybind11::module_& m) {
+#ifdef FASTCOMM_WITH_CUDA
+  m.def(
+      "nvlink_limits",
+      [](int world) {
+        const NvlinkLimits l = nvlinkLimits(world);
+        return pybind11::make_tuple(l.oneShotBytes, l.twoShotBytes);
+      },
+      "(one_shot_bytes, two_shot_bytes): the largest CUDA all_reduce each NVLink kernel takes "
+      "in a group of `world` GPUs");
+#else
+  (void)m;
+#endif
+}
+
+}  // namespace testing
+}  // namespace fastcomm

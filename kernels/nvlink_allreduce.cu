@@ -1,0 +1,451 @@
+#include "nvlink_allreduce.hpp"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <stdexcept>
+#include <string>
+
+namespace fastcomm {
+namespace nvlk {
+namespace {
+
+// Grid caps: one-shot reads every peer's copy of a block's share, so a few
+// blocks per SM's worth of NVLink requests already saturate the links at its
+// sizes; two-shot moves more data per call and gets more blocks.
+constexpr int kOneShotMaxBlocks = 32;
+constexpr int kTwoShotMaxBlocks = kMaxBlocks;
+// Spins between looks at the host control block: reading mapped host memory
+// costs a PCIe round trip, which a wait that is about to succeed must not pay.
+constexpr uint32_t kPollEvery = 1024;
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    throw std::runtime_error(std::string("fastcomm: NVLink all_reduce: ") + what + ": " +
+                             cudaGetErrorString(e));
+  }
+}
+
+struct State {
+  unsigned long long epoch;  // calls completed by this rank
+  unsigned int done;         // blocks of the running call that finished
+};
+
+// Element bits and their float accumulator.
+template <Elem E>
+struct Num;
+template <>
+struct Num<Elem::F32> {
+  using Raw = uint32_t;
+  static __device__ __forceinline__ float load(Raw r) { return __uint_as_float(r); }
+  static __device__ __forceinline__ Raw store(float v) { return __float_as_uint(v); }
+};
+template <>
+struct Num<Elem::F16> {
+  using Raw = uint16_t;
+  static __device__ __forceinline__ float load(Raw r) { return __half2float(__ushort_as_half(r)); }
+  static __device__ __forceinline__ Raw store(float v) {
+    return __half_as_ushort(__float2half_rn(v));
+  }
+};
+template <>
+struct Num<Elem::BF16> {
+  using Raw = uint16_t;
+  static __device__ __forceinline__ float load(Raw r) {
+    return __bfloat162float(__ushort_as_bfloat16(r));
+  }
+  static __device__ __forceinline__ Raw store(float v) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  }
+};
+
+template <typename Raw>
+union UnitOf {
+  uint4 v;
+  Raw e[kUnitBytes / sizeof(Raw)];
+};
+
+// NaN wins, as in torch's amin / amax.
+template <Op O>
+__device__ __forceinline__ float apply(float a, float b) {
+  if constexpr (O == Op::Sum) {
+    return a + b;
+  } else if constexpr (O == Op::Min) {
+    return (b < a || isnan(b)) ? b : a;
+  } else {
+    return (b > a || isnan(b)) ? b : a;
+  }
+}
+
+// One unit's values, accumulated in float.
+template <Elem E>
+struct Acc {
+  using N = Num<E>;
+  using Raw = typename N::Raw;
+  static constexpr int V = kUnitBytes / sizeof(Raw);
+  float x[V];
+
+  __device__ __forceinline__ void set(uint4 v) {
+    UnitOf<Raw> u;
+    u.v = v;
+#pragma unroll
+    for (int j = 0; j < V; ++j) x[j] = N::load(u.e[j]);
+  }
+  template <Op O>
+  __device__ __forceinline__ void add(uint4 v) {
+    UnitOf<Raw> u;
+    u.v = v;
+#pragma unroll
+    for (int j = 0; j < V; ++j) x[j] = apply<O>(x[j], N::load(u.e[j]));
+  }
+  __device__ __forceinline__ uint4 get(float divisor) const {
+    UnitOf<Raw> u;
+#pragma unroll
+    for (int j = 0; j < V; ++j) u.e[j] = N::store(divisor > 0.f ? x[j] / divisor : x[j]);
+    return u.v;
+  }
+};
+
+// Unit u (elements u * V .. u * V + V - 1 of n) of a caller's tensor: one
+// 16-byte access where aligned and whole, else element by element (the
+// missing tail of the last unit reads as zeros and is never stored).
+template <typename Raw>
+__device__ __forceinline__ uint4 loadUnit(const Raw* p, int64_t u, int64_t n, bool vec) {
+  constexpr int V = kUnitBytes / sizeof(Raw);
+  const int64_t first = u * V;
+  if (vec && first + V <= n) return *reinterpret_cast<const uint4*>(p + first);
+  UnitOf<Raw> x;
+  x.v = make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int j = 0; j < V; ++j)
+    if (first + j < n) x.e[j] = p[first + j];
+  return x.v;
+}
+
+template <typename Raw>
+__device__ __forceinline__ void storeUnit(Raw* p, int64_t u, int64_t n, bool vec, uint4 v) {
+  constexpr int V = kUnitBytes / sizeof(Raw);
+  const int64_t first = u * V;
+  if (vec && first + V <= n) {
+    *reinterpret_cast<uint4*>(p + first) = v;
+    return;
+  }
+  UnitOf<Raw> x;
+  x.v = v;
+#pragma unroll
+  for (int j = 0; j < V; ++j)
+    if (first + j < n) p[first + j] = x.e[j];
+}
+
+__device__ __forceinline__ uint64_t loadAcquire(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void storeRelease(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t globalTimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint64_t* padSlot(void* buf, int64_t pad, int block, int from) {
+  return reinterpret_cast<uint64_t*>(static_cast<char*>(buf) + pad) + block * kMaxRanks + from;
+}
+
+__device__ __forceinline__ State* stateOf(void* buf) {
+  return reinterpret_cast<State*>(static_cast<char*>(buf) + kStateOffset);
+}
+
+// The data half call `epoch` uses in `buf`.
+__device__ __forceinline__ uint4* dataOf(void* buf, uint64_t epoch, int64_t halfBytes) {
+  return reinterpret_cast<uint4*>(static_cast<char*>(buf) + kDataOffset +
+                                  ((epoch & 1) != 0 ? halfBytes : 0));
+}
+
+// Waits until *slot >= target. False when it gave up: the host aborted the
+// group, another wait already reported a timeout, or this one timed out (and
+// reports it).
+__device__ bool waitFor(const uint64_t* slot, uint64_t target, const Args& a, int peer) {
+  if (loadAcquire(slot) >= target) return true;
+  volatile HostCtl* ctl = a.ctl;
+  const uint64_t start = globalTimer();
+  for (uint32_t spins = 1;; ++spins) {
+    if (loadAcquire(slot) >= target) return true;
+    if (spins % kPollEvery == 0) {
+      if (ctl->abort != 0 || ctl->report != 0) return false;
+      if (globalTimer() - start > a.timeoutNs) {
+        ctl->report = encodeReport(a.seq, a.captured != 0, peer);
+        __threadfence_system();
+        return false;
+      }
+    }
+  }
+}
+
+// Called by every thread of the block: tells the blocks of the same index on
+// every peer that this block reached `pad` in call `epoch`, then waits until
+// each of them did. The barrier orders this block's earlier writes before the
+// peers' reads after it, and theirs before ours: the release store follows
+// the block's writes (__syncthreads), the block's reads follow the acquire
+// loads (__syncthreads_and). False in every thread when the block gives up.
+__device__ bool barrier(const Args& a, int64_t pad, uint64_t epoch, int world) {
+  __syncthreads();
+  bool ok = true;
+  const int peer = static_cast<int>(threadIdx.x);
+  if (peer < world && peer != a.rank) {
+    storeRelease(padSlot(a.bufs[peer], pad, blockIdx.x, a.rank), epoch + 1);
+    ok = waitFor(padSlot(a.bufs[a.rank], pad, blockIdx.x, peer), epoch + 1, a, peer);
+  }
+  return __syncthreads_and(ok ? 1 : 0) != 0;
+}
+
+__device__ __forceinline__ uint64_t readEpoch(const Args& a) {
+  return *reinterpret_cast<volatile unsigned long long*>(&stateOf(a.bufs[a.rank])->epoch);
+}
+
+// The last block to finish advances the call counter: every block read it
+// before it counted itself done.
+__device__ void finish(const Args& a, uint64_t epoch) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    State* s = stateOf(a.bufs[a.rank]);
+    if (atomicAdd(&s->done, 1u) == gridDim.x - 1) {
+      *reinterpret_cast<volatile unsigned int*>(&s->done) = 0;
+      *reinterpret_cast<volatile unsigned long long*>(&s->epoch) = epoch + 1;
+    }
+  }
+}
+
+__device__ __forceinline__ bool aligned(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % kUnitBytes == 0;
+}
+
+// W > 0: the world size as a constant; 0: a.world (at most kMaxRanks).
+template <Elem E, Op O, int W>
+__global__ void __launch_bounds__(kThreads) oneShot(Args a) {
+  using A = Acc<E>;
+  using Raw = typename A::Raw;
+  constexpr int kR = W > 0 ? W : kMaxRanks;
+  const int world = W > 0 ? W : a.world;
+  const uint64_t epoch = readEpoch(a);
+  const int64_t units = (a.n + A::V - 1) / A::V;
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  const int64_t first = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  const Raw* in = static_cast<const Raw*>(a.in);
+  uint4* mine = dataOf(a.bufs[a.rank], epoch, a.halfBytes);
+  const bool inVec = aligned(a.in), outVec = aligned(a.out);
+  for (int64_t u = first; u < units; u += stride) mine[u] = loadUnit(in, u, a.n, inVec);
+  if (barrier(a, kArrivePadOffset, epoch, world)) {
+    const uint4* src[kR];
+#pragma unroll
+    for (int r = 0; r < kR; ++r)
+      src[r] = (W > 0 || r < world) ? dataOf(a.bufs[r], epoch, a.halfBytes) : nullptr;
+    for (int64_t u = first; u < units; u += stride) {
+      uint4 v[kR];
+#pragma unroll
+      for (int r = 0; r < kR; ++r)
+        if (W > 0 || r < world) v[r] = src[r][u];
+      // Every rank adds in rank order, so all hold the same bits.
+      A acc;
+      acc.set(v[0]);
+#pragma unroll
+      for (int r = 1; r < kR; ++r)
+        if (W > 0 || r < world) acc.template add<O>(v[r]);
+      storeUnit(static_cast<Raw*>(a.out), u, a.n, outVec, acc.get(a.divisor));
+    }
+  }
+  finish(a, epoch);
+}
+
+// Partition q holds units [q * part, min(units, (q + 1) * part)); a block
+// handles the same offsets i inside every partition.
+template <Elem E, Op O, int W>
+__global__ void __launch_bounds__(kThreads) twoShot(Args a) {
+  using A = Acc<E>;
+  using Raw = typename A::Raw;
+  constexpr int kR = W > 0 ? W : kMaxRanks;
+  const int world = W > 0 ? W : a.world;
+  const uint64_t epoch = readEpoch(a);
+  const int64_t units = (a.n + A::V - 1) / A::V;
+  const int64_t part = (units + world - 1) / world;
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  const int64_t first = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  const Raw* in = static_cast<const Raw*>(a.in);
+  Raw* out = static_cast<Raw*>(a.out);
+  uint4* mine = dataOf(a.bufs[a.rank], epoch, a.halfBytes);
+  const bool inVec = aligned(a.in), outVec = aligned(a.out);
+  auto lengthOf = [&](int q) {
+    const int64_t lo = q * part;
+    const int64_t hi = lo + part < units ? lo + part : units;
+    return hi > lo ? hi - lo : int64_t{0};
+  };
+  for (int q = 0; q < world; ++q) {
+    const int64_t base = q * part, len = lengthOf(q);
+    for (int64_t i = first; i < len; i += stride)
+      mine[base + i] = loadUnit(in, base + i, a.n, inVec);
+  }
+  bool ok = barrier(a, kArrivePadOffset, epoch, world);
+  if (ok) {
+    const uint4* src[kR];
+#pragma unroll
+    for (int r = 0; r < kR; ++r)
+      src[r] = (W > 0 || r < world) ? dataOf(a.bufs[r], epoch, a.halfBytes) : nullptr;
+    const int64_t base = a.rank * part, len = lengthOf(a.rank);
+    for (int64_t i = first; i < len; i += stride) {
+      uint4 v[kR];
+#pragma unroll
+      for (int r = 0; r < kR; ++r)
+        if (W > 0 || r < world) v[r] = src[r][base + i];
+      A acc;
+      acc.set(v[0]);
+#pragma unroll
+      for (int r = 1; r < kR; ++r)
+        if (W > 0 || r < world) acc.template add<O>(v[r]);
+      const uint4 res = acc.get(a.divisor);
+      // In place: no peer reads this rank's own partition before the
+      // second barrier.
+      mine[base + i] = res;
+      storeUnit(out, base + i, a.n, outVec, res);
+    }
+    ok = barrier(a, kReducedPadOffset, epoch, world);
+  }
+  if (ok) {
+    for (int q = 0; q < world; ++q) {
+      if (q == a.rank) continue;
+      const uint4* theirs = dataOf(a.bufs[q], epoch, a.halfBytes);
+      const int64_t base = q * part, len = lengthOf(q);
+      for (int64_t i = first; i < len; i += stride)
+        storeUnit(out, base + i, a.n, outVec, theirs[base + i]);
+    }
+  }
+  finish(a, epoch);
+}
+
+struct Tokens {
+  uint64_t v[kMaxRanks];
+};
+
+__global__ void probeKernel(Args a, Tokens t) {
+  const int peer = static_cast<int>(threadIdx.x);
+  if (peer < a.world && peer != a.rank) {
+    storeRelease(
+        reinterpret_cast<uint64_t*>(static_cast<char*>(a.bufs[peer]) + kProbeOffset) + a.rank,
+        t.v[peer]);
+  }
+}
+
+template <Elem E>
+constexpr int esizeOf() {
+  return static_cast<int>(sizeof(typename Num<E>::Raw));
+}
+
+template <Elem E, Op O, int W>
+void launchWorld(Algo algo, const Args& a, cudaStream_t s) {
+  const int blocks = blocksFor(algo, a.n, esizeOf<E>(), a.world);
+  if (algo == Algo::OneShot) {
+    oneShot<E, O, W><<<blocks, kThreads, 0, s>>>(a);
+  } else {
+    twoShot<E, O, W><<<blocks, kThreads, 0, s>>>(a);
+  }
+}
+
+template <Elem E, Op O>
+void launchOp(Algo algo, const Args& a, cudaStream_t s) {
+  switch (a.world) {
+    case 2:
+      return launchWorld<E, O, 2>(algo, a, s);
+    case 4:
+      return launchWorld<E, O, 4>(algo, a, s);
+    case 8:
+      return launchWorld<E, O, 8>(algo, a, s);
+    default:
+      return launchWorld<E, O, 0>(algo, a, s);
+  }
+}
+
+template <Elem E>
+void launchElem(Op op, Algo algo, const Args& a, cudaStream_t s) {
+  switch (op) {
+    case Op::Sum:
+      return launchOp<E, Op::Sum>(algo, a, s);
+    case Op::Min:
+      return launchOp<E, Op::Min>(algo, a, s);
+    case Op::Max:
+      return launchOp<E, Op::Max>(algo, a, s);
+  }
+}
+
+template <Elem E, Op O, int W>
+void loadWorld() {
+  cudaFuncAttributes attr;
+  check(cudaFuncGetAttributes(&attr, oneShot<E, O, W>), "loading the one-shot kernel");
+  check(cudaFuncGetAttributes(&attr, twoShot<E, O, W>), "loading the two-shot kernel");
+}
+
+template <Elem E, Op O>
+void loadOp() {
+  loadWorld<E, O, 2>();
+  loadWorld<E, O, 4>();
+  loadWorld<E, O, 8>();
+  loadWorld<E, O, 0>();
+}
+
+template <Elem E>
+void loadElem() {
+  loadOp<E, Op::Sum>();
+  loadOp<E, Op::Min>();
+  loadOp<E, Op::Max>();
+}
+
+}  // namespace
+
+int blocksFor(Algo algo, int64_t n, int esize, int world) {
+  const int64_t units = (n * esize + kUnitBytes - 1) / kUnitBytes;
+  const int64_t work = algo == Algo::OneShot ? units : (units + world - 1) / world;
+  const int64_t cap = algo == Algo::OneShot ? kOneShotMaxBlocks : kTwoShotMaxBlocks;
+  const int64_t blocks = (work + kThreads - 1) / kThreads;
+  return static_cast<int>(blocks < 1 ? 1 : (blocks > cap ? cap : blocks));
+}
+
+void allreduce(Elem elem, Op op, Algo algo, const Args& args, cudaStream_t stream) {
+  if (args.world < 2 || args.world > kMaxRanks || args.n <= 0) {
+    throw std::runtime_error("fastcomm: NVLink all_reduce: bad arguments (world " +
+                             std::to_string(args.world) + ", " + std::to_string(args.n) +
+                             " elements)");
+  }
+  switch (elem) {
+    case Elem::F32:
+      launchElem<Elem::F32>(op, algo, args, stream);
+      break;
+    case Elem::F16:
+      launchElem<Elem::F16>(op, algo, args, stream);
+      break;
+    case Elem::BF16:
+      launchElem<Elem::BF16>(op, algo, args, stream);
+      break;
+  }
+  check(cudaGetLastError(), "kernel launch");
+}
+
+void writeProbes(const Args& args, const uint64_t (&tokens)[kMaxRanks], cudaStream_t stream) {
+  Tokens t;
+  for (int r = 0; r < kMaxRanks; ++r) t.v[r] = tokens[r];
+  probeKernel<<<1, kMaxRanks, 0, stream>>>(args, t);
+  check(cudaGetLastError(), "probe kernel launch");
+}
+
+void preload() {
+  loadElem<Elem::F32>();
+  loadElem<Elem::F16>();
+  loadElem<Elem::BF16>();
+  cudaFuncAttributes attr;
+  check(cudaFuncGetAttributes(&attr, probeKernel), "loading the probe kernel");
+}
+
+}  // namespace nvlk
+}  // namespace fastcomm

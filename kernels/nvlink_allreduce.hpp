@@ -1,0 +1,119 @@
+// Kernels of the all-reduce over peer memory inside a node
+// (intra/nvlink/): every rank of the group owns one registered device buffer
+// that every other rank has mapped, and a kernel reads and writes the peers'
+// buffers directly over NVLink. Host-callable launchers with plain types, so
+// this header needs no ATen.
+//
+// One call = one kernel. Each block copies its share of the input into this
+// rank's buffer, tells every peer's same-numbered block that its share is
+// there (a signal pad slot, st.release.sys), waits for theirs (ld.acquire.sys)
+// and then:
+// - one-shot: reduces every rank's copy of its share into the output;
+// - two-shot: reduces its share of this rank's partition (1/world of the
+//   elements) in place in its buffer, signals again, and gathers the peers'
+//   reduced partitions into the output.
+// Shares are 16-byte units, dealt to blocks and threads by index alone, so a
+// unit is copied in, reduced and read back by the same block index on every
+// rank whatever the alignment of the caller's tensors.
+//
+// Signals are counters: call e writes e + 1 and waits for a value >= e + 1,
+// so no slot is ever reset or written with overlapping stores. The call
+// counter (epoch) lives in the buffer's private state, read by every block
+// and advanced by the last block to finish: a CUDA graph replays the same
+// kernel and still advances it. Calls alternate between two data halves: a
+// rank can be at most one call ahead of a peer (each call's first signal
+// waits for every peer to have started it), so the half it writes is never
+// one a peer still reads.
+//
+// A wait that outlasts `timeoutNs` writes the op's sequence number and the
+// peer it waited for into the mapped host control block and gives up; every
+// wait also gives up once the host set `abort` or any report is there.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#ifdef __CUDACC__
+#define FASTCOMM_NVLK_HD __host__ __device__
+#else
+#define FASTCOMM_NVLK_HD
+#endif
+
+namespace fastcomm {
+namespace nvlk {
+
+constexpr int kMaxRanks = 8;
+constexpr int kMaxBlocks = 64;  // signal slots per pad and peer
+constexpr int kThreads = 512;
+constexpr int kUnitBytes = 16;
+
+// Offsets in a rank's registered buffer. Pads: uint64 slots
+// [block][sending rank], written by the peers.
+constexpr int64_t kArrivePadOffset = 0;
+constexpr int64_t kReducedPadOffset = int64_t{kMaxBlocks} * kMaxRanks * 8;
+// This rank's own state (call counter, finished blocks); peers never touch it.
+constexpr int64_t kStateOffset = 2 * kReducedPadOffset;
+// One uint64 per writing rank, written once at set-up to prove peer access.
+constexpr int64_t kProbeOffset = kStateOffset + 256;
+constexpr int64_t kDataOffset = 16384;
+static_assert(kProbeOffset + kMaxRanks * 8 <= kDataOffset, "buffer header overlaps its data");
+
+// Bytes of one registered buffer with data halves of `halfBytes` each
+// (a multiple of kUnitBytes).
+inline int64_t bufferBytes(int64_t halfBytes) { return kDataOffset + 2 * halfBytes; }
+
+enum class Elem : int { F32, F16, BF16 };
+enum class Op : int { Sum, Min, Max };
+enum class Algo : int { OneShot, TwoShot };
+
+// Mapped pinned host memory shared by the host and this group's kernels.
+struct HostCtl {
+  uint64_t abort;   // nonzero: waiting kernels give up (the group was aborted)
+  uint64_t report;  // 0, or the first wait that timed out: encodeReport()
+};
+
+// A report: the op's sequence number, whether it was captured into a CUDA
+// graph, and the rank that was waited for.
+FASTCOMM_NVLK_HD inline uint64_t encodeReport(uint64_t seq, bool captured, int peer) {
+  return (seq << 16) | (captured ? 0x100u : 0u) | static_cast<uint64_t>(peer + 1);
+}
+inline uint64_t reportSeq(uint64_t report) { return report >> 16; }
+inline bool reportCaptured(uint64_t report) { return (report & 0x100u) != 0; }
+inline int reportPeer(uint64_t report) { return static_cast<int>(report & 0xffu) - 1; }
+
+struct Args {
+  void* bufs[kMaxRanks];  // every rank's registered buffer, as mapped here
+  const void* in;         // n elements, any alignment
+  void* out;              // n elements, any alignment; may be `in`
+  int64_t n;
+  int64_t halfBytes;  // bytes of each data half (>= n elements)
+  int rank;
+  int world;      // 2..kMaxRanks
+  float divisor;  // > 0: the sum is divided by it (AVG)
+  HostCtl* ctl;   // device address of the control block
+  uint64_t seq;   // reported on a timeout
+  uint64_t timeoutNs;
+  int captured;  // reported on a timeout
+};
+
+// Blocks the kernel of `algo` runs for `n` elements of `esize` bytes over
+// `world` ranks (a function of these alone: every rank launches the same grid).
+int blocksFor(Algo algo, int64_t n, int esize, int world);
+
+// Issues the all-reduce on `stream`. Throws std::runtime_error when the
+// launch fails.
+void allreduce(Elem elem, Op op, Algo algo, const Args& args, cudaStream_t stream);
+
+// Writes tokens[r] into rank r's probe slot of this rank (every r but
+// args.rank) through the mappings in args.bufs, with system-scope release
+// stores, on `stream`. Throws std::runtime_error when the launch fails.
+void writeProbes(const Args& args, const uint64_t (&tokens)[kMaxRanks], cudaStream_t stream);
+
+// Loads every kernel above into the current device's context (no lazy
+// loading at a first launch inside a graph capture). Throws
+// std::runtime_error.
+void preload();
+
+}  // namespace nvlk
+}  // namespace fastcomm
