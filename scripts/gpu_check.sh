@@ -21,6 +21,9 @@
 #                "25gbit,20us" needs the kernel's netem, which the lent machines lack); ip and
 #                tc from the Debian debs in build/iproute2-debs (carried; unpacked with dpkg -x)
 #                                                          -> netbed_2x<k>_<link>.{json,md}
+#   nvlink       the NVLink all-reduce's tests, then its benchmark beside ProcessGroupNCCL and
+#                torch symm_mem one-/two-shot, graphs and eager, 4 KiB..16 MiB (NVLINK_ARGS)
+#                                             -> nvlink_tests.log, nvlink_ar_<n>gpu.{json,md}
 #   matmulbench  bf16 matmul / linear+gelu on the main shapes vs cuBLAS     -> matmul.{log,json}
 #   killed       a peer killed during the staged all_reduce, stacks of hung ranks -> killed.log
 #   capture      CUDA-graph capture across simulated nodes (4 GPUs as 2 x 2) -> capture.log
@@ -31,7 +34,7 @@
 #
 # Env: OUT (default ./out), FASTCOMM_PYTHON (default python3), CARRIED_DIR, PLOT=1 (also write
 # .png plots), PYTEST_ARGS, BENCH_ARGS, SWEEP_ARGS (e.g. "--rounds 3"), SWEEP_TIMEOUT,
-# NETBED_LINKS, MATMUL_ARGS. Everything is summarised in $OUT/gpu_check.log. At most 8 files come back from
+# NETBED_LINKS, NVLINK_ARGS, MATMUL_ARGS. Everything is summarised in $OUT/gpu_check.log. At most 8 files come back from
 # the lent machines: run stages that write several files in calls of their own.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -176,6 +179,17 @@ for stage in "${stages[@]}"; do
       done
       rm -rf "$nbdir"
       ;;
+    nvlink)
+      say "NVLink all-reduce: tests, then the benchmark ($NGPU GPUs)"
+      timeout 420 "$PY" -m pytest -q -rfE tests/test_nvlink_allreduce.py ${PYTEST_ARGS:-} \
+        > "$OUT/nvlink_tests.log" 2>&1 || status=1
+      tail -n 8 "$OUT/nvlink_tests.log" | tee -a "$LOG"
+      timeout 300 "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
+        benchmarks/bench_nvlink_ar.py --json "$OUT/nvlink_ar_${NGPU}gpu.json" \
+        --md "$OUT/nvlink_ar_${NGPU}gpu.md" $(plot "$OUT/nvlink_ar_${NGPU}gpu.png") \
+        ${NVLINK_ARGS:-} 2>&1 | grep -v "^W1" | tail -n 40 | tee -a "$LOG"
+      [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+      ;;
     matmulbench)
       say "matmul main shapes vs cuBLAS (bf16, alternating rounds)"
       "$PY" benchmarks/bench_matmul.py --dtype bf16 --variants auto --sizes 4096,8192 \
@@ -239,7 +253,7 @@ for stage in "${stages[@]}"; do
       [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
       ;;
     *)
-      echo "unknown stage $stage (build carried tests ops bench sweep netbed matmulbench killed capture hooks ddpbench suite)" >&2
+      echo "unknown stage $stage (build carried tests ops bench sweep netbed nvlink matmulbench killed capture hooks ddpbench suite)" >&2
       exit 2
       ;;
   esac
