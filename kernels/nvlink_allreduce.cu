@@ -10,10 +10,10 @@ namespace fastcomm {
 namespace nvlk {
 namespace {
 
-// Grid caps: one-shot reads every peer's copy of a block's share, so a few
-// blocks per SM's worth of NVLink requests already saturate the links at its
-// sizes; two-shot moves more data per call and gets more blocks.
-constexpr int kOneShotMaxBlocks = 32;
+// Most blocks of a call (measured on 2 H200s): one-shot sends each unit to
+// every peer and is fastest with half the blocks that two-shot, which sends
+// each unit once, needs to keep enough stores in flight.
+constexpr int kOneShotMaxBlocks = kMaxBlocks / 2;
 constexpr int kTwoShotMaxBlocks = kMaxBlocks;
 // Spins between looks at the host control block: reading mapped host memory
 // costs a PCIe round trip, which a wait that is about to succeed must not pay.
@@ -161,10 +161,14 @@ __device__ __forceinline__ State* stateOf(void* buf) {
   return reinterpret_cast<State*>(static_cast<char*>(buf) + kStateOffset);
 }
 
-// The data half call `epoch` uses in `buf`.
-__device__ __forceinline__ uint4* dataOf(void* buf, uint64_t epoch, int64_t halfBytes) {
+// Rank `from`'s slot in rank `to`'s buffer `buf` for call `epoch`: slots
+// are numbered by distance, so each rank's world - 1 peers have one each.
+__device__ __forceinline__ uint4* slotOf(void* buf, uint64_t epoch, const Args& a, int world,
+                                         int from, int to) {
+  const int index = (from - to + world) % world - 1;
+  const int64_t set = (epoch & 1) != 0 ? int64_t{world - 1} : 0;
   return reinterpret_cast<uint4*>(static_cast<char*>(buf) + kDataOffset +
-                                  ((epoch & 1) != 0 ? halfBytes : 0));
+                                  (set + index) * a.slotBytes);
 }
 
 // Waits until *slot >= target. False when it gave up: the host aborted the
@@ -225,39 +229,47 @@ __device__ __forceinline__ bool aligned(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % kUnitBytes == 0;
 }
 
+// Reduces unit u of this rank's input and of the peers' slots, in rank order.
+template <Elem E, Op O, int W>
+__device__ __forceinline__ uint4 reduceUnit(const Args& a, int world, uint64_t epoch,
+                                            const typename Acc<E>::Raw* in, bool inVec, int64_t u) {
+  constexpr int kR = W > 0 ? W : kMaxRanks;
+  void* mine = a.bufs[a.rank];
+  uint4 v[kR];
+#pragma unroll
+  for (int r = 0; r < kR; ++r) {
+    if (W == 0 && r >= world) continue;
+    v[r] = r == a.rank ? loadUnit(in, u, a.n, inVec) : slotOf(mine, epoch, a, world, r, a.rank)[u];
+  }
+  Acc<E> acc;
+  acc.set(v[0]);
+#pragma unroll
+  for (int r = 1; r < kR; ++r)
+    if (W > 0 || r < world) acc.template add<O>(v[r]);
+  return acc.get(a.divisor);
+}
+
 // W > 0: the world size as a constant; 0: a.world (at most kMaxRanks).
 template <Elem E, Op O, int W>
 __global__ void __launch_bounds__(kThreads) oneShot(Args a) {
-  using A = Acc<E>;
-  using Raw = typename A::Raw;
-  constexpr int kR = W > 0 ? W : kMaxRanks;
+  using Raw = typename Acc<E>::Raw;
+  constexpr int V = Acc<E>::V;
   const int world = W > 0 ? W : a.world;
   const uint64_t epoch = readEpoch(a);
-  const int64_t units = (a.n + A::V - 1) / A::V;
+  const int64_t units = (a.n + V - 1) / V;
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
   const int64_t first = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   const Raw* in = static_cast<const Raw*>(a.in);
-  uint4* mine = dataOf(a.bufs[a.rank], epoch, a.halfBytes);
   const bool inVec = aligned(a.in), outVec = aligned(a.out);
-  for (int64_t u = first; u < units; u += stride) mine[u] = loadUnit(in, u, a.n, inVec);
+  for (int64_t u = first; u < units; u += stride) {
+    const uint4 v = loadUnit(in, u, a.n, inVec);
+    for (int q = 0; q < world; ++q)
+      if (q != a.rank) slotOf(a.bufs[q], epoch, a, world, a.rank, q)[u] = v;
+  }
   if (barrier(a, kArrivePadOffset, epoch, world)) {
-    const uint4* src[kR];
-#pragma unroll
-    for (int r = 0; r < kR; ++r)
-      src[r] = (W > 0 || r < world) ? dataOf(a.bufs[r], epoch, a.halfBytes) : nullptr;
-    for (int64_t u = first; u < units; u += stride) {
-      uint4 v[kR];
-#pragma unroll
-      for (int r = 0; r < kR; ++r)
-        if (W > 0 || r < world) v[r] = src[r][u];
-      // Every rank adds in rank order, so all hold the same bits.
-      A acc;
-      acc.set(v[0]);
-#pragma unroll
-      for (int r = 1; r < kR; ++r)
-        if (W > 0 || r < world) acc.template add<O>(v[r]);
-      storeUnit(static_cast<Raw*>(a.out), u, a.n, outVec, acc.get(a.divisor));
-    }
+    for (int64_t u = first; u < units; u += stride)
+      storeUnit(static_cast<Raw*>(a.out), u, a.n, outVec,
+                reduceUnit<E, O, W>(a, world, epoch, in, inVec, u));
   }
   finish(a, epoch);
 }
@@ -266,61 +278,51 @@ __global__ void __launch_bounds__(kThreads) oneShot(Args a) {
 // handles the same offsets i inside every partition.
 template <Elem E, Op O, int W>
 __global__ void __launch_bounds__(kThreads) twoShot(Args a) {
-  using A = Acc<E>;
-  using Raw = typename A::Raw;
-  constexpr int kR = W > 0 ? W : kMaxRanks;
+  using Raw = typename Acc<E>::Raw;
+  constexpr int V = Acc<E>::V;
   const int world = W > 0 ? W : a.world;
   const uint64_t epoch = readEpoch(a);
-  const int64_t units = (a.n + A::V - 1) / A::V;
+  const int64_t units = (a.n + V - 1) / V;
   const int64_t part = (units + world - 1) / world;
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
   const int64_t first = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   const Raw* in = static_cast<const Raw*>(a.in);
   Raw* out = static_cast<Raw*>(a.out);
-  uint4* mine = dataOf(a.bufs[a.rank], epoch, a.halfBytes);
   const bool inVec = aligned(a.in), outVec = aligned(a.out);
   auto lengthOf = [&](int q) {
     const int64_t lo = q * part;
     const int64_t hi = lo + part < units ? lo + part : units;
     return hi > lo ? hi - lo : int64_t{0};
   };
+  // Partition q of the input to rank q.
   for (int q = 0; q < world; ++q) {
+    if (q == a.rank) continue;
+    uint4* theirs = slotOf(a.bufs[q], epoch, a, world, a.rank, q);
     const int64_t base = q * part, len = lengthOf(q);
     for (int64_t i = first; i < len; i += stride)
-      mine[base + i] = loadUnit(in, base + i, a.n, inVec);
+      theirs[base + i] = loadUnit(in, base + i, a.n, inVec);
   }
   bool ok = barrier(a, kArrivePadOffset, epoch, world);
   if (ok) {
-    const uint4* src[kR];
-#pragma unroll
-    for (int r = 0; r < kR; ++r)
-      src[r] = (W > 0 || r < world) ? dataOf(a.bufs[r], epoch, a.halfBytes) : nullptr;
+    // This rank's partition, reduced, to the output and to every peer (into
+    // this rank's slot there, at the partition's own units, which the
+    // first phase left free).
     const int64_t base = a.rank * part, len = lengthOf(a.rank);
     for (int64_t i = first; i < len; i += stride) {
-      uint4 v[kR];
-#pragma unroll
-      for (int r = 0; r < kR; ++r)
-        if (W > 0 || r < world) v[r] = src[r][base + i];
-      A acc;
-      acc.set(v[0]);
-#pragma unroll
-      for (int r = 1; r < kR; ++r)
-        if (W > 0 || r < world) acc.template add<O>(v[r]);
-      const uint4 res = acc.get(a.divisor);
-      // In place: no peer reads this rank's own partition before the
-      // second barrier.
-      mine[base + i] = res;
+      const uint4 res = reduceUnit<E, O, W>(a, world, epoch, in, inVec, base + i);
       storeUnit(out, base + i, a.n, outVec, res);
+      for (int q = 0; q < world; ++q)
+        if (q != a.rank) slotOf(a.bufs[q], epoch, a, world, a.rank, q)[base + i] = res;
     }
     ok = barrier(a, kReducedPadOffset, epoch, world);
   }
   if (ok) {
     for (int q = 0; q < world; ++q) {
       if (q == a.rank) continue;
-      const uint4* theirs = dataOf(a.bufs[q], epoch, a.halfBytes);
+      const uint4* reduced = slotOf(a.bufs[a.rank], epoch, a, world, q, a.rank);
       const int64_t base = q * part, len = lengthOf(q);
       for (int64_t i = first; i < len; i += stride)
-        storeUnit(out, base + i, a.n, outVec, theirs[base + i]);
+        storeUnit(out, base + i, a.n, outVec, reduced[base + i]);
     }
   }
   finish(a, epoch);

@@ -4,26 +4,30 @@
 // buffers directly over NVLink. Host-callable launchers with plain types, so
 // this header needs no ATen.
 //
-// One call = one kernel. Each block copies its share of the input into this
-// rank's buffer, tells every peer's same-numbered block that its share is
-// there (a signal pad slot, st.release.sys), waits for theirs (ld.acquire.sys)
-// and then:
-// - one-shot: reduces every rank's copy of its share into the output;
-// - two-shot: reduces its share of this rank's partition (1/world of the
-//   elements) in place in its buffer, signals again, and gathers the peers'
-//   reduced partitions into the output.
-// Shares are 16-byte units, dealt to blocks and threads by index alone, so a
-// unit is copied in, reduced and read back by the same block index on every
-// rank whatever the alignment of the caller's tensors.
+// One call = one kernel, and every access to a peer is a store: a store goes
+// out without waiting for an answer, where a load over NVLink waits a round
+// trip. A rank's buffer holds, per call, one slot per peer that only that
+// peer writes. Each block pushes its share of the input into the peers'
+// slots, tells every peer's same-numbered block that its share is there (a
+// signal pad slot, st.release.sys) and waits for theirs (ld.acquire.sys); then
+// - one-shot: reduces its own input and the peers' slots into the output;
+// - two-shot: pushes only partition q of the input to rank q, reduces this
+//   rank's partition (1/world of the elements), stores the result into the
+//   output and into every peer's slot, signals again, and copies the peers'
+//   reduced partitions from its own slots into the output.
+// Every rank sums in rank order, so all hold the same bits. Shares are
+// 16-byte units dealt to blocks and threads by index alone, so the units a
+// block pushes are the units the same block index reads on the peer,
+// whatever the alignment of the caller's tensors.
 //
 // Signals are counters: call e writes e + 1 and waits for a value >= e + 1,
 // so no slot is ever reset or written with overlapping stores. The call
 // counter (epoch) lives in the buffer's private state, read by every block
 // and advanced by the last block to finish: a CUDA graph replays the same
-// kernel and still advances it. Calls alternate between two data halves: a
+// kernel and still advances it. Calls alternate between two sets of slots: a
 // rank can be at most one call ahead of a peer (each call's first signal
-// waits for every peer to have started it), so the half it writes is never
-// one a peer still reads.
+// waits for every peer to have started it, and a rank's calls run one after
+// another), so the slots it writes are never ones a peer still reads.
 //
 // A wait that outlasts `timeoutNs` writes the op's sequence number and the
 // peer it waited for into the mapped host control block and gives up; every
@@ -44,7 +48,7 @@ namespace fastcomm {
 namespace nvlk {
 
 constexpr int kMaxRanks = 8;
-constexpr int kMaxBlocks = 64;  // signal slots per pad and peer
+constexpr int kMaxBlocks = 128;  // signal slots per pad and peer
 constexpr int kThreads = 512;
 constexpr int kUnitBytes = 16;
 
@@ -56,12 +60,15 @@ constexpr int64_t kReducedPadOffset = int64_t{kMaxBlocks} * kMaxRanks * 8;
 constexpr int64_t kStateOffset = 2 * kReducedPadOffset;
 // One uint64 per writing rank, written once at set-up to prove peer access.
 constexpr int64_t kProbeOffset = kStateOffset + 256;
-constexpr int64_t kDataOffset = 16384;
+constexpr int64_t kDataOffset = 65536;
 static_assert(kProbeOffset + kMaxRanks * 8 <= kDataOffset, "buffer header overlaps its data");
 
-// Bytes of one registered buffer with data halves of `halfBytes` each
-// (a multiple of kUnitBytes).
-inline int64_t bufferBytes(int64_t halfBytes) { return kDataOffset + 2 * halfBytes; }
+// Bytes of one registered buffer of a group of `world` ranks whose
+// all_reduces are at most `slotBytes` (a multiple of kUnitBytes): two sets of
+// world - 1 slots.
+inline int64_t bufferBytes(int world, int64_t slotBytes) {
+  return kDataOffset + 2 * int64_t{world - 1} * slotBytes;
+}
 
 enum class Elem : int { F32, F16, BF16 };
 enum class Op : int { Sum, Min, Max };
@@ -87,7 +94,7 @@ struct Args {
   const void* in;         // n elements, any alignment
   void* out;              // n elements, any alignment; may be `in`
   int64_t n;
-  int64_t halfBytes;  // bytes of each data half (>= n elements)
+  int64_t slotBytes;  // bytes of each slot (>= n elements)
   int rank;
   int world;      // 2..kMaxRanks
   float divisor;  // > 0: the sum is divided by it (AVG)

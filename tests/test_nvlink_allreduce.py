@@ -178,7 +178,7 @@ def matrix_fn(rank: int, ws: int) -> dict[str, Any]:
     # async_op=True runs on the group's stream, a synchronous call on the caller's: issued
     # back to back without a wait, the second must still follow the first.
     for i in range(20):
-        n1, n2 = 513 + i, (limits[0] // 4) + 17 * i  # one-shot, then two-shot (float32)
+        n1, n2 = 513 + i, limits[0] // 4 + 1 + 17 * i  # one-shot, then two-shot (float32)
         k1, k2 = f"nvl/streams/{i}/a", f"nvl/streams/{i}/b"
         a_in = [gen(k1, r, (n1,), torch.float32, "SUM") for r in range(ws)]
         b_in = [gen(k2, r, (n2,), torch.float32, "SUM") for r in range(ws)]

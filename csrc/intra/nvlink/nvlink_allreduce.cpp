@@ -99,8 +99,9 @@ std::unique_ptr<NvlinkAllreduce> NvlinkAllreduce::create(
     refusal = e.what();
   }
   std::string why;
-  auto buffers = PeerBuffers::exchange(store, rank, size, SignalPads::bufferBytes(kNvlinkHalfBytes),
-                                       device, ctx, refusal, &why);
+  auto buffers =
+      PeerBuffers::exchange(store, rank, size, SignalPads::bufferBytes(size, nvlinkSlotBytes(size)),
+                            device, ctx, refusal, &why);
   if (!buffers) {
     if (rank == 0) {
       FASTCOMM_LOG(Info,
@@ -126,14 +127,14 @@ void NvlinkAllreduce::allreduce(const at::Tensor& in, const at::Tensor& out, Red
                                 NvlinkAlgo algo, cudaStream_t stream, uint64_t seq, bool captured) {
   TORCH_CHECK(algo != NvlinkAlgo::None && in.numel() == out.numel() &&
                   in.scalar_type() == out.scalar_type() &&
-                  in.numel() * static_cast<int64_t>(in.element_size()) <= kNvlinkHalfBytes,
+                  in.numel() * static_cast<int64_t>(in.element_size()) <= nvlinkSlotBytes(size_),
               "fastcomm: internal: NVLink all_reduce of ", in.numel(), " elements");
   nvlk::Args a{};
   for (int r = 0; r < size_; ++r) a.bufs[r] = buffers_->base(r);
   a.in = in.data_ptr();
   a.out = out.data_ptr();
   a.n = in.numel();
-  a.halfBytes = kNvlinkHalfBytes;
+  a.slotBytes = nvlinkSlotBytes(size_);
   a.rank = rank_;
   a.world = size_;
   a.divisor = op == RedOp::Avg ? static_cast<float>(size_) : 0.f;

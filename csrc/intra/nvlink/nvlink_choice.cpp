@@ -4,13 +4,22 @@
 
 namespace fastcomm {
 
+int64_t nvlinkSlotBytes(int world) {
+  // Registered memory per rank stays near 32 MiB as the group grows.
+  if (world <= 2) return int64_t{16} << 20;
+  if (world <= 4) return int64_t{4} << 20;
+  return int64_t{2} << 20;
+}
+
 NvlinkLimits nvlinkLimits(int world) {
-  // Starting points for 2 GPUs (the range where symm_mem's one-shot and
-  // two-shot beat NCCL on H100), scaled down for more readers per byte.
-  NvlinkLimits l{int64_t{256} << 10, int64_t{4} << 20};
-  if (world > 2) l = {int64_t{128} << 10, int64_t{2} << 20};
-  if (world > 4) l = {int64_t{64} << 10, int64_t{1} << 20};
-  l.twoShotBytes = std::min(l.twoShotBytes, kNvlinkHalfBytes);
+  // 2 GPUs: measured (benchmarks/bench_nvlink_ar.py; one-shot is faster up
+  // to 2 MiB, two-shot above, both faster than NCCL through 16 MiB). More
+  // GPUs: one-shot sends world - 1 copies of the message, two-shot about two,
+  // so one-shot's range shrinks; these limits are not measured yet.
+  NvlinkLimits l{int64_t{2} << 20, int64_t{16} << 20};
+  if (world > 2) l = {int64_t{256} << 10, int64_t{4} << 20};
+  if (world > 4) l = {int64_t{128} << 10, int64_t{2} << 20};
+  l.twoShotBytes = std::min(l.twoShotBytes, nvlinkSlotBytes(world));
   l.oneShotBytes = std::min(l.oneShotBytes, l.twoShotBytes);
   return l;
 }

@@ -14,9 +14,10 @@ namespace fastcomm {
 
 enum class NvlinkAlgo : int { None, OneShot, TwoShot };
 
-// Bytes of each data half of a registered buffer: the largest all_reduce the
-// kernels take (calls alternate between two halves).
-constexpr int64_t kNvlinkHalfBytes = int64_t{4} << 20;
+// The largest all_reduce the kernels take in a group of `world` ranks: the
+// bytes of each peer's slot in a registered buffer, which holds two sets of
+// world - 1 slots.
+int64_t nvlinkSlotBytes(int world);
 
 // Up to oneShotBytes: one-shot (every rank reads every peer's copy, one
 // barrier); up to twoShotBytes: two-shot (reduce-scatter and all-gather

@@ -36,9 +36,11 @@ class SignalPads {
   // Waiting kernels give up from now on, without a report.
   void abort();
 
-  // Bytes of a registered buffer with data halves of `halfBytes`. The pads
-  // and the call counter in it must start zeroed.
-  static int64_t bufferBytes(int64_t halfBytes) { return nvlk::bufferBytes(halfBytes); }
+  // Bytes of a registered buffer of `world` ranks with slots of `slotBytes`.
+  // The pads and the call counter in it must start zeroed.
+  static int64_t bufferBytes(int world, int64_t slotBytes) {
+    return nvlk::bufferBytes(world, slotBytes);
+  }
 
  private:
   nvlk::HostCtl* host_ = nullptr;
