@@ -32,7 +32,8 @@ import os
 import statistics
 import time
 import warnings
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -119,7 +120,7 @@ class Bench:
         t = torch.empty(numel, dtype=self.dtype, device=self.dev)
         return (lambda: dist.all_reduce(t, group=g)), t
 
-    def check(self, backend: str, numel: int) -> Optional[str]:
+    def check(self, backend: str, numel: int) -> str | None:
         """One call on known data: None if the sum is right, else what is wrong. Records
         fastcomm's path for the size."""
         fn, t = self.op_for(backend, numel)
@@ -274,9 +275,11 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = [
         f"# all_reduce inside one node: {meta['world']}x {meta['device']}, {meta['dtype']}",
         "",
-        f"torch {meta['torch']}, CUDA {meta['cuda']}, NCCL {meta['nccl']}; "
-        f"{meta['iters']} calls per graph / loop, median of {meta['repeats']}, slowest rank. "
-        f"fastcomm's NVLink limits (one-shot, two-shot bytes): {meta['nvlink_limits']}.",
+        (
+            f"torch {meta['torch']}, CUDA {meta['cuda']}, NCCL {meta['nccl']}; "
+            f"{meta['iters']} calls per graph / loop, median of {meta['repeats']}, slowest rank. "
+            f"fastcomm's NVLink limits (one-shot, two-shot bytes): {meta['nvlink_limits']}."
+        ),
     ]
     for mode in MODES:
         mine = [r for r in rows if r.get("mode") == mode]

@@ -6,7 +6,7 @@
 #   scripts/gpu_check.sh [STAGE ...]        stages run in the order given; default: build tests
 #
 #   build        build in place (python3 setup.py build_ext --inplace, FASTCOMM_BUILD_TESTING=1,
-#                MAX_JOBS=16, TORCH_CUDA_ARCH_LIST=9.0a); logs the build time and the .so sizes and
+#                MAX_JOBS=16 unless set, TORCH_CUDA_ARCH_LIST=9.0a); logs the build time and the .so sizes and
 #                leaves the stripped .so files in $OUT as so.part.* (tar.gz, split in 15 MiB pieces)
 #   carried      instead of building: unpack $CARRIED_DIR/so.part.* (default: carried-so/, the
 #                so.part.* files of an earlier build stage copied there) into the tree
@@ -75,7 +75,7 @@ for stage in "${stages[@]}"; do
       versions 2>&1 | tee -a "$LOG"
       nvidia-smi topo -m >> "$LOG" 2>&1 || true
       start=$(date +%s)
-      if ! MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0a FASTCOMM_BUILD_TESTING=1 \
+      if ! MAX_JOBS="${MAX_JOBS:-16}" TORCH_CUDA_ARCH_LIST=9.0a FASTCOMM_BUILD_TESTING=1 \
         "$PY" setup.py build_ext --inplace --build-lib build/inplace > "$OUT/build.log" 2>&1; then
         tail -n 80 "$OUT/build.log" | tee -a "$LOG"
         say "build FAILED"

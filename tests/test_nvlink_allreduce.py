@@ -25,7 +25,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-
 from _harness import BACKEND, Checker, RankFailure, gen, is_gloo, run_ranks
 
 pytestmark = [

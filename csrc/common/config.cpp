@@ -198,7 +198,8 @@ const std::vector<Setting>& settings() {
                  },
                  [](const Config& c) { return std::to_string(c.cudaWindow); }});
     v.push_back(count("FASTCOMM_TCP_SOCKETS", A, &Config::tcpSocketsPerPeer, 1, 64, "8",
-                      "sockets per peer connection of the tcp transport"));
+                      "sockets per peer connection of the tcp transport (the most that carry data: "
+                      "it sheds those that add no delivery rate)"));
     v.push_back(count("FASTCOMM_IB_QPS_PER_PEER", A, &Config::ibQpsPerPeer, 1, 16, "2",
                       "RC queue pairs per connection of the ib transport"));
     v.push_back({{"FASTCOMM_NVLINK_ALLREDUCE", A, "auto",

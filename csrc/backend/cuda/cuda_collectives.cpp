@@ -515,9 +515,9 @@ WorkPtr CudaCollectives::Impl::launchNvlink(const CudaOpInfo& info, const at::Te
   checkHealthy();
   c10::cuda::CUDAGuard guard(device_);
   auto current = at::cuda::getCurrentCUDAStream(device_.index());
-  // Under capture the kernel goes into the graph as it is: the copy into the
-  // registered buffer is part of it and the call counter is advanced on the
-  // device, so every replay is a fresh all_reduce of the captured tensor.
+  // Under capture the kernel goes into the graph as it is: it reads the
+  // captured tensor itself and advances the call counter on the device, so
+  // every replay is a fresh all_reduce of that tensor.
   const bool capturing = isCapturing(current.stream());
   auto work = c10::make_intrusive<CudaWork>(rank_, info, Tensors{t}, Tensors{t}, device_, this,
                                             *events_, cfg_.cudaTiming && !capturing, capturing);

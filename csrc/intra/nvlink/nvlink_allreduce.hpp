@@ -4,11 +4,11 @@
 // (PeerBuffers) synchronised through signal pads (SignalPads), for the sizes
 // NvlinkAlgo picks; everything else stays on NCCL.
 //
-// Each call copies the caller's tensor into this rank's registered buffer
-// inside the kernel, so an eager call and a call captured into a CUDA graph
-// run the same kernel with the same fixed buffer addresses, and the call
-// counter that the signals follow lives in device memory, advanced by the
-// kernel itself: replays need no host work.
+// Each call's kernel reads the caller's tensor and pushes it into the
+// peers' registered buffers, so an eager call and a call captured into a
+// CUDA graph run the same kernel with the same fixed buffer addresses, and
+// the call counter that the signals follow lives in device memory, advanced
+// by the kernel itself: replays need no host work.
 //
 // Calls of a group must run one after another on the GPU (as NCCL's must),
 // in the same order on every rank.

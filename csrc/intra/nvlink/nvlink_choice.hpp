@@ -19,9 +19,9 @@ enum class NvlinkAlgo : int { None, OneShot, TwoShot };
 // world - 1 slots.
 int64_t nvlinkSlotBytes(int world);
 
-// Up to oneShotBytes: one-shot (every rank reads every peer's copy, one
-// barrier); up to twoShotBytes: two-shot (reduce-scatter and all-gather
-// through peer memory, two barriers); above: NCCL. One-shot reads
+// Up to oneShotBytes: one-shot (every rank sends its input to every peer,
+// one barrier); up to twoShotBytes: two-shot (reduce-scatter and all-gather
+// through peer memory, two barriers); above: NCCL. One-shot sends
 // (world - 1) x the message per rank, so its range shrinks as the group grows.
 struct NvlinkLimits {
   int64_t oneShotBytes;
