@@ -686,6 +686,16 @@ class Checker:
         except AssertionError as e:
             self.fail(f"{what}: {e}")
 
+    def peer_timeout(self, msg: str, op: str, victim: int) -> None:
+        """`msg` is a timeout error of `op` that names the dead rank `victim` in a rank list:
+        "[1]", or "[1, 3]" when a survivor that already failed and left is named beside it."""
+        import re
+
+        self.true(op in msg, f"error does not name {op}: {msg!r}")
+        named = [{int(r) for r in m.split(",")} for m in re.findall(r"\[(\d+(?:, \d+)*)\]", msg)]
+        self.true(any(victim in s for s in named), f"error does not name rank [{victim}]: {msg!r}")
+        self.true("timeout" in msg.lower(), f"error does not mention the timeout: {msg!r}")
+
     def raise_if_failed(self) -> None:
         if self.errors:
             head = f"{self.label}: " if self.label else ""
