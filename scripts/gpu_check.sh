@@ -21,9 +21,11 @@
 #                "25gbit,20us" needs the kernel's netem, which the lent machines lack); ip and
 #                tc from the Debian debs in build/iproute2-debs (carried; unpacked with dpkg -x)
 #                                                          -> netbed_2x<k>_<link>.{json,md}
-#   nvlink       the NVLink all-reduce's tests, then its benchmark beside ProcessGroupNCCL and
-#                torch symm_mem one-/two-shot, graphs and eager, 4 KiB..16 MiB (NVLINK_ARGS)
+#   nvlink       the NVLink kernels' tests, then the all_reduce benchmark beside ProcessGroupNCCL
+#                and torch symm_mem one-/two-shot, graphs and eager, 4 KiB..16 MiB (NVLINK_ARGS)
 #                                             -> nvlink_tests.log, nvlink_ar_<n>gpu.{json,md}
+#   nvlinkparts  all_gather and reduce_scatter on the NVLink kernels beside ProcessGroupNCCL
+#                                             -> nvlink_{ag,rs}_<n>gpu.{json,md}
 #   matmulbench  bf16 matmul / linear+gelu on the main shapes vs cuBLAS     -> matmul.{log,json}
 #   killed       a peer killed during the staged all_reduce, stacks of hung ranks -> killed.log
 #   capture      CUDA-graph capture across simulated nodes (4 GPUs as 2 x 2) -> capture.log
@@ -180,15 +182,26 @@ for stage in "${stages[@]}"; do
       rm -rf "$nbdir"
       ;;
     nvlink)
-      say "NVLink all-reduce: tests, then the benchmark ($NGPU GPUs)"
-      timeout 420 "$PY" -m pytest -q -rfE tests/test_nvlink_allreduce.py ${PYTEST_ARGS:-} \
+      say "NVLink kernels: tests, then the all_reduce benchmark ($NGPU GPUs)"
+      timeout 540 "$PY" -m pytest -q -rfE tests/test_nvlink_allreduce.py \
+        tests/test_nvlink_gather_scatter.py ${PYTEST_ARGS:-} \
         > "$OUT/nvlink_tests.log" 2>&1 || status=1
       tail -n 8 "$OUT/nvlink_tests.log" | tee -a "$LOG"
       timeout 300 "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
-        benchmarks/bench_nvlink_ar.py --json "$OUT/nvlink_ar_${NGPU}gpu.json" \
+        benchmarks/bench_nvlink.py --json "$OUT/nvlink_ar_${NGPU}gpu.json" \
         --md "$OUT/nvlink_ar_${NGPU}gpu.md" $(plot "$OUT/nvlink_ar_${NGPU}gpu.png") \
         ${NVLINK_ARGS:-} 2>&1 | grep -v "^W1" | tail -n 40 | tee -a "$LOG"
       [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+      ;;
+    nvlinkparts)
+      for op in all_gather reduce_scatter; do
+        name="nvlink_$([[ $op == all_gather ]] && echo ag || echo rs)_${NGPU}gpu"
+        say "NVLink $op beside NCCL ($NGPU GPUs)"
+        timeout 200 "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
+          benchmarks/bench_nvlink.py --op "$op" --json "$OUT/$name.json" --md "$OUT/$name.md" \
+          ${NVLINK_ARGS:-} 2>&1 | grep -v "^W1" | tail -n 40 | tee -a "$LOG"
+        [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+      done
       ;;
     matmulbench)
       say "matmul main shapes vs cuBLAS (bf16, alternating rounds)"
@@ -253,7 +266,7 @@ for stage in "${stages[@]}"; do
       [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
       ;;
     *)
-      echo "unknown stage $stage (build carried tests ops bench sweep netbed nvlink matmulbench killed capture hooks ddpbench suite)" >&2
+      echo "unknown stage $stage (build carried tests ops bench sweep netbed nvlink nvlinkparts matmulbench killed capture hooks ddpbench suite)" >&2
       exit 2
       ;;
   esac

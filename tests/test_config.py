@@ -78,10 +78,12 @@ def test_every_tier_is_used_and_variables_are_unique() -> None:
         ("FASTCOMM_CUDA_WINDOW", "2"),
         ("FASTCOMM_TCP_SOCKETS", "0"),
         ("FASTCOMM_CUDA_INTER", "gloo"),
-        ("FASTCOMM_NVLINK_ALLREDUCE", "on"),
+        ("FASTCOMM_NVLINK", "on"),
     ],
 )
-def test_bad_value_names_the_variable(monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> None:
+def test_bad_value_names_the_variable(
+    monkeypatch: pytest.MonkeyPatch, var: str, value: str
+) -> None:
     testing = pytest.importorskip("torchext._testing")
     monkeypatch.setenv(var, value)
     with pytest.raises(ValueError, match=var):

@@ -1,5 +1,5 @@
 """fastcomm's own CUDA all_reduce over NVLink peer memory inside a node (csrc/intra/nvlink/,
-kernels/nvlink_allreduce.cu): one-shot and two-shot kernels for float32, float16 and bfloat16
+kernels/nvlink_collectives.cu): one-shot and two-shot kernels for float32, float16 and bfloat16
 SUM / AVG / MIN / MAX up to the limits torchext._testing.nvlink_limits() reports, NCCL above
 them and for everything else.
 
@@ -189,11 +189,11 @@ def matrix_fn(rank: int, ws: int) -> dict[str, Any]:
 
     # A subgroup has buffers of its own; a group created with the path off stays on NCCL.
     sub = dist.new_group(list(range(ws)), backend=BACKEND)
-    os.environ["FASTCOMM_NVLINK_ALLREDUCE"] = "0"
+    os.environ["FASTCOMM_NVLINK"] = "0"
     try:
         off = dist.new_group(list(range(ws)), backend=BACKEND)
     finally:
-        del os.environ["FASTCOMM_NVLINK_ALLREDUCE"]
+        del os.environ["FASTCOMM_NVLINK"]
     for label, group, want in (("subgroup", sub, ONE), ("path off", off, NCCL)):
         key = f"nvl/{label}"
         inputs = [gen(key, r, (4099,), torch.bfloat16, "SUM") for r in range(ws)]
@@ -216,7 +216,7 @@ def test_every_dtype_op_size_and_offset() -> None:
     order-independent rounding bound of the float64 reference, bit-identical on all ranks, and
     nothing written outside the tensor. Other dtypes, PRODUCT and coalesced blocks stay on
     NCCL; strided tensors, async/sync calls back to back, subgroups and
-    FASTCOMM_NVLINK_ALLREDUCE=0 are right."""
+    FASTCOMM_NVLINK=0 are right."""
     res = run_ranks(2, matrix_fn, timeout_s=900)
     assert res[0]["calls"] > 500, res
 

@@ -66,8 +66,10 @@ def stats(group: Optional[dist.ProcessGroup] = None) -> dict[str, dict[str, floa
     cost GPU time, so by default CUDA collectives count calls and bytes only).
     With ``FASTCOMM_CUDA_INTER=host``, the key ``cuda_via_host`` also counts the CUDA
     collectives staged through host memory across nodes. The keys ``nvlink_one_shot`` and
-    ``nvlink_two_shot`` count the CUDA all_reduces that ran on fastcomm's NVLink kernels inside
-    a node (each also counted as ``all_reduce``; a captured one once, at its capture).
+    ``nvlink_two_shot`` count the CUDA all_reduces, ``nvlink_all_gather`` and
+    ``nvlink_reduce_scatter`` the all_gathers and reduce_scatters, that ran on fastcomm's NVLink
+    kernels inside a node (each also counted under its collective; a captured one once, at its
+    capture).
     """
     return _backend(group).stats()
 

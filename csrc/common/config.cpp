@@ -202,19 +202,18 @@ const std::vector<Setting>& settings() {
                       "it sheds those that add no delivery rate)"));
     v.push_back(count("FASTCOMM_IB_QPS_PER_PEER", A, &Config::ibQpsPerPeer, 1, 16, "2",
                       "RC queue pairs per connection of the ib transport"));
-    v.push_back({{"FASTCOMM_NVLINK_ALLREDUCE", A, "auto",
-                  "`auto`: small and medium CUDA all_reduces of a group on one node whose GPUs "
-                  "all reach each other over NVLink run fastcomm's own peer-memory kernels; "
-                  "`0`: NCCL only"},
+    v.push_back({{"FASTCOMM_NVLINK", A, "auto",
+                  "`auto`: small and medium CUDA all_reduces, all_gathers and reduce_scatters "
+                  "of a group on one node whose GPUs all reach each other over NVLink run "
+                  "fastcomm's own peer-memory kernels; `0`: NCCL only"},
                  [](Config& c, const char* t) {
                    const std::string v = lower(t);
                    if (v != "auto" && v != "0")
-                     throw std::invalid_argument(
-                         std::string("fastcomm: FASTCOMM_NVLINK_ALLREDUCE=") + t +
-                         " is not one of auto 0");
-                   c.nvlinkAllreduce = v == "auto";
+                     throw std::invalid_argument(std::string("fastcomm: FASTCOMM_NVLINK=") + t +
+                                                 " is not one of auto 0");
+                   c.nvlink = v == "auto";
                  },
-                 [](const Config& c) { return std::string(c.nvlinkAllreduce ? "auto" : "0"); }});
+                 [](const Config& c) { return std::string(c.nvlink ? "auto" : "0"); }});
     v.push_back(onOff("FASTCOMM_CHECK", A, &Config::check, "0",
                       "`1`: before each CPU collective, ranks compare op, dtype, sizes, root and "
                       "reduce op and name the odd rank"));

@@ -47,9 +47,10 @@ struct AgreedSettings {
   int tcpSocketsPerPeer = 8;
   int ibQpsPerPeer = 2;
   bool check = false;
-  // CUDA all_reduces inside one node over peer memory where every pair of
-  // GPUs has working NVLink peer access (intra/nvlink/); false: NCCL only.
-  bool nvlinkAllreduce = true;
+  // CUDA all_reduces, all_gathers and reduce_scatters inside one node over
+  // peer memory where every pair of GPUs has working NVLink peer access
+  // (intra/nvlink/); false: NCCL only.
+  bool nvlink = true;
 };
 
 // Each rank's own tunables: they change how fast, never what a peer sees.

@@ -1,6 +1,7 @@
-// In CUDA builds, the NVLink all-reduce's size limits per kernel
-// (intra/nvlink/nvlink_choice.hpp), so tests/test_nvlink_allreduce.py
-// checks the switch-over wherever the limits are set.
+// In CUDA builds, the NVLink kernels' size limits (intra/nvlink/
+// nvlink_choice.hpp), so tests/test_nvlink_allreduce.py and
+// tests/test_nvlink_gather_scatter.py check the switch-over wherever the
+// limits are set.
 #include <torch/python.h>
 
 #include "testing/bindings.hpp"
@@ -22,6 +23,10 @@ void bindNvlink(pybind11::module_& m) {
       },
       "(one_shot_bytes, two_shot_bytes): the largest CUDA all_reduce each NVLink kernel takes "
       "in a group of `world` GPUs");
+  m.def(
+      "nvlink_part_limit", [](int world) { return nvlinkLimits(world).partBytes; },
+      "the largest part per rank (bytes) of a CUDA all_gather or reduce_scatter the NVLink "
+      "kernels take in a group of `world` GPUs");
 #else
   (void)m;
 #endif

@@ -15,7 +15,7 @@
 
 #include "intra/nccl/nccl_collectives.hpp"
 #include "intra/nccl/nccl_utils.hpp"
-#include "intra/nvlink/nvlink_allreduce.hpp"
+#include "intra/nvlink/nvlink_collectives.hpp"
 #include "common/deadline.hpp"
 #include "common/logging.hpp"
 #include "plans/cuda/cuda_hier.hpp"
@@ -98,10 +98,15 @@ class CudaCollectives::Impl {
   // must not be under a CUDA graph capture (a clear error then).
   bool useHier(const at::Tensor& t, RedOp op, const CudaOpInfo& info);
   WorkPtr launchHier(const CudaOpInfo& info, const at::Tensor& t, RedOp op);
-  // The NVLink kernel for the all_reduce of `t` (None: NCCL); the same answer
-  // on every rank.
-  NvlinkAlgo nvlinkAlgo(const at::Tensor& t, RedOp op);
-  WorkPtr launchNvlink(const CudaOpInfo& info, const at::Tensor& t, RedOp op, NvlinkAlgo algo);
+  // The NVLink kernels, or null where a call cannot take them: none on this
+  // group, or inside a coalesced block (one NCCL group).
+  NvlinkCollectives* nvlinkForCall();
+  // Issues one NVLink collective, `kernel`, reading `inputs` and writing
+  // `outputs`, as a work of its own counted under `statKey`.
+  using NvlinkKernel =
+      std::function<void(NvlinkCollectives*, cudaStream_t, uint64_t seq, bool captured)>;
+  WorkPtr launchNvlink(const CudaOpInfo& info, const Tensors& inputs, const Tensors& outputs,
+                       const char* statKey, NvlinkKernel kernel);
   // Whether an NVLink kernel reported a wait that timed out; the first time,
   // the group fails with a timeout error naming the op and the peer.
   bool pollNvlink();
@@ -143,7 +148,7 @@ class CudaCollectives::Impl {
   std::unique_ptr<CudaHier> hier_;  // created at the first all_reduce that takes it
   bool hierTried_ = false;          // (under issueMu_) null hier_ then means unavailable
   // One node whose GPUs all reach each other over NVLink: the peer-memory kernels.
-  std::unique_ptr<NvlinkAllreduce> nvlink_;
+  std::unique_ptr<NvlinkCollectives> nvlink_;
   // (under issueMu_) The last eager NVLink op's end and stream.
   std::shared_ptr<at::cuda::CUDAEvent> nvlinkLastEnd_;
   cudaStream_t nvlinkLastStream_ = nullptr;
@@ -321,9 +326,9 @@ CudaCollectives::Impl::Impl(const c10::intrusive_ptr<c10d::Store>& store, int ra
                              OpContext::start("NCCL communicator setup", 0, timeout_));
   }
   stream_ = at::cuda::getStreamFromPool(/*isHighPriority=*/true, device_.index());
-  if (cfg_.nvlinkAllreduce && topo_.numNodes() == 1 && size_ > 1) {
+  if (cfg_.nvlink && topo_.numNodes() == 1 && size_ > 1) {
     try {
-      nvlink_ = NvlinkAllreduce::create(store_, rank_, size_, device_, timeout_);
+      nvlink_ = NvlinkCollectives::create(store_, rank_, size_, device_, timeout_);
     } catch (...) {
       ncclCommAbort(comm_);  // no destructor runs for a constructor that throws
       comm_ = nullptr;
@@ -501,29 +506,27 @@ WorkPtr CudaCollectives::Impl::launchHier(const CudaOpInfo& info, const at::Tens
   return work;
 }
 
-NvlinkAlgo CudaCollectives::Impl::nvlinkAlgo(const at::Tensor& t, RedOp op) {
-  if (!nvlink_) return NvlinkAlgo::None;
-  const NvlinkAlgo algo = nvlink_->choose(t, op);
-  if (algo == NvlinkAlgo::None) return algo;
+NvlinkCollectives* CudaCollectives::Impl::nvlinkForCall() {
+  if (!nvlink_) return nullptr;
   std::lock_guard<std::mutex> lock(issueMu_);
-  // A coalesced block is one NCCL group: it stays on NCCL.
-  return coalescing_ ? NvlinkAlgo::None : algo;
+  return coalescing_ ? nullptr : nvlink_.get();
 }
 
-WorkPtr CudaCollectives::Impl::launchNvlink(const CudaOpInfo& info, const at::Tensor& t, RedOp op,
-                                            NvlinkAlgo algo) {
+WorkPtr CudaCollectives::Impl::launchNvlink(const CudaOpInfo& info, const Tensors& inputs,
+                                            const Tensors& outputs, const char* statKey,
+                                            NvlinkKernel kernel) {
   checkHealthy();
   c10::cuda::CUDAGuard guard(device_);
   auto current = at::cuda::getCurrentCUDAStream(device_.index());
   // Under capture the kernel goes into the graph as it is: it reads the
-  // captured tensor itself and advances the call counter on the device, so
-  // every replay is a fresh all_reduce of that tensor.
+  // captured tensors itself and advances the call counter on the device, so
+  // every replay is a fresh collective of those tensors.
   const bool capturing = isCapturing(current.stream());
-  auto work = c10::make_intrusive<CudaWork>(rank_, info, Tensors{t}, Tensors{t}, device_, this,
-                                            *events_, cfg_.cudaTiming && !capturing, capturing);
+  auto work = c10::make_intrusive<CudaWork>(rank_, info, inputs, outputs, device_, this, *events_,
+                                            cfg_.cudaTiming && !capturing, capturing);
   work->viaNvlink_ = true;
   std::lock_guard<std::mutex> lock(issueMu_);
-  NvlinkAllreduce* nvlink = nvlink_.get();
+  NvlinkCollectives* nvlink = nvlink_.get();
   TORCH_CHECK(nvlink != nullptr, "fastcomm: internal: ", info.name, " lost its NVLink path");
   // Two eager calls on different streams (async_op=True on the internal
   // stream, then a synchronous one on the caller's) would otherwise run at
@@ -533,22 +536,18 @@ WorkPtr CudaCollectives::Impl::launchNvlink(const CudaOpInfo& info, const at::Te
   const cudaStream_t lastStream = nvlinkLastStream_;
   cudaStream_t used = nullptr;
   const uint64_t seq = info.seq;
-  Body body = [nvlink, t, op, algo, seq, capturing, lastEnd, lastStream, &used](ncclComm_t,
-                                                                                cudaStream_t s) {
+  Body body = [nvlink, kernel = std::move(kernel), seq, capturing, lastEnd, lastStream, &used](
+                  ncclComm_t, cudaStream_t s) {
     if (lastEnd && lastStream != s) C10_CUDA_CHECK(cudaStreamWaitEvent(s, lastEnd->event(), 0));
     used = s;
-    nccl::DeviceContig c(t);
-    c.load();
-    nvlink->allreduce(c.work, c.work, op, algo, s, seq, capturing);
-    c.finish();
+    kernel(nvlink, s, seq, capturing);
   };
   issue({{std::move(body), work}}, info, capturing);
   if (!capturing) {
     nvlinkLastEnd_ = work->end_;
     nvlinkLastStream_ = used;
   }
-  stats_.addCall(algo == NvlinkAlgo::OneShot ? "nvlink_one_shot" : "nvlink_two_shot",
-                 static_cast<uint64_t>(info.bytes));
+  stats_.addCall(statKey, static_cast<uint64_t>(info.bytes));
   return work;
 }
 
@@ -557,12 +556,12 @@ bool CudaCollectives::Impl::pollNvlink() {
   const auto t = nvlink_->timedOut();
   if (!t) return false;
   if (!nvlinkReported_.exchange(true)) {
-    const std::string why = "fastcomm: all_reduce (seq " + std::to_string(t->seq) +
-                            (t->captured ? ", captured in a CUDA graph" : "") +
-                            ") failed on group rank " + std::to_string(rank_) + ": timeout after " +
-                            std::to_string(timeout_.count()) + " ms waiting for group rank(s) " +
-                            formatRanks({t->peer}) +
-                            " in the NVLink all-reduce; the NCCL communicator was aborted";
+    const std::string why =
+        "fastcomm: " + std::string(t->collective) + " (seq " + std::to_string(t->seq) +
+        (t->captured ? ", captured in a CUDA graph" : "") + ") failed on group rank " +
+        std::to_string(rank_) + ": timeout after " + std::to_string(timeout_.count()) +
+        " ms waiting for group rank(s) " + formatRanks({t->peer}) +
+        " in the NVLink kernel; the NCCL communicator was aborted";
     FASTCOMM_LOG(Warn, why);
     fail(why);
   }
@@ -804,9 +803,21 @@ nccl::Call CudaCollectives::Impl::call(ncclComm_t comm, cudaStream_t s) const {
 
 WorkPtr CudaCollectives::allreduce(Tensors tensors, RedOp op, const CudaOpInfo& info) {
   if (tensors.size() == 1) {
-    if (impl_->useHier(tensors[0], op, info)) return impl_->launchHier(info, tensors[0], op);
-    const NvlinkAlgo algo = impl_->nvlinkAlgo(tensors[0], op);
-    if (algo != NvlinkAlgo::None) return impl_->launchNvlink(info, tensors[0], op, algo);
+    const at::Tensor& t = tensors[0];
+    if (impl_->useHier(t, op, info)) return impl_->launchHier(info, t, op);
+    NvlinkCollectives* nvlink = impl_->nvlinkForCall();
+    const NvlinkAlgo algo = nvlink != nullptr ? nvlink->choose(t, op) : NvlinkAlgo::None;
+    if (algo != NvlinkAlgo::None) {
+      return impl_->launchNvlink(
+          info, tensors, tensors,
+          algo == NvlinkAlgo::OneShot ? "nvlink_one_shot" : "nvlink_two_shot",
+          [t, op, algo](NvlinkCollectives* nv, cudaStream_t s, uint64_t seq, bool captured) {
+            nccl::DeviceContig c(t);
+            c.load();
+            nv->allreduce(c.work, c.work, op, algo, s, seq, captured);
+            c.finish();
+          });
+    }
   }
   Impl* impl = impl_.get();
   return impl->launch(info, tensors, tensors, [impl, tensors, op](ncclComm_t c, cudaStream_t s) {
@@ -830,6 +841,17 @@ WorkPtr CudaCollectives::reduce(at::Tensor tensor, RedOp op, int root, const Cud
 }
 
 WorkPtr CudaCollectives::allgather(Tensors outputs, at::Tensor input, const CudaOpInfo& info) {
+  NvlinkCollectives* nvlink = impl_->nvlinkForCall();
+  if (nvlink != nullptr && outputs.size() == 1 && outputs[0].is_contiguous() &&
+      outputs[0].numel() == impl_->size_ * input.numel() &&
+      outputs[0].scalar_type() == input.scalar_type() && nvlink->takesAllgather(input)) {
+    const at::Tensor out = outputs[0];
+    return impl_->launchNvlink(
+        info, {input}, outputs, "nvlink_all_gather",
+        [input, out](NvlinkCollectives* nv, cudaStream_t s, uint64_t seq, bool captured) {
+          nv->allgather(input.contiguous(), out, s, seq, captured);
+        });
+  }
   Impl* impl = impl_.get();
   return impl->launch(info, {input}, outputs, [impl, outputs, input](ncclComm_t c, cudaStream_t s) {
     nccl::allgather(impl->call(c, s), outputs, input);
@@ -856,6 +878,19 @@ WorkPtr CudaCollectives::scatter(at::Tensor output, Tensors inputs, int root,
 
 WorkPtr CudaCollectives::reduceScatter(at::Tensor output, Tensors inputs, RedOp op,
                                        const CudaOpInfo& info) {
+  NvlinkCollectives* nvlink = impl_->nvlinkForCall();
+  if (nvlink != nullptr && inputs.size() == 1 && inputs[0].is_contiguous() &&
+      inputs[0].numel() == impl_->size_ * output.numel() &&
+      inputs[0].scalar_type() == output.scalar_type() && nvlink->takesReduceScatter(output, op)) {
+    const at::Tensor in = inputs[0];
+    return impl_->launchNvlink(
+        info, inputs, {output}, "nvlink_reduce_scatter",
+        [in, output, op](NvlinkCollectives* nv, cudaStream_t s, uint64_t seq, bool captured) {
+          nccl::DeviceContig c(output);
+          nv->reduceScatter(in, c.work, op, s, seq, captured);
+          c.finish();
+        });
+  }
   Impl* impl = impl_.get();
   return impl->launch(info, inputs, {output},
                       [impl, output, inputs, op](ncclComm_t c, cudaStream_t s) {

@@ -8,8 +8,9 @@
 // - getFuture() is a CUDA-aware future completed under the internal stream;
 // - tensors stay alive (recordStream) until the collective finished.
 // On one node whose GPUs all reach each other over NVLink, small and medium
-// float all_reduces run on fastcomm's own kernels over peer memory
-// (intra/nvlink/) with the same stream semantics, works and watchdog.
+// float all_reduces and reduce_scatters and all_gathers of flat tensors run on
+// fastcomm's own kernels over peer memory (intra/nvlink/) with the same
+// stream semantics, works and watchdog.
 // A watchdog thread turns a collective that exceeds the group timeout into an
 // error naming the ranks that stopped making progress, and aborts the
 // communicator so no kernel spins forever. While the current stream is being

@@ -7,7 +7,7 @@
 #include <sstream>
 
 #include "common/store_util.hpp"
-#include "kernels/nvlink_allreduce.hpp"
+#include "kernels/nvlink_collectives.hpp"
 
 namespace fastcomm {
 

@@ -42,7 +42,10 @@ SignalPads::~SignalPads() {
 std::optional<SignalPads::Timeout> SignalPads::timedOut() const {
   const uint64_t r = __atomic_load_n(&host_->report, __ATOMIC_ACQUIRE);
   if (r == 0) return std::nullopt;
-  return Timeout{nvlk::reportSeq(r), nvlk::reportCaptured(r), nvlk::reportPeer(r)};
+  static const char* const names[] = {"all_reduce", "all_gather", "reduce_scatter"};
+  const auto c = static_cast<size_t>(nvlk::reportCollective(r));
+  return Timeout{nvlk::reportSeq(r), nvlk::reportCaptured(r), c < 3 ? names[c] : "collective",
+                 nvlk::reportPeer(r)};
 }
 
 void SignalPads::abort() { __atomic_store_n(&host_->abort, uint64_t{1}, __ATOMIC_RELEASE); }

@@ -1,6 +1,6 @@
 // The signal pads of the NVLink all-reduce: per kernel block and peer, a
 // counter slot in every rank's registered buffer (laid out by
-// kernels/nvlink_allreduce.hpp), written by the peers with system-scope
+// kernels/nvlink_collectives.hpp), written by the peers with system-scope
 // release stores and read with acquire loads, never reset: call e writes
 // e + 1. Beside them, in mapped pinned host memory, the control block
 // through which the host makes waiting kernels give up (the group's abort)
@@ -11,16 +11,17 @@
 #include <cstdint>
 #include <optional>
 
-#include "kernels/nvlink_allreduce.hpp"
+#include "kernels/nvlink_collectives.hpp"
 
 namespace fastcomm {
 
 class SignalPads {
  public:
   struct Timeout {
-    uint64_t seq;   // the op's sequence number in the group
-    bool captured;  // the op was captured into a CUDA graph (seq is the capture's)
-    int peer;       // the group rank waited for
+    uint64_t seq;            // the op's sequence number in the group
+    bool captured;           // the op was captured into a CUDA graph (seq is the capture's)
+    const char* collective;  // "all_reduce", "all_gather" or "reduce_scatter"
+    int peer;                // the group rank waited for
   };
 
   // Allocates the control block, zeroed. Throws std::runtime_error.

@@ -1,8 +1,8 @@
-// All-reduce of CUDA tensors over peer memory inside one node, for the GPUs
-// of a group that all reach each other over NVLink: fastcomm's own one-shot
-// and two-shot kernels (kernels/nvlink_allreduce.hpp) on registered buffers
-// (PeerBuffers) synchronised through signal pads (SignalPads), for the sizes
-// NvlinkAlgo picks; everything else stays on NCCL.
+// all_reduce, all_gather and reduce_scatter of CUDA tensors over peer memory
+// inside one node, for the GPUs of a group that all reach each other over
+// NVLink: fastcomm's own kernels (one-shot and two-shot all_reduce)
+// (kernels/nvlink_collectives.hpp) on registered buffers (PeerBuffers) synchronised through signal
+// pads (SignalPads), for the sizes NvlinkAlgo picks; everything else stays on NCCL.
 //
 // Each call's kernel reads the caller's tensor and pushes it into the
 // peers' registered buffers, so an eager call and a call captured into a
@@ -30,15 +30,15 @@
 
 namespace fastcomm {
 
-class NvlinkAllreduce {
+class NvlinkCollectives {
  public:
   // Collective over the group's `size` ranks, all on this node, at the
   // group's CUDA set-up (never during a graph capture). Null when some rank
   // cannot run the path (group rank 0 logs why at INFO, once); throws a comm
   // error when a rank does not take part within `timeout`.
-  static std::unique_ptr<NvlinkAllreduce> create(const c10::intrusive_ptr<c10d::Store>& store,
-                                                 int rank, int size, at::Device device,
-                                                 std::chrono::milliseconds timeout);
+  static std::unique_ptr<NvlinkCollectives> create(const c10::intrusive_ptr<c10d::Store>& store,
+                                                   int rank, int size, at::Device device,
+                                                   std::chrono::milliseconds timeout);
   // Releases the buffers once no kernel of this rank uses them any more (the
   // caller waited for its last one): unmaps the peers' buffers, then frees
   // its own once every peer unmapped it (a store barrier of a few seconds at
@@ -47,7 +47,7 @@ class NvlinkAllreduce {
   // that captured these all_reduces must not be replayed afterwards.
   void shutdown(bool failed);
   // shutdown(true) if it did not run.
-  ~NvlinkAllreduce();
+  ~NvlinkCollectives();
 
   // The kernel for an all_reduce of `t` with `op`, or None: the same answer
   // on every rank for the same call.
@@ -57,6 +57,19 @@ class NvlinkAllreduce {
   // name the op if a wait in it times out.
   void allreduce(const at::Tensor& in, const at::Tensor& out, RedOp op, NvlinkAlgo algo,
                  cudaStream_t stream, uint64_t seq, bool captured);
+  // Whether the all_gather of `input` (each rank's part) / the
+  // reduce_scatter into `output` (each rank's part) with `op` runs here: the
+  // same answer on every rank for the same call.
+  bool takesAllgather(const at::Tensor& input) const;
+  bool takesReduceScatter(const at::Tensor& output, RedOp op) const;
+  // The all_gather of the contiguous `in` into the contiguous `out` of size x
+  // its elements (this rank's part of `out` may be `in`).
+  void allgather(const at::Tensor& in, const at::Tensor& out, cudaStream_t stream, uint64_t seq,
+                 bool captured);
+  // The reduce_scatter of the contiguous `in` (size x out's elements) into
+  // the contiguous `out` (which may be this rank's part of `in`).
+  void reduceScatter(const at::Tensor& in, const at::Tensor& out, RedOp op, cudaStream_t stream,
+                     uint64_t seq, bool captured);
 
   // The first wait that outlasted the group's timeout, if any kernel
   // reported one.
@@ -65,12 +78,15 @@ class NvlinkAllreduce {
   void abort() { pads_->abort(); }
   std::string describe() const;
 
-  NvlinkAllreduce(const NvlinkAllreduce&) = delete;
-  NvlinkAllreduce& operator=(const NvlinkAllreduce&) = delete;
+  NvlinkCollectives(const NvlinkCollectives&) = delete;
+  NvlinkCollectives& operator=(const NvlinkCollectives&) = delete;
 
  private:
-  NvlinkAllreduce(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                  std::chrono::milliseconds timeout, std::unique_ptr<SignalPads> pads);
+  NvlinkCollectives(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                    std::chrono::milliseconds timeout, std::unique_ptr<SignalPads> pads);
+  // The kernel arguments of a call over `n` elements (or bytes).
+  nvlk::Args args(nvlk::Collective collective, const at::Tensor& in, const at::Tensor& out,
+                  int64_t n, RedOp op, uint64_t seq, bool captured) const;
 
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_, size_;

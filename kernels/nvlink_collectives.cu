@@ -1,4 +1,4 @@
-#include "nvlink_allreduce.hpp"
+#include "nvlink_collectives.hpp"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -21,7 +21,7 @@ constexpr uint32_t kPollEvery = 1024;
 
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) {
-    throw std::runtime_error(std::string("fastcomm: NVLink all_reduce: ") + what + ": " +
+    throw std::runtime_error(std::string("fastcomm: NVLink collective: ") + what + ": " +
                              cudaGetErrorString(e));
   }
 }
@@ -183,7 +183,7 @@ __device__ bool waitFor(const uint64_t* slot, uint64_t target, const Args& a, in
     if (spins % kPollEvery == 0) {
       if (ctl->abort != 0 || ctl->report != 0) return false;
       if (globalTimer() - start > a.timeoutNs) {
-        ctl->report = encodeReport(a.seq, a.captured != 0, peer);
+        ctl->report = encodeReport(a.seq, a.captured != 0, a.collective, peer);
         __threadfence_system();
         return false;
       }
@@ -328,6 +328,60 @@ __global__ void __launch_bounds__(kThreads) twoShot(Args a) {
   finish(a, epoch);
 }
 
+// Rank q's chunk of the input goes to rank q; each rank reduces its own.
+template <Elem E, Op O, int W>
+__global__ void __launch_bounds__(kThreads) reduceScatter(Args a) {
+  using Raw = typename Acc<E>::Raw;
+  constexpr int V = Acc<E>::V;
+  const int world = W > 0 ? W : a.world;
+  const uint64_t epoch = readEpoch(a);
+  const int64_t units = (a.n + V - 1) / V;
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  const int64_t first = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  const Raw* in = static_cast<const Raw*>(a.in);
+  for (int q = 0; q < world; ++q) {
+    if (q == a.rank) continue;
+    const Raw* chunk = in + q * a.n;
+    const bool vec = aligned(chunk);
+    uint4* theirs = slotOf(a.bufs[q], epoch, a, world, a.rank, q);
+    for (int64_t u = first; u < units; u += stride) theirs[u] = loadUnit(chunk, u, a.n, vec);
+  }
+  if (barrier(a, kArrivePadOffset, epoch, world)) {
+    const Raw* own = in + a.rank * a.n;
+    const bool ownVec = aligned(own), outVec = aligned(a.out);
+    for (int64_t u = first; u < units; u += stride)
+      storeUnit(static_cast<Raw*>(a.out), u, a.n, outVec,
+                reduceUnit<E, O, W>(a, world, epoch, own, ownVec, u));
+  }
+  finish(a, epoch);
+}
+
+// Bytes: this rank's input to every peer, then every rank's part into place.
+__global__ void __launch_bounds__(kThreads) allGather(Args a) {
+  const int world = a.world;
+  const uint64_t epoch = readEpoch(a);
+  const int64_t units = (a.n + kUnitBytes - 1) / kUnitBytes;
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  const int64_t first = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  const auto* in = static_cast<const uint8_t*>(a.in);
+  const bool inVec = aligned(a.in);
+  for (int64_t u = first; u < units; u += stride) {
+    const uint4 v = loadUnit(in, u, a.n, inVec);
+    for (int q = 0; q < world; ++q)
+      if (q != a.rank) slotOf(a.bufs[q], epoch, a, world, a.rank, q)[u] = v;
+  }
+  if (barrier(a, kArrivePadOffset, epoch, world)) {
+    for (int q = 0; q < world; ++q) {
+      uint8_t* dst = static_cast<uint8_t*>(a.out) + q * a.n;
+      const bool vec = aligned(dst);
+      const uint4* theirs = slotOf(a.bufs[a.rank], epoch, a, world, q, a.rank);
+      for (int64_t u = first; u < units; u += stride)
+        storeUnit(dst, u, a.n, vec, q == a.rank ? loadUnit(in, u, a.n, inVec) : theirs[u]);
+    }
+  }
+  finish(a, epoch);
+}
+
 struct Tokens {
   uint64_t v[kMaxRanks];
 };
@@ -349,10 +403,13 @@ constexpr int esizeOf() {
 template <Elem E, Op O, int W>
 void launchWorld(Algo algo, const Args& a, cudaStream_t s) {
   const int blocks = blocksFor(algo, a.n, esizeOf<E>(), a.world);
-  if (algo == Algo::OneShot) {
-    oneShot<E, O, W><<<blocks, kThreads, 0, s>>>(a);
-  } else {
-    twoShot<E, O, W><<<blocks, kThreads, 0, s>>>(a);
+  switch (algo) {
+    case Algo::OneShot:
+      return oneShot<E, O, W><<<blocks, kThreads, 0, s>>>(a);
+    case Algo::TwoShot:
+      return twoShot<E, O, W><<<blocks, kThreads, 0, s>>>(a);
+    case Algo::ReduceScatter:
+      return reduceScatter<E, O, W><<<blocks, kThreads, 0, s>>>(a);
   }
 }
 
@@ -387,6 +444,7 @@ void loadWorld() {
   cudaFuncAttributes attr;
   check(cudaFuncGetAttributes(&attr, oneShot<E, O, W>), "loading the one-shot kernel");
   check(cudaFuncGetAttributes(&attr, twoShot<E, O, W>), "loading the two-shot kernel");
+  check(cudaFuncGetAttributes(&attr, reduceScatter<E, O, W>), "loading the reduce_scatter kernel");
 }
 
 template <Elem E, Op O>
@@ -404,22 +462,28 @@ void loadElem() {
   loadOp<E, Op::Max>();
 }
 
+void checkArgs(const Args& args) {
+  if (args.world < 2 || args.world > kMaxRanks || args.n <= 0) {
+    throw std::runtime_error("fastcomm: NVLink collective: bad arguments (world " +
+                             std::to_string(args.world) + ", " + std::to_string(args.n) +
+                             " elements)");
+  }
+}
+
 }  // namespace
 
 int blocksFor(Algo algo, int64_t n, int esize, int world) {
   const int64_t units = (n * esize + kUnitBytes - 1) / kUnitBytes;
-  const int64_t work = algo == Algo::OneShot ? units : (units + world - 1) / world;
-  const int64_t cap = algo == Algo::OneShot ? kOneShotMaxBlocks : kTwoShotMaxBlocks;
+  // One-shot, all_gather and reduce_scatter send each unit to every peer
+  // (or their own chunk of it) with no second phase.
+  const int64_t work = algo == Algo::TwoShot ? (units + world - 1) / world : units;
+  const int64_t cap = algo == Algo::TwoShot ? kTwoShotMaxBlocks : kOneShotMaxBlocks;
   const int64_t blocks = (work + kThreads - 1) / kThreads;
   return static_cast<int>(blocks < 1 ? 1 : (blocks > cap ? cap : blocks));
 }
 
-void allreduce(Elem elem, Op op, Algo algo, const Args& args, cudaStream_t stream) {
-  if (args.world < 2 || args.world > kMaxRanks || args.n <= 0) {
-    throw std::runtime_error("fastcomm: NVLink all_reduce: bad arguments (world " +
-                             std::to_string(args.world) + ", " + std::to_string(args.n) +
-                             " elements)");
-  }
+void reduce(Elem elem, Op op, Algo algo, const Args& args, cudaStream_t stream) {
+  checkArgs(args);
   switch (elem) {
     case Elem::F32:
       launchElem<Elem::F32>(op, algo, args, stream);
@@ -431,6 +495,12 @@ void allreduce(Elem elem, Op op, Algo algo, const Args& args, cudaStream_t strea
       launchElem<Elem::BF16>(op, algo, args, stream);
       break;
   }
+  check(cudaGetLastError(), "kernel launch");
+}
+
+void allgather(const Args& args, cudaStream_t stream) {
+  checkArgs(args);
+  allGather<<<blocksFor(Algo::OneShot, args.n, 1, args.world), kThreads, 0, stream>>>(args);
   check(cudaGetLastError(), "kernel launch");
 }
 
@@ -447,6 +517,7 @@ void preload() {
   loadElem<Elem::BF16>();
   cudaFuncAttributes attr;
   check(cudaFuncGetAttributes(&attr, probeKernel), "loading the probe kernel");
+  check(cudaFuncGetAttributes(&attr, allGather), "loading the all_gather kernel");
 }
 
 }  // namespace nvlk

@@ -1,8 +1,8 @@
-// Kernels of the all-reduce over peer memory inside a node
-// (intra/nvlink/): every rank of the group owns one registered device buffer
-// that every other rank has mapped, and a kernel reads and writes the peers'
-// buffers directly over NVLink. Host-callable launchers with plain types, so
-// this header needs no ATen.
+// Kernels of the collectives over peer memory inside a node
+// (intra/nvlink/): all_reduce, all_gather and reduce_scatter; every rank of the group owns one
+// registered device buffer that every other rank has mapped, and a kernel reads and writes the
+// peers' buffers directly over NVLink. Host-callable launchers with plain types, so this header
+// needs no ATen.
 //
 // One call = one kernel, and every access to a peer is a store: a store goes
 // out without waiting for an answer, where a load over NVLink waits a round
@@ -14,7 +14,10 @@
 // - two-shot: pushes only partition q of the input to rank q, reduces this
 //   rank's partition (1/world of the elements), stores the result into the
 //   output and into every peer's slot, signals again, and copies the peers'
-//   reduced partitions from its own slots into the output.
+//   reduced partitions from its own slots into the output;
+// - all_gather: copies its own input and the peers' slots into the output;
+// - reduce_scatter: pushes chunk q of the input to rank q and reduces its own
+//   chunk and the peers' slots into the output.
 // Every rank sums in rank order, so all hold the same bits. Shares are
 // 16-byte units dealt to blocks and threads by index alone, so the units a
 // block pushes are the units the same block index reads on the peer,
@@ -72,7 +75,8 @@ inline int64_t bufferBytes(int world, int64_t slotBytes) {
 
 enum class Elem : int { F32, F16, BF16 };
 enum class Op : int { Sum, Min, Max };
-enum class Algo : int { OneShot, TwoShot };
+// The reduction kernels (all_gather copies bytes and has one kernel).
+enum class Algo : int { OneShot, TwoShot, ReduceScatter };
 
 // Mapped pinned host memory shared by the host and this group's kernels.
 struct HostCtl {
@@ -80,19 +84,31 @@ struct HostCtl {
   uint64_t report;  // 0, or the first wait that timed out: encodeReport()
 };
 
+// The collective a kernel runs, as named in a timeout report.
+enum class Collective : int { AllReduce, AllGather, ReduceScatter };
+
 // A report: the op's sequence number, whether it was captured into a CUDA
-// graph, and the rank that was waited for.
-FASTCOMM_NVLK_HD inline uint64_t encodeReport(uint64_t seq, bool captured, int peer) {
-  return (seq << 16) | (captured ? 0x100u : 0u) | static_cast<uint64_t>(peer + 1);
+// graph, the collective and the rank that was waited for.
+FASTCOMM_NVLK_HD inline uint64_t encodeReport(uint64_t seq, bool captured, int collective,
+                                              int peer) {
+  return (seq << 16) | (static_cast<uint64_t>(collective) << 9) | (captured ? 0x100u : 0u) |
+         static_cast<uint64_t>(peer + 1);
 }
 inline uint64_t reportSeq(uint64_t report) { return report >> 16; }
 inline bool reportCaptured(uint64_t report) { return (report & 0x100u) != 0; }
+inline Collective reportCollective(uint64_t report) {
+  return static_cast<Collective>((report >> 9) & 0x3u);
+}
 inline int reportPeer(uint64_t report) { return static_cast<int>(report & 0xffu) - 1; }
 
+// all_reduce: `in` and `out` hold n elements. all_gather: `in` holds n
+// bytes, `out` world x n. reduce_scatter: `in` holds world x n elements,
+// `out` n. Any alignment; `out` may overlap `in` where this rank's own part
+// of the larger one is the smaller one (or, for all_reduce, is `in`).
 struct Args {
   void* bufs[kMaxRanks];  // every rank's registered buffer, as mapped here
-  const void* in;         // n elements, any alignment
-  void* out;              // n elements, any alignment; may be `in`
+  const void* in;
+  void* out;
   int64_t n;
   int64_t slotBytes;  // bytes of each slot (>= n elements)
   int rank;
@@ -101,16 +117,21 @@ struct Args {
   HostCtl* ctl;   // device address of the control block
   uint64_t seq;   // reported on a timeout
   uint64_t timeoutNs;
-  int captured;  // reported on a timeout
+  int captured;    // reported on a timeout
+  int collective;  // Collective, reported on a timeout
 };
 
 // Blocks the kernel of `algo` runs for `n` elements of `esize` bytes over
 // `world` ranks (a function of these alone: every rank launches the same grid).
 int blocksFor(Algo algo, int64_t n, int esize, int world);
 
-// Issues the all-reduce on `stream`. Throws std::runtime_error when the
-// launch fails.
-void allreduce(Elem elem, Op op, Algo algo, const Args& args, cudaStream_t stream);
+// Issues the all_reduce (OneShot, TwoShot) or reduce_scatter on `stream`.
+// Throws std::runtime_error when the launch fails.
+void reduce(Elem elem, Op op, Algo algo, const Args& args, cudaStream_t stream);
+
+// Issues the all_gather of args.n bytes per rank on `stream`. Throws
+// std::runtime_error when the launch fails.
+void allgather(const Args& args, cudaStream_t stream);
 
 // Writes tokens[r] into rank r's probe slot of this rank (every r but
 // args.rank) through the mappings in args.bufs, with system-scope release

@@ -1,16 +1,19 @@
 #!/usr/bin/env python
-r"""All-reduce inside one node: fastcomm's NVLink kernels beside ProcessGroupNCCL and torch's
-symmetric-memory one-shot and two-shot kernels, in CUDA graphs and eagerly, in one run.
+r"""Collectives inside one node: fastcomm's NVLink kernels beside ProcessGroupNCCL (and, for
+all_reduce, torch's symmetric-memory one-shot and two-shot kernels), in CUDA graphs and
+eagerly, in one run.
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/bench_nvlink_ar.py \
+    torchrun --standalone --nproc_per_node=2 benchmarks/bench_nvlink.py \
         --json nvlink-ar.json --md nvlink-ar.md --plot nvlink-ar.png
+    # all_gather_into_tensor / reduce_scatter_tensor; sizes are bytes per rank:
+    torchrun --standalone --nproc_per_node=2 benchmarks/bench_nvlink.py --op all_gather
 
 Backends, one process group each:
 - ``nccl``: the default group (ProcessGroupNCCL);
 - ``fastcomm``: a fastcomm group (its NVLink kernels up to their limits, NCCL above);
-- ``fastcomm-nccl``: a fastcomm group created with FASTCOMM_NVLINK_ALLREDUCE=0;
+- ``fastcomm-nccl``: a fastcomm group created with FASTCOMM_NVLINK=0;
 - ``symm-one-shot`` / ``symm-two-shot``: ``torch.ops.symm_mem.one_shot_all_reduce`` /
-  ``two_shot_all_reduce_`` on a symmetric-memory tensor of the NCCL group.
+  ``two_shot_all_reduce_`` on a symmetric-memory tensor of the NCCL group (all_reduce only).
 
 Modes:
 - ``graph``: --iters all_reduces of one tensor captured into a CUDA graph; each replay is timed
@@ -20,7 +23,7 @@ Modes:
   ``issue_us`` the host time to issue one call; medians over repeats, maxima over ranks.
 
 Every (backend, size) is checked once for the right sum before it is timed; fastcomm's rows
-record which path each size took (``one``, ``two`` or ``nccl``, from its stats()).
+record which path each size took (``one``, ``two``, ``nvlink`` or ``nccl``, from its stats()).
 """
 
 from __future__ import annotations
@@ -40,6 +43,13 @@ import torch.distributed as dist
 
 BACKENDS = ("nccl", "fastcomm", "fastcomm-nccl", "symm-one-shot", "symm-two-shot")
 MODES = ("graph", "eager")
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+# fastcomm's stats() keys of its NVLink kernels, by op, and the path each names.
+NVLINK_KEYS = {
+    "all_reduce": (("nvlink_one_shot", "one"), ("nvlink_two_shot", "two")),
+    "all_gather": (("nvlink_all_gather", "nvlink"),),
+    "reduce_scatter": (("nvlink_reduce_scatter", "nvlink"),),
+}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -77,14 +87,15 @@ class Bench:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.nccl = dist.group.WORLD
         self.fastcomm = dist.new_group(backend="fastcomm")
-        os.environ["FASTCOMM_NVLINK_ALLREDUCE"] = "0"
+        os.environ["FASTCOMM_NVLINK"] = "0"
         try:
             self.fastcomm_nccl = dist.new_group(backend="fastcomm")
         finally:
-            del os.environ["FASTCOMM_NVLINK_ALLREDUCE"]
+            del os.environ["FASTCOMM_NVLINK"]
         self.dtype = DTYPES[args.dtype]
         self.symm: dict[int, torch.Tensor] = {}
         self.path: dict[int, str] = {}  # fastcomm's path by element count
+        self.inputs: dict[str, torch.Tensor] = {}  # each backend's input of the last op_for
         self.symm_mem: Any = None
         try:
             import torch.distributed._symmetric_memory as symm_mem
@@ -108,7 +119,9 @@ class Bench:
         return self.symm[numel]
 
     def op_for(self, backend: str, numel: int) -> tuple[Callable[[], Any], torch.Tensor]:
-        """The call to time and the tensor it reduces (in place, or its input)."""
+        """The call to time and the tensor that holds this rank's result (the all_gather's
+        output, the reduce_scatter's output, the all_reduce's tensor or symm_mem's result
+        source); `numel` is the elements per rank."""
         if backend.startswith("symm"):
             t = self.symm_tensor(numel)
             name = self.nccl.group_name
@@ -117,36 +130,55 @@ class Bench:
             return (lambda: torch.ops.symm_mem.two_shot_all_reduce_(t, "sum", name)), t
         group = {"nccl": self.nccl, "fastcomm": self.fastcomm, "fastcomm-nccl": self.fastcomm_nccl}
         g = group[backend]
+        if self.args.op == "all_gather":
+            part = torch.empty(numel, dtype=self.dtype, device=self.dev)
+            out = torch.empty(self.world * numel, dtype=self.dtype, device=self.dev)
+            self.inputs[backend] = part
+            return (lambda: dist.all_gather_into_tensor(out, part, group=g)), out
+        if self.args.op == "reduce_scatter":
+            full = torch.empty(self.world * numel, dtype=self.dtype, device=self.dev)
+            out = torch.empty(numel, dtype=self.dtype, device=self.dev)
+            self.inputs[backend] = full
+            return (lambda: dist.reduce_scatter_tensor(out, full, group=g)), out
         t = torch.empty(numel, dtype=self.dtype, device=self.dev)
+        self.inputs[backend] = t
         return (lambda: dist.all_reduce(t, group=g)), t
 
     def check(self, backend: str, numel: int) -> str | None:
-        """One call on known data: None if the sum is right, else what is wrong. Records
+        """One call on known data: None if the result is right, else what is wrong. Records
         fastcomm's path for the size."""
-        fn, t = self.op_for(backend, numel)
+        fn, result = self.op_for(backend, numel)
         pattern = (torch.arange(numel, device=self.dev) % 13).to(self.dtype)
-        t.copy_(pattern + self.rank)
+        ranks = range(self.world)
+        if self.args.op == "all_gather":
+            self.inputs[backend].copy_(pattern + self.rank)
+            want = torch.cat([pattern + r for r in ranks])
+        elif self.args.op == "reduce_scatter":
+            # Part q of rank r's input: pattern + r + q; this rank's sum over r.
+            self.inputs[backend].copy_(torch.cat([pattern + self.rank + q for q in ranks]))
+            want = pattern * self.world + sum(ranks) + self.world * self.rank
+        else:
+            source = result if backend.startswith("symm") else self.inputs[backend]
+            source.copy_(pattern + self.rank)
+            want = pattern * self.world + sum(ranks)
         before = self.counts() if backend == "fastcomm" else None
         out = fn()
         torch.cuda.synchronize()
-        got = out if backend == "symm-one-shot" else t
-        want = pattern * self.world + sum(range(self.world))
+        got = out if backend == "symm-one-shot" else result
         if before is not None:
             after = self.counts()
-            self.path[numel] = (
-                "one" if after[0] > before[0] else "two" if after[1] > before[1] else "nccl"
-            )
-        if not torch.equal(got, want):
-            bad = int((got != want).sum())
-            return f"{bad} of {numel} elements wrong"
+            took = [
+                name for (_, name), b, a in zip(NVLINK_KEYS[self.args.op], before, after) if a > b
+            ]
+            self.path[numel] = took[0] if took else "nccl"
+        if not torch.equal(got, want.to(self.dtype)):
+            bad = int((got != want.to(self.dtype)).sum())
+            return f"{bad} of {got.numel()} elements wrong"
         return None
 
-    def counts(self) -> tuple[int, int]:
+    def counts(self) -> list[int]:
         s = self.torchext.stats(self.fastcomm)
-        return (
-            int(s.get("nvlink_one_shot", {}).get("count", 0)),
-            int(s.get("nvlink_two_shot", {}).get("count", 0)),
-        )
+        return [int(s.get(key, {}).get("count", 0)) for key, _ in NVLINK_KEYS[self.args.op]]
 
     # ------------------------------------------------------------------ timing
 
@@ -210,7 +242,7 @@ class Bench:
 
     def run(self) -> list[dict[str, Any]]:
         backends = [b for b in self.args.backends.split(",") if b]
-        if self.symm_mem is None:
+        if self.symm_mem is None or self.args.op != "all_reduce":
             backends = [b for b in backends if not b.startswith("symm")]
         rows = []
         for nbytes in sizes_between(
@@ -252,7 +284,10 @@ class Bench:
         try:
             import torchext._testing as testing
 
-            limits = list(testing.nvlink_limits(self.world))
+            if self.args.op == "all_reduce":
+                limits = list(testing.nvlink_limits(self.world))
+            else:
+                limits = [testing.nvlink_part_limit(self.world)]
         except (ImportError, AttributeError):
             pass
         return {
@@ -262,6 +297,7 @@ class Bench:
             "nccl": ".".join(map(str, torch.cuda.nccl.version())),
             "device": torch.cuda.get_device_name(self.dev),
             "world": self.world,
+            "op": self.args.op,
             "dtype": self.args.dtype,
             "iters": self.args.iters,
             "repeats": self.args.repeats,
@@ -272,20 +308,23 @@ class Bench:
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     backends = [b for b in BACKENDS if any(r["backend"] == b for r in rows)]
+    op = meta.get("op", "all_reduce")
+    limit_names = "one-shot, two-shot bytes" if op == "all_reduce" else "bytes per rank"
+    sizes = "" if op == "all_reduce" else " (size: bytes per rank)"
     lines = [
-        f"# all_reduce inside one node: {meta['world']}x {meta['device']}, {meta['dtype']}",
+        f"# {op} inside one node: {meta['world']}x {meta['device']}, {meta['dtype']}",
         "",
         (
             f"torch {meta['torch']}, CUDA {meta['cuda']}, NCCL {meta['nccl']}; "
             f"{meta['iters']} calls per graph / loop, median of {meta['repeats']}, slowest rank. "
-            f"fastcomm's NVLink limits (one-shot, two-shot bytes): {meta['nvlink_limits']}."
+            f"fastcomm's NVLink limits ({limit_names}): {meta['nvlink_limits']}."
         ),
     ]
     for mode in MODES:
         mine = [r for r in rows if r.get("mode") == mode]
         if not mine:
             continue
-        what = "GPU us per all_reduce" + (" (host us to issue one)" if mode == "eager" else "")
+        what = f"GPU us per {op}{sizes}" + (" (host us to issue one)" if mode == "eager" else "")
         lines += ["", f"## {mode}: {what}", ""]
         lines.append(
             "| size | " + " | ".join(backends) + " | fastcomm path | NCCL / fastcomm | "
@@ -343,8 +382,9 @@ def plot(meta: dict[str, Any], rows: list[dict[str, Any]], path: str) -> None:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=b)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("bytes")
-        ax.set_ylabel("GPU us per all_reduce")
+        op = meta.get("op", "all_reduce")
+        ax.set_xlabel("bytes" if op == "all_reduce" else "bytes per rank")
+        ax.set_ylabel(f"GPU us per {op}")
         ax.set_title(f"{mode}: {meta['world']}x {meta['device']}, {meta['dtype']}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
@@ -356,6 +396,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--min-bytes", default="4K")
     p.add_argument("--max-bytes", default="16M")
+    p.add_argument("--op", default="all_reduce", choices=OPS)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--modes", default=",".join(MODES))
