@@ -35,6 +35,12 @@ DTYPES = ["float32", "float16", "bfloat16"]
 OPS = ["SUM", "AVG", "MIN", "MAX"]
 ONE, TWO, NCCL = "one", "two", "nccl"
 
+# Every group size the machine has GPUs for (the limits differ by size).
+WORLDS = [
+    pytest.param(2, id="2gpu"),
+    pytest.param(4, id="4gpu", marks=pytest.mark.cuda(world_size=4)),
+]
+
 
 def _device(rank: int) -> torch.device:
     torch.cuda.set_device(rank)
@@ -209,7 +215,8 @@ def matrix_fn(rank: int, ws: int) -> dict[str, Any]:
     return {"calls": calls}
 
 
-def test_every_dtype_op_size_and_offset() -> None:
+@pytest.mark.parametrize("ws", WORLDS)
+def test_every_dtype_op_size_and_offset(ws: int) -> None:
     """float32/float16/bfloat16 x SUM/AVG/MIN/MAX x sizes from 1 element to past the two-shot
     limit (odd, every tail of a 16-byte unit, each limit +-1) at element offsets 0, 1, 3,
     synchronous and async: each on the expected kernel (or NCCL past the limit), within the
@@ -217,7 +224,7 @@ def test_every_dtype_op_size_and_offset() -> None:
     nothing written outside the tensor. Other dtypes, PRODUCT and coalesced blocks stay on
     NCCL; strided tensors, async/sync calls back to back, subgroups and
     FASTCOMM_NVLINK=0 are right."""
-    res = run_ranks(2, matrix_fn, timeout_s=900)
+    res = run_ranks(ws, matrix_fn, timeout_s=900)
     assert res[0]["calls"] > 500, res
 
 
@@ -308,12 +315,13 @@ def graph_fn(rank: int, ws: int, replays: int) -> dict[str, Any]:
     return {}
 
 
-def test_graph_replays_between_eager_calls() -> None:
+@pytest.mark.parametrize("ws", WORLDS)
+def test_graph_replays_between_eager_calls(ws: int) -> None:
     """A CUDA graph of six all_reduces (one-shot, two-shot and NCCL sizes; SUM, AVG, MIN, MAX;
     three dtypes) captured once and replayed 10,000 times with fresh data, an eager all_reduce
     of another size every 50 replays: every replay and eager call exact, the capture counted
     once, the eager calls on the NVLink kernels."""
-    run_ranks(2, graph_fn, 10_000, timeout_s=900)
+    run_ranks(ws, graph_fn, 10_000, timeout_s=900)
 
 
 # ----------------------------------------------------------------------------- failures

@@ -35,6 +35,12 @@ OPS = ["SUM", "AVG", "MIN", "MAX"]
 GATHER_DTYPES = ["float32", "bfloat16", "float64", "int64", "int32", "uint8", "bool"]
 KEYS = ("nvlink_all_gather", "nvlink_reduce_scatter")
 
+# Every group size the machine has GPUs for (the limits differ by size).
+WORLDS = [
+    pytest.param(2, id="2gpu"),
+    pytest.param(4, id="4gpu", marks=pytest.mark.cuda(world_size=4)),
+]
+
 
 def _device(rank: int) -> torch.device:
     torch.cuda.set_device(rank)
@@ -209,12 +215,13 @@ def matrix_fn(rank: int, ws: int) -> dict[str, Any]:
     return {"calls": calls}
 
 
-def test_every_dtype_op_size_and_form() -> None:
+@pytest.mark.parametrize("ws", WORLDS)
+def test_every_dtype_op_size_and_form(ws: int) -> None:
     """all_gather of seven dtypes and reduce_scatter of float32/float16/bfloat16 x SUM/AVG/
     MIN/MAX, 1 element to past the limit per rank at offsets 0 and 1: right, on the expected
     path, nothing written outside the output. The in-place forms, the list forms (NCCL),
     async and synchronous calls back to back, subgroups and FASTCOMM_NVLINK=0."""
-    res = run_ranks(2, matrix_fn, timeout_s=900)
+    res = run_ranks(ws, matrix_fn, timeout_s=900)
     assert res[0]["calls"] > 300, res
 
 
@@ -284,11 +291,12 @@ def graph_fn(rank: int, ws: int, replays: int) -> dict[str, Any]:
     return {}
 
 
-def test_graph_replays_between_eager_calls() -> None:
+@pytest.mark.parametrize("ws", WORLDS)
+def test_graph_replays_between_eager_calls(ws: int) -> None:
     """A CUDA graph of an all_gather (bf16), a reduce_scatter (float16 AVG) and an all_reduce
     (MAX), captured once and replayed 5,000 times with fresh data, an eager all_gather of
     another size every 50 replays: every element exact."""
-    run_ranks(2, graph_fn, 5_000, timeout_s=900)
+    run_ranks(ws, graph_fn, 5_000, timeout_s=900)
 
 
 PG_TIMEOUT_S = 8.0
