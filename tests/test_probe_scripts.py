@@ -36,7 +36,7 @@ def test_runner_documents_every_stage_it_handles():
     documented = set(re.findall(r"^#   ([a-z]+) ", text, flags=re.M))
     assert handled == documented, (handled, documented)
     expected = {"build", "carried", "tests", "ops", "bench", "sweep", "matmulbench", "killed"}
-    assert expected | {"capture", "hooks", "ddpbench", "suite", "netbed", "nvlink"} == handled
+    assert expected | {"capture", "hooks", "ddpbench", "suite", "netbed", "nvlink", "nvlinkparts"} == handled
 
 
 def test_runner_unknown_stage_fails_before_running_anything(tmp_path):
