@@ -229,6 +229,22 @@ __device__ __forceinline__ bool aligned(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % kUnitBytes == 0;
 }
 
+// What every thread of a call starts from: the group size (W > 0: a
+// compile-time constant), the call counter, the units of `unitElems`
+// elements the call covers (each rank's part, or its partition's source),
+// and this thread's first unit and stride through them.
+struct Share {
+  int world;
+  uint64_t epoch;
+  int64_t units, first, stride;
+};
+
+template <int W>
+__device__ __forceinline__ Share shareOf(const Args& a, int unitElems) {
+  return Share{W > 0 ? W : a.world, readEpoch(a), (a.n + unitElems - 1) / unitElems,
+               int64_t{blockIdx.x} * blockDim.x + threadIdx.x, int64_t{gridDim.x} * blockDim.x};
+}
+
 // Reduces unit u of this rank's input and of the peers' slots, in rank order.
 template <Elem E, Op O, int W>
 __device__ __forceinline__ uint4 reduceUnit(const Args& a, int world, uint64_t epoch,
@@ -254,11 +270,7 @@ template <Elem E, Op O, int W>
 __global__ void __launch_bounds__(kThreads) oneShot(Args a) {
   using Raw = typename Acc<E>::Raw;
   constexpr int V = Acc<E>::V;
-  const int world = W > 0 ? W : a.world;
-  const uint64_t epoch = readEpoch(a);
-  const int64_t units = (a.n + V - 1) / V;
-  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
-  const int64_t first = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  const auto [world, epoch, units, first, stride] = shareOf<W>(a, V);
   const Raw* in = static_cast<const Raw*>(a.in);
   const bool inVec = aligned(a.in), outVec = aligned(a.out);
   for (int64_t u = first; u < units; u += stride) {
@@ -280,18 +292,15 @@ template <Elem E, Op O, int W>
 __global__ void __launch_bounds__(kThreads) twoShot(Args a) {
   using Raw = typename Acc<E>::Raw;
   constexpr int V = Acc<E>::V;
-  const int world = W > 0 ? W : a.world;
-  const uint64_t epoch = readEpoch(a);
-  const int64_t units = (a.n + V - 1) / V;
+  const auto [world, epoch, units, first, stride] = shareOf<W>(a, V);
   const int64_t part = (units + world - 1) / world;
-  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
-  const int64_t first = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   const Raw* in = static_cast<const Raw*>(a.in);
   Raw* out = static_cast<Raw*>(a.out);
   const bool inVec = aligned(a.in), outVec = aligned(a.out);
-  auto lengthOf = [&](int q) {
+  const int64_t total = units;  // a plain copy: lambdas capture no structured bindings in C++17
+  auto lengthOf = [part, total](int q) {
     const int64_t lo = q * part;
-    const int64_t hi = lo + part < units ? lo + part : units;
+    const int64_t hi = lo + part < total ? lo + part : total;
     return hi > lo ? hi - lo : int64_t{0};
   };
   // Partition q of the input to rank q.
@@ -333,11 +342,7 @@ template <Elem E, Op O, int W>
 __global__ void __launch_bounds__(kThreads) reduceScatter(Args a) {
   using Raw = typename Acc<E>::Raw;
   constexpr int V = Acc<E>::V;
-  const int world = W > 0 ? W : a.world;
-  const uint64_t epoch = readEpoch(a);
-  const int64_t units = (a.n + V - 1) / V;
-  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
-  const int64_t first = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  const auto [world, epoch, units, first, stride] = shareOf<W>(a, V);
   const Raw* in = static_cast<const Raw*>(a.in);
   for (int q = 0; q < world; ++q) {
     if (q == a.rank) continue;
@@ -358,11 +363,7 @@ __global__ void __launch_bounds__(kThreads) reduceScatter(Args a) {
 
 // Bytes: this rank's input to every peer, then every rank's part into place.
 __global__ void __launch_bounds__(kThreads) allGather(Args a) {
-  const int world = a.world;
-  const uint64_t epoch = readEpoch(a);
-  const int64_t units = (a.n + kUnitBytes - 1) / kUnitBytes;
-  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
-  const int64_t first = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  const auto [world, epoch, units, first, stride] = shareOf<0>(a, kUnitBytes);
   const auto* in = static_cast<const uint8_t*>(a.in);
   const bool inVec = aligned(a.in);
   for (int64_t u = first; u < units; u += stride) {

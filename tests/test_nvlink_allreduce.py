@@ -255,35 +255,44 @@ def graph_fn(rank: int, ws: int, replays: int) -> dict[str, Any]:
     dev = _device(rank)
     one, two = testing.nvlink_limits(ws)
     chk = Checker(f"rank {rank}")
-    specs = [  # dtype, op, elements
-        ("bfloat16", "SUM", 3001),
-        ("float32", "AVG", 1),
-        ("float16", "MAX", one // 2 - 5),  # one-shot
-        ("float32", "SUM", two // 4 - 3),  # two-shot
-        ("bfloat16", "MIN", one // 2 + 11),  # two-shot
-        ("float32", "SUM", two // 4 + 1001),  # NCCL
+    # A second group on the same GPUs, with buffers and counters of its own, in the same graph.
+    sub = dist.new_group(list(range(ws)), backend=BACKEND)
+    specs = [  # dtype, op, elements, group
+        ("bfloat16", "SUM", 3001, None),
+        ("float32", "AVG", 1, None),
+        ("float16", "MAX", one // 2 - 5, None),  # one-shot
+        ("float32", "SUM", two // 4 - 3, None),  # two-shot
+        ("bfloat16", "MIN", one // 2 + 11, None),  # two-shot
+        ("float32", "SUM", two // 4 + 1001, None),  # NCCL
+        ("float32", "SUM", 5003, sub),  # one-shot
+        ("bfloat16", "MAX", one // 2 + 11, sub),  # two-shot
     ]
-    bases = [torch.arange(n, device=dev, dtype=torch.int64) * 7 for _, _, n in specs]
-    static = [torch.zeros(n, dtype=getattr(torch, d), device=dev) for d, _, n in specs]
-    for t, (d, op, n) in zip(static, specs):  # eager first: the path's buffers exist
-        dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+    bases = [torch.arange(n, device=dev, dtype=torch.int64) * 7 for _, _, n, _ in specs]
+    static = [torch.zeros(n, dtype=getattr(torch, d), device=dev) for d, _, n, _ in specs]
+
+    def reduce_all() -> None:
+        for t, (_, op, _, group) in zip(static, specs):
+            dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=group)
+
+    reduce_all()  # eager first: the path's buffers exist
     torch.cuda.synchronize()
-    before = _counts()
+    before, before_sub = _counts(), _counts(sub)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for t, (_, op, _) in zip(static, specs):
-            dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+        reduce_all()
     captured = [b - a for a, b in zip(before, _counts())]
     chk.true(captured == [3, 2], f"captured {captured} one-/two-shot all_reduces, expected [3, 2]")
+    captured = [b - a for a, b in zip(before_sub, _counts(sub))]
+    chk.true(captured == [1, 1], f"subgroup: captured {captured}, expected [1, 1]")
 
     bad = torch.zeros((), dtype=torch.int64, device=dev)
     eager_calls = 0
     before = _counts()
     for i in range(replays):
-        for t, base, (d, _, _) in zip(static, bases, specs):
+        for t, base, (d, _, _, _) in zip(static, bases, specs):
             t.copy_(_pattern(base, rank, i, getattr(torch, d)))
         g.replay()
-        for t, base, (d, op, _) in zip(static, bases, specs):
+        for t, base, (d, op, _, _) in zip(static, bases, specs):
             bad += (t != _expected(base, ws, i, op, getattr(torch, d))).sum()
         if i % 50 == 0:
             # An eager call of another size and dtype between replays.
@@ -303,6 +312,7 @@ def graph_fn(rank: int, ws: int, replays: int) -> dict[str, Any]:
     eager = sum(_counts()) - sum(before)
     chk.true(eager == eager_calls, f"{eager} eager NVLink calls counted, {eager_calls} issued")
     del g
+    dist.destroy_process_group(sub)
     # Random data on both kernels after the graph is gone.
     for n in (777, two // 4 - 1):
         key = f"nvl/after-graph/{n}"
@@ -317,10 +327,11 @@ def graph_fn(rank: int, ws: int, replays: int) -> dict[str, Any]:
 
 @pytest.mark.parametrize("ws", WORLDS)
 def test_graph_replays_between_eager_calls(ws: int) -> None:
-    """A CUDA graph of six all_reduces (one-shot, two-shot and NCCL sizes; SUM, AVG, MIN, MAX;
-    three dtypes) captured once and replayed 10,000 times with fresh data, an eager all_reduce
-    of another size every 50 replays: every replay and eager call exact, the capture counted
-    once, the eager calls on the NVLink kernels."""
+    """A CUDA graph of eight all_reduces (one-shot, two-shot and NCCL sizes; SUM, AVG, MIN,
+    MAX; three dtypes; two of them on a second group of the same GPUs) captured once and
+    replayed 10,000 times with fresh data, an eager all_reduce of another size every 50
+    replays: every replay and eager call exact, the capture counted once, the eager calls on
+    the NVLink kernels."""
     run_ranks(ws, graph_fn, 10_000, timeout_s=900)
 
 
