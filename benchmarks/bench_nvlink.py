@@ -287,7 +287,8 @@ class Bench:
             if self.args.op == "all_reduce":
                 limits = list(testing.nvlink_limits(self.world))
             else:
-                limits = [testing.nvlink_part_limit(self.world)]
+                gather, scatter = testing.nvlink_part_limits(self.world)
+                limits = [gather if self.args.op == "all_gather" else scatter]
         except (ImportError, AttributeError):
             pass
         return {

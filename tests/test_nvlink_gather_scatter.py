@@ -1,7 +1,7 @@
 """fastcomm's CUDA all_gather and reduce_scatter over NVLink peer memory inside a node
 (csrc/intra/nvlink/, kernels/nvlink_collectives.cu): the flat forms (all_gather_into_tensor,
 reduce_scatter_tensor, and the list forms' single flat tensor) up to
-torchext._testing.nvlink_part_limit() bytes per rank; NCCL above and for everything else.
+torchext._testing.nvlink_part_limits() bytes per rank; NCCL above and for everything else.
 
 Needs 2 GPUs connected by NVLink (one per rank). The path taken by every call is checked through
 stats() (nvlink_all_gather / nvlink_reduce_scatter), so a silent fallback to NCCL fails.
@@ -112,24 +112,24 @@ def matrix_fn(rank: int, ws: int) -> dict[str, Any]:
     import torchext._testing as testing
 
     dev = _device(rank)
-    limit = testing.nvlink_part_limit(ws)
+    gather_limit, scatter_limit = testing.nvlink_part_limits(ws)
     chk = Checker(f"rank {rank}")
     calls = 0
     for dt_name in GATHER_DTYPES:
         esize = torch.tensor([], dtype=getattr(torch, dt_name)).element_size()
-        for n in _sizes(esize, limit):
+        for n in _sizes(esize, gather_limit):
             for offset in (0, 1):
                 took = _gather_one(chk, rank, ws, dev, dt_name, n, offset)
-                want = 1 if n * esize <= limit else 0
+                want = 1 if n * esize <= gather_limit else 0
                 chk.true(took == want, f"all_gather {dt_name} x {n}: {took} NVLink calls")
                 calls += 1
     for dt_name in REDUCE_DTYPES:
         esize = torch.tensor([], dtype=getattr(torch, dt_name)).element_size()
-        for n in _sizes(esize, limit):
+        for n in _sizes(esize, scatter_limit):
             for op in OPS:
                 for offset in (0, 1):
                     took = _scatter_one(chk, rank, ws, dev, dt_name, op, n, offset)
-                    want = 1 if n * esize <= limit else 0
+                    want = 1 if n * esize <= scatter_limit else 0
                     chk.true(took == want, f"reduce_scatter {dt_name} {op} x {n}: {took} calls")
                     calls += 1
 
@@ -236,9 +236,9 @@ def graph_fn(rank: int, ws: int, replays: int) -> dict[str, Any]:
     import torchext._testing as testing
 
     dev = _device(rank)
-    limit = testing.nvlink_part_limit(ws)
+    gather_limit, scatter_limit = testing.nvlink_part_limits(ws)
     chk = Checker(f"rank {rank}")
-    n_ag, n_rs = 4099, limit // 2 // 2 - 7  # bf16 all_gather, float16 reduce_scatter
+    n_ag, n_rs = 4099, scatter_limit // 2 // 2 - 7  # bf16 all_gather, float16 reduce_scatter
     base_ag = torch.arange(n_ag, device=dev, dtype=torch.int64) * 5
     base_rs = torch.arange(ws * n_rs, device=dev, dtype=torch.int64) * 3
     ag_in = torch.zeros(n_ag, dtype=torch.bfloat16, device=dev)
@@ -275,7 +275,7 @@ def graph_fn(rank: int, ws: int, replays: int) -> dict[str, Any]:
         want_ar = torch.stack([_pattern(base_ar, r, i, torch.float64) for r in range(ws)]).amax(0)
         bad += (ar.double() != want_ar).sum()
         if i % 50 == 0:
-            m = [9, 1001, limit // 8 + 3][(i // 50) % 3]
+            m = [9, 1001, gather_limit // 8 + 3][(i // 50) % 3]
             parts = [
                 _pattern(torch.arange(m, device=dev) * 7, r, i, torch.float32) for r in range(ws)
             ]

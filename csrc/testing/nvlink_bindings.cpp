@@ -24,9 +24,13 @@ void bindNvlink(pybind11::module_& m) {
       "(one_shot_bytes, two_shot_bytes): the largest CUDA all_reduce each NVLink kernel takes "
       "in a group of `world` GPUs");
   m.def(
-      "nvlink_part_limit", [](int world) { return nvlinkLimits(world).partBytes; },
-      "the largest part per rank (bytes) of a CUDA all_gather or reduce_scatter the NVLink "
-      "kernels take in a group of `world` GPUs");
+      "nvlink_part_limits",
+      [](int world) {
+        const NvlinkLimits l = nvlinkLimits(world);
+        return pybind11::make_tuple(l.gatherBytes, l.scatterBytes);
+      },
+      "(all_gather_bytes, reduce_scatter_bytes): the largest part per rank of a CUDA "
+      "all_gather / reduce_scatter the NVLink kernels take in a group of `world` GPUs");
 #else
   (void)m;
 #endif

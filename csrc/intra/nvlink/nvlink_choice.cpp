@@ -12,18 +12,20 @@ int64_t nvlinkSlotBytes(int world) {
 }
 
 NvlinkLimits nvlinkLimits(int world) {
-  // 2 GPUs: measured (benchmarks/bench_nvlink.py; one-shot is faster up
-  // to 2 MiB, two-shot above, both faster than NCCL through 16 MiB). More
-  // GPUs: one-shot sends world - 1 copies of the message, two-shot about two,
-  // so one-shot's range shrinks. all_gather and reduce_scatter take
-  // one-shot's limit per rank, where they measured twice NCCL's speed on 2
-  // and 4 GPUs; past it, and every limit beyond 4 GPUs, is not measured.
-  NvlinkLimits l{int64_t{2} << 20, int64_t{16} << 20, int64_t{2} << 20};
-  if (world > 2) l = {int64_t{256} << 10, int64_t{4} << 20, int64_t{256} << 10};
-  if (world > 4) l = {int64_t{128} << 10, int64_t{2} << 20, int64_t{128} << 10};
-  l.twoShotBytes = std::min(l.twoShotBytes, nvlinkSlotBytes(world));
+  // Measured with benchmarks/bench_nvlink.py on 2 and 4 GPUs. all_reduce:
+  // one-shot sends world - 1 copies of the message, two-shot about two, so
+  // one-shot's range shrinks as the group grows; two-shot runs to the slot.
+  // all_gather and reduce_scatter beat NCCL up to the slot on 2 GPUs; on 4 the
+  // reduce_scatter loses from 4 MiB per rank. Beyond 4 GPUs: not measured.
+  const int64_t KiB = 1024, MiB = 1024 * KiB;
+  NvlinkLimits l{2 * MiB, 16 * MiB, 16 * MiB, 16 * MiB};
+  if (world > 2) l = {512 * KiB, 4 * MiB, 4 * MiB, 2 * MiB};
+  if (world > 4) l = {128 * KiB, 2 * MiB, 128 * KiB, 128 * KiB};
+  const int64_t slot = nvlinkSlotBytes(world);
+  l.twoShotBytes = std::min(l.twoShotBytes, slot);
   l.oneShotBytes = std::min(l.oneShotBytes, l.twoShotBytes);
-  l.partBytes = std::min(l.partBytes, nvlinkSlotBytes(world));
+  l.gatherBytes = std::min(l.gatherBytes, slot);
+  l.scatterBytes = std::min(l.scatterBytes, slot);
   return l;
 }
 
@@ -47,11 +49,12 @@ NvlinkAlgo chooseNvlinkAllreduce(at::ScalarType dtype, RedOp op, int64_t bytes, 
 }
 
 bool useNvlinkAllgather(int64_t partBytes, int world) {
-  return groupFits(world, partBytes) && partBytes <= nvlinkLimits(world).partBytes;
+  return groupFits(world, partBytes) && partBytes <= nvlinkLimits(world).gatherBytes;
 }
 
 bool useNvlinkReduceScatter(at::ScalarType dtype, RedOp op, int64_t partBytes, int world) {
-  return useNvlinkAllgather(partBytes, world) && reducible(dtype, op);
+  return groupFits(world, partBytes) && partBytes <= nvlinkLimits(world).scatterBytes &&
+         reducible(dtype, op);
 }
 
 const char* nvlinkAlgoName(NvlinkAlgo algo) {

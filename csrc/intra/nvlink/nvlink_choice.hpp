@@ -25,11 +25,12 @@ int64_t nvlinkSlotBytes(int world);
 // through peer memory, two barriers); above: NCCL. One-shot sends
 // (world - 1) x the message per rank, so its range shrinks as the group grows.
 // all_gather and reduce_scatter send each rank's part once to every peer
-// (one barrier), as one-shot does: up to partBytes per rank.
+// (one barrier), as one-shot does: up to gatherBytes / scatterBytes per rank.
 struct NvlinkLimits {
   int64_t oneShotBytes;
   int64_t twoShotBytes;
-  int64_t partBytes;
+  int64_t gatherBytes;
+  int64_t scatterBytes;
 };
 NvlinkLimits nvlinkLimits(int world);
 

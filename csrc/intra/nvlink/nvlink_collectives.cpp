@@ -204,8 +204,8 @@ std::string NvlinkCollectives::describe() const {
   os << "CUDA collectives inside the node over NVLink peer memory (" << size_
      << " GPUs): all_reduce (float32/float16/bfloat16 SUM/AVG/MIN/MAX) one-shot up to "
      << l.oneShotBytes << " B, two-shot up to " << l.twoShotBytes
-     << " B; all_gather (any dtype) and reduce_scatter up to " << l.partBytes
-     << " B per rank; NCCL above; " << (buffers_->bytes() >> 10) << " KiB registered per rank";
+     << " B; all_gather (any dtype) up to " << l.gatherBytes << " B and reduce_scatter up to "
+     << l.scatterBytes << " B per rank; NCCL above; " << (buffers_->bytes() >> 10) << " KiB registered per rank";
   return os.str();
 }
 
