@@ -205,7 +205,8 @@ std::string NvlinkCollectives::describe() const {
      << " GPUs): all_reduce (float32/float16/bfloat16 SUM/AVG/MIN/MAX) one-shot up to "
      << l.oneShotBytes << " B, two-shot up to " << l.twoShotBytes
      << " B; all_gather (any dtype) up to " << l.gatherBytes << " B and reduce_scatter up to "
-     << l.scatterBytes << " B per rank; NCCL above; " << (buffers_->bytes() >> 10) << " KiB registered per rank";
+     << l.scatterBytes << " B per rank; NCCL above; " << (buffers_->bytes() >> 10)
+     << " KiB registered per rank";
   return os.str();
 }
 
