@@ -55,6 +55,17 @@ cudaError_t launch_gemm_mma_sm80(const GemmArgs& args, int num_sms, Tile tile, c
 // The mma.sync launcher's tile choice: true for 128 x 128, false for 64 x 64.
 bool gemm_mma_large_tile(const GemmArgs& args, int num_sms, Tile tile);
 
+// Skinny products (kernels/matmul_skinny.cu): at most kSkinnyMaxM rows of A,
+// float16 / bfloat16, A and B K-major (sak == 1, sbk == 1; the weight of
+// F.linear as it is), K a multiple of 8, row strides multiples of 8
+// elements and 16-byte aligned bases. One warp (or a few, `splits`) per
+// output column, reading B once at the memory's rate.
+constexpr int kSkinnyMaxM = 8;
+bool gemm_skinny_supported(const GemmArgs& args);
+// Warps that share one output column (1, 2, 4 or 8).
+int gemm_skinny_splits(const GemmArgs& args, int num_sms);
+cudaError_t launch_gemm_skinny(const GemmArgs& args, int num_sms, cudaStream_t stream);
+
 // Hopper kernel: TMA loads, wgmma, warp-specialised producer / consumers,
 // persistent tile loop (sm_90a only; see kernels/matmul_sm90_kernel.cuh).
 // Same operand requirements as the mma.sync kernel, plus the TMA ones

@@ -487,6 +487,54 @@ def test_cuda_kernel_paths(matmul_settings, impl, tile, dtype):
     _check_all_layouts("cuda", dtype, shapes)
 
 
+# (M, N, K) for the skinny kernel: M from 1 to its limit, odd N, K from one 16-byte load per
+# lane to several 256-element stretches with a remainder, and a K long enough to split.
+SKINNY_SHAPES = [(1, 1, 8), (2, 7, 8), (3, 129, 264), (5, 1000, 1032), (8, 4099, 4096),
+                 (1, 3, 8200), (4, 64, 11008)]  # fmt: skip
+
+
+@pytest.mark.cuda(1)
+@_skip_no_cuda
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_skinny_kernel(matmul_settings, dtype, act):
+    """The skinny kernel (at most 8 rows of A, B K-major), forced and as the default choice:
+    linear with and without bias on odd shapes, batch dimensions (M = 6 rows from 2 x 3), an
+    A that is not K-major (copied) and a strided weight view, against float64. Forcing it
+    where it cannot run raises."""
+    for impl in ("skinny", "auto"):
+        matmul_settings(impl=impl)
+        for m, n, k in SKINNY_SHAPES:
+            x = _rand(m, k, dtype=dtype, device="cuda")
+            w = _rand(n, k, dtype=dtype, device="cuda")
+            b = _rand(n, dtype=dtype, device="cuda")
+            name = torch.ops.fastcomm._kernel_name(x, w.t(), act)
+            assert name.startswith("skinny splits "), (impl, m, n, k, name)
+            for bias in (None, b):
+                y = ops.linear(x, w, bias, act)
+                pre = x.double() @ w.double().t()
+                ref = _ref_act(pre + bias.double() if bias is not None else pre, act)
+                assert _rel_err(y, ref) < RTOL[dtype], (impl, m, n, k, bias is None)
+        x3 = _rand(2, 3, 520, dtype=dtype, device="cuda")
+        w = _rand(333, 520, dtype=dtype, device="cuda")
+        ref = _ref_act(x3.double() @ w.double().t(), act)
+        assert _rel_err(ops.linear(x3, w, None, act), ref) < RTOL[dtype], "batch dims"
+        x_m_major = _rand(520, 5, dtype=dtype, device="cuda").t()
+        ref = _ref_act(x_m_major.double() @ w.double().t(), act)
+        assert _rel_err(ops.linear(x_m_major, w, None, act), ref) < RTOL[dtype], "A M-major"
+        wide = _rand(333, 1040, dtype=dtype, device="cuda")[:, :520]  # row stride 1040
+        ref = _ref_act(x_m_major.double() @ wide.double().t(), act)
+        assert _rel_err(ops.linear(x_m_major, wide, None, act), ref) < RTOL[dtype], "strided W"
+    matmul_settings(impl="skinny")
+    for a, bb in (
+        (_rand(9, 64, dtype=dtype, device="cuda"), _rand(64, 32, dtype=dtype, device="cuda")),
+        (_rand(4, 60, dtype=dtype, device="cuda"), _rand(32, 60, dtype=dtype, device="cuda").t()),
+        (_rand(4, 64, dtype=dtype, device="cuda"), _rand(64, 32, dtype=dtype, device="cuda")),
+    ):
+        with pytest.raises(RuntimeError, match="FASTCOMM_MATMUL_IMPL=skinny"):
+            ops.matmul(a, bb)
+
+
 @pytest.mark.cuda(1)
 @_skip_no_cuda
 @pytest.mark.parametrize("tile", ["auto", "large", "small"])

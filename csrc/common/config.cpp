@@ -437,7 +437,7 @@ void MatmulConfig::set(const std::string& name, const std::string& value) {
   const std::string var = matmulVar(n);
   const char* v = value.c_str();
   if (n == "impl") {
-    impl = oneOf(var.c_str(), v, {"auto", "wgmma", "mma", "simt"});
+    impl = oneOf(var.c_str(), v, {"auto", "skinny", "wgmma", "mma", "simt"});
   } else if (n == "tile") {
     tile = oneOf(var.c_str(), v, {"auto", "large", "small"});
   } else if (n == "sched") {

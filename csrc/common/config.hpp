@@ -124,8 +124,8 @@ const char* tierName(Tier tier);
 // process, at the first matmul (ops/matmul_config.hpp; tests override it
 // through torchext._testing.set_matmul_config).
 struct MatmulConfig {
-  // FASTCOMM_MATMUL_IMPL: auto | wgmma | mma | simt. Forcing wgmma or mma
-  // raises where that kernel cannot run instead of falling back.
+  // FASTCOMM_MATMUL_IMPL: auto | skinny | wgmma | mma | simt. Forcing skinny,
+  // wgmma or mma raises where that kernel cannot run instead of falling back.
   std::string impl = "auto";
   // FASTCOMM_MATMUL_TILE: auto | large | small (CUDA cores and mma.sync:
   // 128x128 / 64x64; Hopper: the cooperative 128x256 / 128x128 tile, which

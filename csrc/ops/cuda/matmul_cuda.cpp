@@ -4,6 +4,8 @@
 //
 // Kernel choice, for float16 / bfloat16 (float32 / float64 always take the
 // tiled CUDA-core kernel):
+//   0. at most 8 rows of A with B K-major (decode-time linear layers): the
+//      skinny kernel (kernels/matmul_skinny.cu), which streams B once;
 //   1. on sm_90, the Hopper kernel (TMA + wgmma, warp-specialised,
 //      persistent; kernels/matmul_sm90*.cu{,h}) unless the problem has too
 //      few tiles to fill the GPU (gemm_wgmma_preferred);
@@ -165,12 +167,40 @@ kc::GemmArgs problem_args(const GemmProblem& p, Activation act) {
   return args;
 }
 
-enum class Path { kSimt, kMma, kWgmma };
+enum class Path { kSimt, kSkinny, kMma, kWgmma };
+
+// The skinny kernel's operands, when the problem is one for it: B K-major as
+// it is, A K-major (copied where it is not: A has at most 8 rows).
+struct SkinnyOperands {
+  Operand a, b;
+};
+std::optional<SkinnyOperands> skinny_operands(const GemmProblem& p) {
+  const at::ScalarType t = p.A.scalar_type();
+  if ((t != at::kHalf && t != at::kBFloat16) || p.M < 1 || p.M > kc::kSkinnyMaxM || p.K < 8 ||
+      p.K % 8 != 0) {
+    return std::nullopt;
+  }
+  SkinnyOperands o;
+  if (!try_layout(p.B, 0, o.b)) return std::nullopt;
+  if (!try_layout(p.A, 1, o.a)) {
+    at::Tensor copy = p.A.contiguous();
+    if (!try_layout(copy, 1, o.a)) return std::nullopt;
+    o.a.keep = copy;
+  }
+  return o;
+}
 
 // The kernel for a problem on the current device (see the top of the file);
-// raises where a forced kernel cannot run.
-Path choose_path(const kc::GemmArgs& args, const MatmulConfig& cfg, const cudaDeviceProp* prop) {
+// raises where a forced kernel cannot run. `skinny`: the problem has the
+// skinny kernel's shape and layout.
+Path choose_path(const kc::GemmArgs& args, const MatmulConfig& cfg, const cudaDeviceProp* prop,
+                 bool skinny) {
   const bool half = args.dtype == kc::DType::kF16 || args.dtype == kc::DType::kBF16;
+  TORCH_CHECK(cfg.impl != "skinny" || skinny,
+              "FASTCOMM_MATMUL_IMPL=skinny: the skinny kernel needs float16 / bfloat16, at most ",
+              kc::kSkinnyMaxM, " rows of A, K a multiple of 8 and B K-major (got M=", args.M,
+              " N=", args.N, " K=", args.K, ")");
+  if (skinny && (cfg.impl == "skinny" || cfg.impl == "auto")) return Path::kSkinny;
   // K == 0 (bias + activation only) also goes to the CUDA-core kernel.
   if (!half || args.K == 0 || cfg.impl == "simt") return Path::kSimt;
   const bool wgmma_ok = prop->major == 9 && prop->minor == 0 && kc::gemm_wgmma_compiled();
@@ -204,7 +234,15 @@ at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
 
   cudaError_t err = cudaSuccess;
-  switch (choose_path(args, cfg, prop)) {
+  const std::optional<SkinnyOperands> skinny =
+      cfg.impl == "auto" || cfg.impl == "skinny" ? skinny_operands(p) : std::nullopt;
+  switch (choose_path(args, cfg, prop, skinny.has_value())) {
+    case Path::kSkinny: {
+      fill_ab(args, skinny->a, skinny->b);
+      TORCH_INTERNAL_ASSERT(kc::gemm_skinny_supported(args));
+      err = kc::launch_gemm_skinny(args, prop->multiProcessorCount, stream);
+      break;
+    }
     case Path::kWgmma: {
       Operand a = prepare_tc_operand(p.A, 1);
       Operand b = prepare_tc_operand(p.B, 0);
@@ -245,7 +283,13 @@ std::string kernel_name_cuda(const at::Tensor& a, const at::Tensor& b,
   args.c = const_cast<char*>(aligned_c);
   const MatmulConfig cfg = matmulConfig();
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  switch (choose_path(args, cfg, prop)) {
+  const std::optional<SkinnyOperands> skinny =
+      cfg.impl == "auto" || cfg.impl == "skinny" ? skinny_operands(p) : std::nullopt;
+  switch (choose_path(args, cfg, prop, skinny.has_value())) {
+    case Path::kSkinny:
+      fill_ab(args, skinny->a, skinny->b);
+      return "skinny splits " +
+             std::to_string(kc::gemm_skinny_splits(args, prop->multiProcessorCount));
     case Path::kWgmma:
       return kc::describe_gemm_wgmma_sm90(args, prop->multiProcessorCount, wgmma_options(cfg));
     case Path::kMma:
