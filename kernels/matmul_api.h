@@ -56,15 +56,19 @@ cudaError_t launch_gemm_mma_sm80(const GemmArgs& args, int num_sms, Tile tile, c
 bool gemm_mma_large_tile(const GemmArgs& args, int num_sms, Tile tile);
 
 // Skinny products (kernels/matmul_skinny.cu): at most kSkinnyMaxM rows of A,
-// float16 / bfloat16, A and B K-major (sak == 1, sbk == 1; the weight of
-// F.linear as it is), K a multiple of 8, row strides multiples of 8
-// elements and 16-byte aligned bases. One warp (or a few, `splits`) per
-// output column, reading B once at the memory's rate.
+// float16 / bfloat16, K a multiple of 8, A K-major (sak == 1), B K-major
+// (sbk == 1; the weight of F.linear as it is) or N-major (sbn == 1, N a
+// multiple of 8; matmul's b as it is), row strides multiples of 8 elements,
+// 16-byte aligned bases. They stream B once, at the memory's rate.
 constexpr int kSkinnyMaxM = 8;
 bool gemm_skinny_supported(const GemmArgs& args);
-// Warps that share one output column (1, 2, 4 or 8).
+// How K is split: warps per output column (B K-major) or blocks per group of
+// 256 columns (B N-major).
 int gemm_skinny_splits(const GemmArgs& args, int num_sms);
-cudaError_t launch_gemm_skinny(const GemmArgs& args, int num_sms, cudaStream_t stream);
+// Float32 scratch the launch needs (N-major B split over blocks), 0 if none.
+int64_t gemm_skinny_workspace_bytes(const GemmArgs& args, int num_sms);
+cudaError_t launch_gemm_skinny(const GemmArgs& args, int num_sms, void* workspace,
+                               cudaStream_t stream);
 
 // Hopper kernel: TMA loads, wgmma, warp-specialised producer / consumers,
 // persistent tile loop (sm_90a only; see kernels/matmul_sm90_kernel.cuh).

@@ -4,7 +4,7 @@
 // of A, bound by reading B once from memory, where a tensor-core tile of 64+
 // rows would compute mostly padding.
 //
-// One warp reduces one output column n for every row of A: each lane loads
+// B K-major: one warp reduces one output column n for every row of A: each lane loads
 // 16 bytes of B's row n at a time (the warp reads 512 contiguous bytes, bypassing L1
 // so that A stays cached there), multiplies them with the same 8 elements
 // of every row of A (read through the read-only cache: every warp reads all
@@ -13,6 +13,13 @@
 // each taking every splits-th 256-element stretch of K, and their sums are
 // added in a fixed order through shared memory: results do not depend on
 // timing. Lane m then applies bias and activation for row m and stores once.
+//
+// B N-major (matmul's b [K, N] as it is): a lane owns 8 adjacent columns
+// (one 16-byte load per row of B), a block 256 columns, and its 8 warps take
+// interleaved rows of a stretch of K; the warps' sums meet in shared memory
+// in a fixed order. Where the column groups alone give too few warps, the
+// blocks of a group split K (grid.y) and write float32 partial sums that a
+// second kernel adds in split order before bias, activation and the store.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -33,13 +40,15 @@ struct SkinnyParams {
   const void* a;
   int64_t sam;
   const void* b;
-  int64_t sbn;
+  int64_t sb;  // B's stride between rows (K-major: of n; N-major: of k)
   const void* bias;
   void* c;
   int64_t ldc;
   int M, N, K;
-  int splits;  // warps per column: 1, 2, 4 or 8
+  int splits;  // K-major: warps per column (1, 2, 4, 8); N-major: blocks per column group
 };
+
+constexpr int kGroupCols = 256;  // N-major: columns per block, 8 per lane
 
 __device__ __forceinline__ uint4 load_streaming(const void* p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
@@ -96,7 +105,7 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_kmajor(SkinnyParams p) {
 #pragma unroll
   for (int m = 0; m < kSkinnyMaxM; ++m) acc[m] = 0.0f;
   if (n < p.N) {
-    const T* w = static_cast<const T*>(p.b) + n * p.sbn;
+    const T* w = static_cast<const T*>(p.b) + n * p.sb;
     // This lane's 8 elements of stretch s of K are at s * 256 + lane * 8.
     const int64_t step = int64_t{p.splits} * 256;
     int64_t k = int64_t{part} * 256 + lane * 8;
@@ -147,20 +156,120 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_kmajor(SkinnyParams p) {
   static_cast<T*>(p.c)[lane * p.ldc + n] = from_acc<T, float>(activate<ACT, true>(v));
 }
 
-template <typename T>
-void launch_act(Act act, const SkinnyParams& p, dim3 grid, cudaStream_t stream) {
+template <typename T, Act ACT>
+__device__ __forceinline__ void store_out(const SkinnyParams& p, int m, int64_t n, float v) {
+  if (p.bias != nullptr) v += load_as_float(static_cast<const T*>(p.bias) + n);
+  static_cast<T*>(p.c)[m * p.ldc + n] = from_acc<T, float>(activate<ACT, true>(v));
+}
+
+template <typename T, Act ACT>
+__global__ void __launch_bounds__(kWarps * 32) skinny_nmajor(SkinnyParams p, float* partial) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t n0 = int64_t{blockIdx.x} * kGroupCols + lane * 8;
+  const int64_t chunk = (p.K + gridDim.y - 1) / gridDim.y;
+  const int64_t k_begin = blockIdx.y * chunk;
+  const int64_t k_end = k_begin + chunk < p.K ? k_begin + chunk : p.K;
+  const T* A = static_cast<const T*>(p.a);
+  const T* B = static_cast<const T*>(p.b);
+  float acc[kSkinnyMaxM][8];
+#pragma unroll
+  for (int m = 0; m < kSkinnyMaxM; ++m) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[m][j] = 0.0f;
+  }
+  auto accumulate = [&](uint4 bv, int64_t k) {
+    float2 b[4];
+    unpack<T>(bv, b);
+#pragma unroll
+    for (int m = 0; m < kSkinnyMaxM; ++m) {
+      if (m < p.M) {
+        const float x = load_as_float(A + m * p.sam + k);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          acc[m][2 * j] = fmaf(x, b[j].x, acc[m][2 * j]);
+          acc[m][2 * j + 1] = fmaf(x, b[j].y, acc[m][2 * j + 1]);
+        }
+      }
+    }
+  };
+  if (n0 < p.N) {
+    int64_t k = k_begin + warp;
+    for (; k + (kLoadsInFlight - 1) * kWarps < k_end; k += kLoadsInFlight * kWarps) {
+      uint4 bv[kLoadsInFlight];
+#pragma unroll
+      for (int i = 0; i < kLoadsInFlight; ++i) {
+        bv[i] = load_streaming(B + (k + i * kWarps) * p.sb + n0);
+      }
+#pragma unroll
+      for (int i = 0; i < kLoadsInFlight; ++i) accumulate(bv[i], k + i * kWarps);
+    }
+    for (; k < k_end; k += kWarps) accumulate(load_streaming(B + k * p.sb + n0), k);
+  }
+  __shared__ float sums[kWarps][kGroupCols];
+#pragma unroll
+  for (int m = 0; m < kSkinnyMaxM; ++m) {
+    if (m >= p.M) break;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) sums[warp][lane * 8 + j] = acc[m][j];
+    __syncthreads();
+    if (warp == 0 && n0 < p.N) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) v += sums[w][lane * 8 + j];
+        if (gridDim.y == 1) {
+          store_out<T, ACT>(p, m, n0 + j, v);
+        } else {
+          partial[(int64_t{blockIdx.y} * p.M + m) * p.N + n0 + j] = v;
+        }
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// The N-major split's second pass: the splits' partial sums in order.
+template <typename T, Act ACT>
+__global__ void skinny_reduce(SkinnyParams p, const float* partial) {
+  const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (i >= int64_t{p.M} * p.N) return;
+  const int m = static_cast<int>(i / p.N);
+  const int64_t n = i % p.N;
+  float v = 0.0f;
+  for (int s = 0; s < p.splits; ++s) v += partial[(int64_t{s} * p.M + m) * p.N + n];
+  store_out<T, ACT>(p, m, n, v);
+}
+
+template <typename T, Act ACT>
+void launch_layout(bool kmajor, const SkinnyParams& p, float* partial, cudaStream_t stream) {
   const dim3 block(kWarps * 32);
+  if (kmajor) {
+    const int cols = kWarps / p.splits;
+    skinny_kmajor<T, ACT><<<(p.N + cols - 1) / cols, block, 0, stream>>>(p);
+    return;
+  }
+  const dim3 grid((p.N + kGroupCols - 1) / kGroupCols, p.splits);
+  skinny_nmajor<T, ACT><<<grid, block, 0, stream>>>(p, partial);
+  if (p.splits > 1) {
+    const int64_t outputs = int64_t{p.M} * p.N;
+    skinny_reduce<T, ACT><<<(outputs + 255) / 256, 256, 0, stream>>>(p, partial);
+  }
+}
+
+template <typename T>
+void launch_act(Act act, bool kmajor, const SkinnyParams& p, float* partial, cudaStream_t stream) {
   switch (act) {
     case Act::kNone:
-      return skinny_kmajor<T, Act::kNone><<<grid, block, 0, stream>>>(p);
+      return launch_layout<T, Act::kNone>(kmajor, p, partial, stream);
     case Act::kRelu:
-      return skinny_kmajor<T, Act::kRelu><<<grid, block, 0, stream>>>(p);
+      return launch_layout<T, Act::kRelu>(kmajor, p, partial, stream);
     case Act::kGelu:
-      return skinny_kmajor<T, Act::kGelu><<<grid, block, 0, stream>>>(p);
+      return launch_layout<T, Act::kGelu>(kmajor, p, partial, stream);
     case Act::kGeluTanh:
-      return skinny_kmajor<T, Act::kGeluTanh><<<grid, block, 0, stream>>>(p);
+      return launch_layout<T, Act::kGeluTanh>(kmajor, p, partial, stream);
     case Act::kSilu:
-      return skinny_kmajor<T, Act::kSilu><<<grid, block, 0, stream>>>(p);
+      return launch_layout<T, Act::kSilu>(kmajor, p, partial, stream);
   }
 }
 
@@ -169,27 +278,52 @@ void launch_act(Act act, const SkinnyParams& p, dim3 grid, cudaStream_t stream) 
 bool gemm_skinny_supported(const GemmArgs& args) {
   const bool half = args.dtype == DType::kF16 || args.dtype == DType::kBF16;
   auto aligned16 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+  const bool kmajor = args.sbk == 1 && args.sbn % 8 == 0;
+  const bool nmajor = args.sbn == 1 && args.sbk % 8 == 0 && args.N % 8 == 0;
   return half && args.M >= 1 && args.M <= kSkinnyMaxM && args.K >= 8 && args.K % 8 == 0 &&
-         args.sak == 1 && args.sam % 8 == 0 && args.sbk == 1 && args.sbn % 8 == 0 &&
-         aligned16(args.a) && aligned16(args.b);
+         args.sak == 1 && args.sam % 8 == 0 && (kmajor || nmajor) && aligned16(args.a) &&
+         aligned16(args.b);
 }
+
+namespace {
+
+bool kMajor(const GemmArgs& args) { return args.sbk == 1 && (args.sbn != 1 || args.N == 1); }
+
+}  // namespace
 
 int gemm_skinny_splits(const GemmArgs& args, int num_sms) {
   // About 32 warps per SM keep enough 16-byte loads in flight to stream B at
-  // the memory's rate; no more splits than K has 256-element stretches.
-  const int64_t stretches = (args.K + 255) / 256;
-  int splits = 1;
-  while (splits < kWarps && args.N * splits < int64_t{num_sms} * 32 && splits * 2 <= stretches) {
-    splits *= 2;
+  // the memory's rate.
+  const int64_t wanted = int64_t{num_sms} * 32;
+  if (kMajor(args)) {
+    // No more warps per column than K has 256-element stretches.
+    const int64_t stretches = (args.K + 255) / 256;
+    int splits = 1;
+    while (splits < kWarps && args.N * splits < wanted && splits * 2 <= stretches) splits *= 2;
+    return splits;
   }
-  return splits;
+  // Blocks per column group, each with at least 8 rows of K per warp.
+  const int64_t groups = (args.N + kGroupCols - 1) / kGroupCols;
+  const int64_t most = args.K / (8 * kWarps) > 1 ? args.K / (8 * kWarps) : 1;
+  int64_t splits = (wanted + groups * kWarps - 1) / (groups * kWarps);
+  if (splits > most) splits = most;
+  if (splits > 64) splits = 64;
+  return static_cast<int>(splits < 1 ? 1 : splits);
 }
 
-cudaError_t launch_gemm_skinny(const GemmArgs& args, int num_sms, cudaStream_t stream) {
+int64_t gemm_skinny_workspace_bytes(const GemmArgs& args, int num_sms) {
+  if (kMajor(args)) return 0;
+  const int splits = gemm_skinny_splits(args, num_sms);
+  return splits > 1 ? int64_t{splits} * args.M * args.N * 4 : 0;
+}
+
+cudaError_t launch_gemm_skinny(const GemmArgs& args, int num_sms, void* workspace,
+                               cudaStream_t stream) {
+  const bool kmajor = kMajor(args);
   SkinnyParams p{args.a,
                  args.sam,
                  args.b,
-                 args.sbn,
+                 kmajor ? args.sbn : args.sbk,
                  args.bias,
                  args.c,
                  args.ldc,
@@ -197,12 +331,11 @@ cudaError_t launch_gemm_skinny(const GemmArgs& args, int num_sms, cudaStream_t s
                  static_cast<int>(args.N),
                  static_cast<int>(args.K),
                  gemm_skinny_splits(args, num_sms)};
-  const int cols = kWarps / p.splits;
-  const dim3 grid(static_cast<unsigned>((args.N + cols - 1) / cols));
+  float* partial = static_cast<float*>(workspace);
   if (args.dtype == DType::kF16) {
-    launch_act<__half>(args.act, p, grid, stream);
+    launch_act<__half>(args.act, kmajor, p, partial, stream);
   } else {
-    launch_act<__nv_bfloat16>(args.act, p, grid, stream);
+    launch_act<__nv_bfloat16>(args.act, kmajor, p, partial, stream);
   }
   return cudaGetLastError();
 }

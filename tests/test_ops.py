@@ -498,10 +498,11 @@ SKINNY_SHAPES = [(1, 1, 8), (2, 7, 8), (3, 129, 264), (5, 1000, 1032), (8, 4099,
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_skinny_kernel(matmul_settings, dtype, act):
-    """The skinny kernel (at most 8 rows of A, B K-major), forced and as the default choice:
-    linear with and without bias on odd shapes, batch dimensions (M = 6 rows from 2 x 3), an
-    A that is not K-major (copied) and a strided weight view, against float64. Forcing it
-    where it cannot run raises."""
+    """The skinny kernel (at most 8 rows of A), forced and as the default choice, with B
+    K-major (linear's weight as it is) and N-major (matmul's b [K, N] as it is, N a multiple of
+    8; K split over blocks where N is small): with and without bias on odd shapes, batch
+    dimensions (M = 6 rows from 2 x 3), an A that is not K-major (copied) and a strided weight
+    view, against float64. Forcing it where it cannot run raises."""
     for impl in ("skinny", "auto"):
         matmul_settings(impl=impl)
         for m, n, k in SKINNY_SHAPES:
@@ -509,12 +510,19 @@ def test_cuda_skinny_kernel(matmul_settings, dtype, act):
             w = _rand(n, k, dtype=dtype, device="cuda")
             b = _rand(n, dtype=dtype, device="cuda")
             name = torch.ops.fastcomm._kernel_name(x, w.t(), act)
-            assert name.startswith("skinny splits "), (impl, m, n, k, name)
-            for bias in (None, b):
-                y = ops.linear(x, w, bias, act)
-                pre = x.double() @ w.double().t()
+            assert name.startswith("skinny k-major "), (impl, m, n, k, name)
+            n8 = (n + 7) // 8 * 8
+            w_n_major = _rand(k, n8, dtype=dtype, device="cuda").t()  # weight [n8, K], B N-major
+            name = torch.ops.fastcomm._kernel_name(x, w_n_major.t(), act)
+            assert name.startswith("skinny n-major "), (impl, m, n8, k, name)
+            b8 = _rand(n8, dtype=dtype, device="cuda")
+            for weight, bias in ((w, None), (w, b), (w_n_major, None), (w_n_major, b8)):
+                y = ops.linear(x, weight, bias, act)
+                pre = x.double() @ weight.double().t()
                 ref = _ref_act(pre + bias.double() if bias is not None else pre, act)
-                assert _rel_err(y, ref) < RTOL[dtype], (impl, m, n, k, bias is None)
+                assert _rel_err(y, ref) < RTOL[dtype], (impl, m, weight.shape, k, bias is None)
+            y = ops.matmul(x, w_n_major.t())
+            assert _rel_err(y, x.double() @ w_n_major.double().t()) < RTOL[dtype], "matmul"
         x3 = _rand(2, 3, 520, dtype=dtype, device="cuda")
         w = _rand(333, 520, dtype=dtype, device="cuda")
         ref = _ref_act(x3.double() @ w.double().t(), act)
@@ -529,7 +537,7 @@ def test_cuda_skinny_kernel(matmul_settings, dtype, act):
     for a, bb in (
         (_rand(9, 64, dtype=dtype, device="cuda"), _rand(64, 32, dtype=dtype, device="cuda")),
         (_rand(4, 60, dtype=dtype, device="cuda"), _rand(32, 60, dtype=dtype, device="cuda").t()),
-        (_rand(4, 64, dtype=dtype, device="cuda"), _rand(64, 32, dtype=dtype, device="cuda")),
+        (_rand(4, 64, dtype=dtype, device="cuda"), _rand(64, 30, dtype=dtype, device="cuda")),
     ):
         with pytest.raises(RuntimeError, match="FASTCOMM_MATMUL_IMPL=skinny"):
             ops.matmul(a, bb)

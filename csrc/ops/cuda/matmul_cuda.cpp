@@ -4,7 +4,7 @@
 //
 // Kernel choice, for float16 / bfloat16 (float32 / float64 always take the
 // tiled CUDA-core kernel):
-//   0. at most 8 rows of A with B K-major (decode-time linear layers): the
+//   0. at most 8 rows of A (decode-time linear layers, small batches): the
 //      skinny kernel (kernels/matmul_skinny.cu), which streams B once;
 //   1. on sm_90, the Hopper kernel (TMA + wgmma, warp-specialised,
 //      persistent; kernels/matmul_sm90*.cu{,h}) unless the problem has too
@@ -169,8 +169,8 @@ kc::GemmArgs problem_args(const GemmProblem& p, Activation act) {
 
 enum class Path { kSimt, kSkinny, kMma, kWgmma };
 
-// The skinny kernel's operands, when the problem is one for it: B K-major as
-// it is, A K-major (copied where it is not: A has at most 8 rows).
+// The skinny kernel's operands, when the problem is one for it: B K-major or
+// N-major as it is, A K-major (copied where it is not: A has at most 8 rows).
 struct SkinnyOperands {
   Operand a, b;
 };
@@ -181,7 +181,9 @@ std::optional<SkinnyOperands> skinny_operands(const GemmProblem& p) {
     return std::nullopt;
   }
   SkinnyOperands o;
-  if (!try_layout(p.B, 0, o.b)) return std::nullopt;
+  if (!try_layout(p.B, 0, o.b) && !(p.N % 8 == 0 && try_layout(p.B, 1, o.b))) {
+    return std::nullopt;
+  }
   if (!try_layout(p.A, 1, o.a)) {
     at::Tensor copy = p.A.contiguous();
     if (!try_layout(copy, 1, o.a)) return std::nullopt;
@@ -198,8 +200,10 @@ Path choose_path(const kc::GemmArgs& args, const MatmulConfig& cfg, const cudaDe
   const bool half = args.dtype == kc::DType::kF16 || args.dtype == kc::DType::kBF16;
   TORCH_CHECK(cfg.impl != "skinny" || skinny,
               "FASTCOMM_MATMUL_IMPL=skinny: the skinny kernel needs float16 / bfloat16, at most ",
-              kc::kSkinnyMaxM, " rows of A, K a multiple of 8 and B K-major (got M=", args.M,
-              " N=", args.N, " K=", args.K, ")");
+              kc::kSkinnyMaxM,
+              " rows of A, K a multiple of 8 and B K-major, or N-major with N "
+              "a multiple of 8 (got M=",
+              args.M, " N=", args.N, " K=", args.K, ")");
   if (skinny && (cfg.impl == "skinny" || cfg.impl == "auto")) return Path::kSkinny;
   // K == 0 (bias + activation only) also goes to the CUDA-core kernel.
   if (!half || args.K == 0 || cfg.impl == "simt") return Path::kSimt;
@@ -240,7 +244,11 @@ at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias
     case Path::kSkinny: {
       fill_ab(args, skinny->a, skinny->b);
       TORCH_INTERNAL_ASSERT(kc::gemm_skinny_supported(args));
-      err = kc::launch_gemm_skinny(args, prop->multiProcessorCount, stream);
+      const int64_t scratch = kc::gemm_skinny_workspace_bytes(args, prop->multiProcessorCount);
+      at::Tensor workspace;
+      if (scratch > 0) workspace = at::empty({scratch / 4}, p.A.options().dtype(at::kFloat));
+      err = kc::launch_gemm_skinny(args, prop->multiProcessorCount,
+                                   scratch > 0 ? workspace.mutable_data_ptr() : nullptr, stream);
       break;
     }
     case Path::kWgmma: {
@@ -288,7 +296,7 @@ std::string kernel_name_cuda(const at::Tensor& a, const at::Tensor& b,
   switch (choose_path(args, cfg, prop, skinny.has_value())) {
     case Path::kSkinny:
       fill_ab(args, skinny->a, skinny->b);
-      return "skinny splits " +
+      return std::string(args.sbk == 1 ? "skinny k-major" : "skinny n-major") + " splits " +
              std::to_string(kc::gemm_skinny_splits(args, prop->multiProcessorCount));
     case Path::kWgmma:
       return kc::describe_gemm_wgmma_sm90(args, prop->multiProcessorCount, wgmma_options(cfg));
