@@ -51,7 +51,13 @@ bool gemm_simt_large_tile(const GemmArgs& args, int num_sms, Tile tile);
 //   other stride is a multiple of 8 elements; both base pointers are 16-byte
 //   aligned; K >= 1.
 bool gemm_mma_supported(const GemmArgs& args);
-cudaError_t launch_gemm_mma_sm80(const GemmArgs& args, int num_sms, Tile tile, cudaStream_t stream);
+// K split over blocks per output tile where the tiles are too few to occupy
+// the SMs (small M): how many (1: none), and the float32 scratch the launch
+// then needs (its `workspace`; null when 0).
+int gemm_mma_splits(const GemmArgs& args, int num_sms, Tile tile);
+int64_t gemm_mma_workspace_bytes(const GemmArgs& args, int num_sms, Tile tile);
+cudaError_t launch_gemm_mma_sm80(const GemmArgs& args, int num_sms, Tile tile, void* workspace,
+                                 cudaStream_t stream);
 // The mma.sync launcher's tile choice: true for 128 x 128, false for 64 x 64.
 bool gemm_mma_large_tile(const GemmArgs& args, int num_sms, Tile tile);
 

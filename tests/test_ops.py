@@ -493,6 +493,28 @@ SKINNY_SHAPES = [(1, 1, 8), (2, 7, 8), (3, 129, 264), (5, 1000, 1032), (8, 4099,
                  (1, 3, 8200), (4, 64, 11008)]  # fmt: skip
 
 
+# Small M (batch x tokens) on odd N and K: the skinny kernel (M <= 8 where the layout
+# allows it) and the mma.sync kernel with K split over blocks.
+SMALL_M = [1, 2, 3, 8, 16, 31, 64, 128, 255, 256]
+
+
+@pytest.mark.cuda(1)
+@_skip_no_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_small_m(matmul_settings, dtype):
+    """The default dispatch for every small M on odd N and K, every operand layout, with and
+    without activation, against float64; and the kernel it names: split K for tiles that do
+    not fill the GPU."""
+    matmul_settings()
+    shapes = [(m, n, k) for m in SMALL_M for n, k in ((1000, 1032), (257, 4104), (4099, 520))]
+    _check_all_layouts("cuda", dtype, shapes, acts=("none", "gelu_tanh"))
+    probe_a = torch.empty(16, 4096, device="cuda", dtype=dtype)
+    probe_b = torch.empty(4096, 4096, device="cuda", dtype=dtype)
+    name = torch.ops.fastcomm._kernel_name(probe_a, probe_b)
+    if _cuda_cc()[0] >= 8:
+        assert name.startswith("mma 64x64 splitk "), name
+
+
 @pytest.mark.cuda(1)
 @_skip_no_cuda
 @pytest.mark.parametrize("act", ACTS)

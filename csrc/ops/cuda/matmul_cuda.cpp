@@ -10,7 +10,8 @@
 //      persistent; kernels/matmul_sm90*.cu{,h}) unless the problem has too
 //      few tiles to fill the GPU (gemm_wgmma_preferred);
 //   2. otherwise the mma.sync tensor-core kernel (kernels/matmul_sm80.cu) on
-//      sm_80+;
+//      sm_80+, with K split over blocks where its tiles are too few to occupy
+//      the SMs;
 //   3. otherwise the CUDA-core kernel (kernels/matmul_simt.cu).
 // The FASTCOMM_MATMUL_* settings (common/config.hpp, MatmulConfig; read once,
 // ops/matmul_config.hpp) force a path, tile, schedule, epilogue or tile order,
@@ -264,7 +265,12 @@ at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias
       Operand b = prepare_tc_operand(p.B, 0);
       fill_ab(args, a, b);
       TORCH_INTERNAL_ASSERT(kc::gemm_mma_supported(args));
-      err = kc::launch_gemm_mma_sm80(args, prop->multiProcessorCount, to_tile(cfg.tile), stream);
+      const int64_t scratch =
+          kc::gemm_mma_workspace_bytes(args, prop->multiProcessorCount, to_tile(cfg.tile));
+      at::Tensor workspace;
+      if (scratch > 0) workspace = at::empty({scratch / 4}, p.A.options().dtype(at::kFloat));
+      err = kc::launch_gemm_mma_sm80(args, prop->multiProcessorCount, to_tile(cfg.tile),
+                                     scratch > 0 ? workspace.mutable_data_ptr() : nullptr, stream);
       break;
     }
     case Path::kSimt:
@@ -300,10 +306,13 @@ std::string kernel_name_cuda(const at::Tensor& a, const at::Tensor& b,
              std::to_string(kc::gemm_skinny_splits(args, prop->multiProcessorCount));
     case Path::kWgmma:
       return kc::describe_gemm_wgmma_sm90(args, prop->multiProcessorCount, wgmma_options(cfg));
-    case Path::kMma:
-      return kc::gemm_mma_large_tile(args, prop->multiProcessorCount, to_tile(cfg.tile))
-                 ? "mma 128x128"
-                 : "mma 64x64";
+    case Path::kMma: {
+      const int splits = kc::gemm_mma_splits(args, prop->multiProcessorCount, to_tile(cfg.tile));
+      return std::string(kc::gemm_mma_large_tile(args, prop->multiProcessorCount, to_tile(cfg.tile))
+                             ? "mma 128x128"
+                             : "mma 64x64") +
+             (splits > 1 ? " splitk " + std::to_string(splits) : "");
+    }
     case Path::kSimt:
       break;
   }
