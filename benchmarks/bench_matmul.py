@@ -29,7 +29,7 @@ fused`` the epilogues. The kernel a variant actually ran is recorded
 baseline, per shape and variant) is printed last.
 
 Timing: CUDA events around every call, median of ``--reps`` calls after a
-warm-up, inputs rotated over enough copies to exceed twice the L2 cache,
+warm-up, with the GPU kept busy ahead of the host (GPU time, not launch time), inputs rotated over enough copies to exceed twice the L2 cache,
 random normal data (never zeros). Every method's output is checked against a
 float32 reference first (relative Frobenius error, reported in the table).
 
@@ -124,6 +124,10 @@ def _l2_bytes() -> int:
     return int(getattr(props, "L2_cache_size", 50 << 20) or (50 << 20))
 
 
+# About 100 µs of GPU clock per timed call: more than any method's host time to launch one.
+_SLEEP_CYCLES_PER_CALL = 200_000
+
+
 def time_calls(fn: Callable[[int], object], reps: int, warmup_ms: float) -> dict:
     """Median / 20th / 80th percentile of per-call GPU time in ms. fn(i) runs call i."""
     torch.cuda.synchronize()
@@ -141,6 +145,9 @@ def time_calls(fn: Callable[[int], object], reps: int, warmup_ms: float) -> dict
                 break
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    # Keep the GPU behind the host: without a queue of work in front, a small product's events
+    # would time the host's launch of it (tens of µs) instead of the kernel.
+    torch.cuda._sleep(int(reps * _SLEEP_CYCLES_PER_CALL))
     for r in range(reps):
         starts[r].record()
         fn(r)
