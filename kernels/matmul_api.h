@@ -108,9 +108,22 @@ struct WgmmaOptions {
   WgmmaEpi epi = WgmmaEpi::kAuto;
   Raster raster = Raster::kAuto;
   int group = 0;  // rows / columns of C per tile group; 0 (auto) = 2048
+  // K split over CTAs per output tile (float32 sums in a workspace, then an
+  // ordered second pass applies the epilogue): 0 (auto) where the tiles do
+  // not fill the SMs and a bytes-per-SM model gains from it, then on the
+  // cooperative 128 x 128 tile unless a schedule or tile is forced; 1 none;
+  // n > 1 forced (clamped to the K-slices of 64 and to 16).
+  int splits = 0;
 };
+// Split count of the launch these options give (1: none), and the float32
+// workspace it needs (splits x M x N x 4 bytes; 0 without a split).
+int gemm_wgmma_splits(const GemmArgs& args, int num_sms, const WgmmaOptions& opts);
+int64_t gemm_wgmma_workspace_bytes(const GemmArgs& args, int num_sms, const WgmmaOptions& opts);
+// `workspace`: gemm_wgmma_workspace_bytes of float32 scratch, 8-byte aligned
+// (null when that is 0), on the stream's device and not in use until the
+// launch's work on `stream` is done.
 cudaError_t launch_gemm_wgmma_sm90(const GemmArgs& args, int num_sms, const WgmmaOptions& opts,
-                                   cudaStream_t stream);
+                                   void* workspace, cudaStream_t stream);
 // What launch_gemm_wgmma_sm90 would run, e.g. "wgmma pingpong 128x128 raster m"
 // (for tests and benchmark reports).
 std::string describe_gemm_wgmma_sm90(const GemmArgs& args, int num_sms, const WgmmaOptions& opts);

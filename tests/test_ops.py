@@ -456,8 +456,12 @@ def test_matmul_settings_override(matmul_settings):
     got = _testing.matmul_config()
     assert got == {
         "impl": "simt", "tile": "small", "sched": "auto", "epi": "auto", "raster": "auto",
-        "group": "512",
+        "group": "512", "splits": "0",
     }, got  # fmt: skip
+    matmul_settings(splits=3)
+    assert _testing.matmul_config()["splits"] == "3"
+    matmul_settings(splits="auto")
+    assert _testing.matmul_config()["splits"] == "0"
     matmul_settings(epi="offload")
     assert _testing.matmul_config()["impl"] == "auto"
     for kw, var in (
@@ -466,6 +470,9 @@ def test_matmul_settings_override(matmul_settings):
         ({"group": 128}, "FASTCOMM_MATMUL_GROUP"),
         ({"group": 100000}, "FASTCOMM_MATMUL_GROUP"),
         ({"group": "big"}, "FASTCOMM_MATMUL_GROUP"),
+        ({"splits": 17}, "FASTCOMM_MATMUL_SPLITS"),
+        ({"splits": -1}, "FASTCOMM_MATMUL_SPLITS"),
+        ({"splits": "two"}, "FASTCOMM_MATMUL_SPLITS"),
     ):
         with pytest.raises(ValueError, match=var):
             matmul_settings(**kw)
@@ -511,7 +518,9 @@ def test_cuda_small_m(matmul_settings, dtype):
     probe_a = torch.empty(16, 4096, device="cuda", dtype=dtype)
     probe_b = torch.empty(4096, 4096, device="cuda", dtype=dtype)
     name = torch.ops.fastcomm._kernel_name(probe_a, probe_b)
-    if _cuda_cc()[0] >= 8:
+    if _cuda_cc() == (9, 0):
+        assert name.startswith("wgmma coop 128x128 splitk "), name
+    elif _cuda_cc()[0] >= 8:
         assert name.startswith("mma 64x64 splitk "), name
 
 
@@ -774,3 +783,81 @@ def test_kernel_name_cpu():
         torch.ops.fastcomm._kernel_name(a, torch.randn(5, 3))
     with pytest.raises(RuntimeError, match="activation"):
         torch.ops.fastcomm._kernel_name(a, torch.randn(4, 3), "tanh")
+
+
+# Split K in the Hopper kernel: forced split counts on every schedule and tile, and the
+# default dispatch (the cooperative 128 x 128 tile where the tiles leave SMs idle).
+WGMMA_SPLIT_VARIANTS = {
+    "auto": {},
+    "wgmma_auto": {"impl": "wgmma"},
+    "coop128_s2": {"impl": "wgmma", "sched": "coop", "tile": "small", "splits": 2},
+    "coop128_s5": {"impl": "wgmma", "sched": "coop", "tile": "small", "splits": 5},
+    "coop256_s3": {"impl": "wgmma", "sched": "coop", "tile": "large", "splits": 3},
+    "pingpong_s3": {"impl": "wgmma", "sched": "pingpong", "splits": 3},
+    "pingpong_s16": {"impl": "wgmma", "sched": "pingpong", "splits": 16},
+}
+
+
+@pytest.mark.cuda(1)
+@pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("variant", sorted(WGMMA_SPLIT_VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_wgmma_split_k(matmul_settings, variant, dtype):
+    """The Hopper kernel with K split over CTAs (float32 sums, then the ordered second pass
+    with bias and activation) for small M on odd N and K, every operand layout and
+    activation, batch dimensions, against float64; the split shows in the kernel name, K
+    shorter than the split count clamps it, and the result is bitwise reproducible."""
+    settings = WGMMA_SPLIT_VARIANTS[variant]
+    matmul_settings(**settings)
+    probe_a = torch.empty(128, 4096, device="cuda", dtype=dtype)
+    probe_b = torch.empty(4096, 4096, device="cuda", dtype=dtype)
+    name = torch.ops.fastcomm._kernel_name(probe_a, probe_b)
+    if "splits" in settings:
+        assert name.startswith(f"wgmma {settings['sched']}"), name
+        assert f" splitk {settings['splits']} " in name, name
+    else:
+        assert name.startswith("wgmma coop 128x128 splitk "), name
+    shapes = [(m, n, k) for m in SMALL_M for n, k in ((1000, 1032), (257, 4104))]
+    shapes += [(64, 4096, 4096), (200, 3000, 64), (5, 33, 40)]
+    _check_all_layouts("cuda", dtype, shapes, acts=ACTS)
+    # batch dimensions: M = 2 x 3 x 11 rows
+    x = _rand(2, 3, 11, 1032, dtype=dtype, device="cuda")
+    w = _rand(1000, 1032, dtype=dtype, device="cuda")
+    b = _rand(1000, dtype=dtype, device="cuda")
+    y = ops.linear(x, w, b, "gelu")
+    ref = _ref_act(x.double() @ w.double().t() + b.double(), "gelu")
+    assert _rel_err(y, ref) < RTOL[dtype], "batch dims"
+    # one K-slice: the split count is clamped to it
+    if "splits" in settings:
+        name = torch.ops.fastcomm._kernel_name(probe_a[:, :64], probe_b[:64])
+        assert " splitk " not in name, name
+    a = _rand(64, 4104, dtype=dtype, device="cuda")
+    bb = _rand(4104, 1000, dtype=dtype, device="cuda")
+    first = ops.matmul(a, bb)
+    for _ in range(3):
+        _poison_cuda_cache("cuda")
+        assert torch.equal(ops.matmul(a, bb), first), "split K is not deterministic"
+
+
+@pytest.mark.cuda(1)
+@pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
+def test_cuda_wgmma_split_k_dispatch(matmul_settings):
+    """The default dispatch's split-K row on the decode / prefill grid: small M with N = 4096
+    takes the cooperative 128 x 128 kernel with split K; splits=1 turns it off (then the
+    earlier choice: mma.sync or the unsplit Hopper kernel); M >= 1024 never splits."""
+    bf = torch.bfloat16
+    matmul_settings()
+    for m, n, k in ((16, 4096, 4096), (128, 4096, 4096), (128, 4096, 11008), (256, 4096, 4096)):
+        a = torch.empty(m, k, device="cuda", dtype=bf)
+        b = torch.empty(k, n, device="cuda", dtype=bf)
+        name = torch.ops.fastcomm._kernel_name(a, b)
+        assert name.startswith("wgmma coop 128x128 splitk "), (m, n, k, name)
+    for m, n, k in ((1024, 4096, 4096), (2048, 14336, 4096)):
+        a = torch.empty(m, k, device="cuda", dtype=bf)
+        b = torch.empty(k, n, device="cuda", dtype=bf)
+        name = torch.ops.fastcomm._kernel_name(a, b)
+        assert " splitk " not in name, (m, n, k, name)
+    matmul_settings(splits=1)
+    a = torch.empty(128, 4096, device="cuda", dtype=bf)
+    name = torch.ops.fastcomm._kernel_name(a, torch.empty(4096, 4096, device="cuda", dtype=bf))
+    assert " splitk " not in name or name.startswith("mma "), name

@@ -144,11 +144,16 @@ struct MatmulConfig {
   // FASTCOMM_MATMUL_GROUP: rows (raster m) or columns (raster n) of C per
   // group of the Hopper tile order, 256..65536; 0 = auto (2048).
   int group = 0;
+  // FASTCOMM_MATMUL_SPLITS: K split over blocks per output tile of the
+  // tensor-core kernels (Hopper wgmma; the mma.sync kernel keeps its own
+  // choice): 0 = auto (where the tiles do not fill the SMs), 1 = none,
+  // 2..16 forced (fewer where K has fewer 64-wide slices).
+  int splits = 0;
 
   // Every FASTCOMM_MATMUL_* variable that is set, through set().
   static MatmulConfig fromEnv();
   // Sets the field of FASTCOMM_MATMUL_<NAME> (name: "impl", "tile", "sched",
-  // "epi", "raster" or "group", any case) from `value` as that variable would;
+  // "epi", "raster", "group" or "splits", any case) from `value` as that variable would;
   // throws std::invalid_argument naming the variable.
   void set(const std::string& name, const std::string& value);
   std::string describe() const;

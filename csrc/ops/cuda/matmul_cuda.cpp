@@ -3,16 +3,16 @@
 // of kernel. Kernels run on the current stream of the inputs' device.
 //
 // Kernel choice, for float16 / bfloat16 (float32 / float64 always take the
-// tiled CUDA-core kernel):
-//   0. at most 8 rows of A (decode-time linear layers, small batches): the
-//      skinny kernel (kernels/matmul_skinny.cu), which streams B once;
-//   1. on sm_90, the Hopper kernel (TMA + wgmma, warp-specialised,
-//      persistent; kernels/matmul_sm90*.cu{,h}) unless the problem has too
-//      few tiles to fill the GPU (gemm_wgmma_preferred);
-//   2. otherwise the mma.sync tensor-core kernel (kernels/matmul_sm80.cu) on
-//      sm_80+, with K split over blocks where its tiles are too few to occupy
-//      the SMs;
-//   3. otherwise the CUDA-core kernel (kernels/matmul_simt.cu).
+// tiled CUDA-core kernel): the first row of kAutoRules below that matches
+// the problem, among
+//   * the skinny kernel (kernels/matmul_skinny.cu, at most 8 rows of A:
+//     decode-time linear layers), which streams B once;
+//   * on sm_90, the Hopper kernel (TMA + wgmma, warp-specialised,
+//     persistent; kernels/matmul_sm90*.cu{,h}), with K split over CTAs where
+//     its tiles leave SMs idle (small M), or on its own tile heuristic;
+//   * the mma.sync tensor-core kernel (kernels/matmul_sm80.cu) on sm_80+,
+//     with its own K split for small M;
+//   * otherwise the CUDA-core kernel (kernels/matmul_simt.cu).
 // The FASTCOMM_MATMUL_* settings (common/config.hpp, MatmulConfig; read once,
 // ops/matmul_config.hpp) force a path, tile, schedule, epilogue or tile order,
 // for debugging.
@@ -56,6 +56,7 @@ kc::WgmmaOptions wgmma_options(const MatmulConfig& c) {
              : c.raster == "n" ? kc::Raster::kN
                                : kc::Raster::kAuto;
   o.group = c.group;
+  o.splits = c.splits;
   return o;
 }
 
@@ -170,6 +171,41 @@ kc::GemmArgs problem_args(const GemmProblem& p, Activation act) {
 
 enum class Path { kSimt, kSkinny, kMma, kWgmma };
 
+// ---- the default dispatch (impl=auto, half types) ---------------------------------
+
+// When a row of kAutoRules applies, besides its bound on M.
+enum class When {
+  kSkinnyLayout,  // A and B as the skinny kernel takes them
+  kWgmmaSplit,    // sm_90: the Hopper kernel's split-K model picks >= 2 splits
+                  // on the cooperative 128 x 128 tile (its 128 x 128 tiles
+                  // leave SMs idle and splitting K gains; kernels/matmul_sm90.cu)
+  kWgmmaFills,    // sm_90: at least half a wave of 128 x 128 tiles
+                  // (gemm_wgmma_preferred)
+  kSm80,          // sm_80+
+  kAlways,
+};
+
+// One row: problems with M <= max_m for which `when` holds take `path` with
+// these Hopper options (unset ones auto). Expected speeds relative to cuBLAS
+// on H100 (bf16) are in docs/matmul.md; the split-K row replaces the
+// mma.sync split (M <= 256 with N = 4096: 0.3-0.5x) and the unsplit
+// ping-pong where few tiles leave most SMs idle.
+struct AutoRule {
+  int64_t max_m;
+  When when;
+  Path path;
+  kc::WgmmaSched sched;
+  kc::Tile tile;
+};
+constexpr int64_t kAnyM = INT64_MAX;
+constexpr AutoRule kAutoRules[] = {
+    {kc::kSkinnyMaxM, When::kSkinnyLayout, Path::kSkinny, kc::WgmmaSched::kAuto, kc::Tile::kAuto},
+    {kAnyM, When::kWgmmaSplit, Path::kWgmma, kc::WgmmaSched::kCoop, kc::Tile::kSmall},
+    {kAnyM, When::kWgmmaFills, Path::kWgmma, kc::WgmmaSched::kAuto, kc::Tile::kAuto},
+    {kAnyM, When::kSm80, Path::kMma, kc::WgmmaSched::kAuto, kc::Tile::kAuto},
+    {kAnyM, When::kAlways, Path::kSimt, kc::WgmmaSched::kAuto, kc::Tile::kAuto},
+};
+
 // The skinny kernel's operands, when the problem is one for it: B K-major or
 // N-major as it is, A K-major (copied where it is not: A has at most 8 rows).
 struct SkinnyOperands {
@@ -193,11 +229,48 @@ std::optional<SkinnyOperands> skinny_operands(const GemmProblem& p) {
   return o;
 }
 
+// The row of kAutoRules for a half-type problem (always found: the last row
+// matches everything).
+const AutoRule& auto_rule(const kc::GemmArgs& args, const cudaDeviceProp* prop, bool skinny,
+                          bool wgmma_ok, const kc::WgmmaOptions& base) {
+  const int sms = prop->multiProcessorCount;
+  for (const AutoRule& r : kAutoRules) {
+    if (args.M > r.max_m) continue;
+    bool ok = false;
+    switch (r.when) {
+      case When::kSkinnyLayout:
+        ok = skinny;
+        break;
+      case When::kWgmmaSplit: {
+        if (!wgmma_ok || base.splits == 1) break;
+        kc::WgmmaOptions o = base;
+        o.sched = r.sched;
+        o.tile = r.tile;
+        ok = kc::gemm_wgmma_splits(args, sms, o) > 1;
+        break;
+      }
+      case When::kWgmmaFills:
+        ok = wgmma_ok && kc::gemm_wgmma_preferred(args, sms);
+        break;
+      case When::kSm80:
+        ok = prop->major >= 8;
+        break;
+      case When::kAlways:
+        ok = true;
+        break;
+    }
+    if (ok) return r;
+  }
+  return kAutoRules[sizeof(kAutoRules) / sizeof(kAutoRules[0]) - 1];
+}
+
 // The kernel for a problem on the current device (see the top of the file);
 // raises where a forced kernel cannot run. `skinny`: the problem has the
-// skinny kernel's shape and layout.
+// skinny kernel's shape and layout. `wopts`: the Hopper options, from the
+// settings, which the default dispatch may complete (schedule and tile of
+// its row).
 Path choose_path(const kc::GemmArgs& args, const MatmulConfig& cfg, const cudaDeviceProp* prop,
-                 bool skinny) {
+                 bool skinny, kc::WgmmaOptions* wopts) {
   const bool half = args.dtype == kc::DType::kF16 || args.dtype == kc::DType::kBF16;
   TORCH_CHECK(cfg.impl != "skinny" || skinny,
               "FASTCOMM_MATMUL_IMPL=skinny: the skinny kernel needs float16 / bfloat16, at most ",
@@ -205,7 +278,7 @@ Path choose_path(const kc::GemmArgs& args, const MatmulConfig& cfg, const cudaDe
               " rows of A, K a multiple of 8 and B K-major, or N-major with N "
               "a multiple of 8 (got M=",
               args.M, " N=", args.N, " K=", args.K, ")");
-  if (skinny && (cfg.impl == "skinny" || cfg.impl == "auto")) return Path::kSkinny;
+  if (skinny && cfg.impl == "skinny") return Path::kSkinny;
   // K == 0 (bias + activation only) also goes to the CUDA-core kernel.
   if (!half || args.K == 0 || cfg.impl == "simt") return Path::kSimt;
   const bool wgmma_ok = prop->major == 9 && prop->minor == 0 && kc::gemm_wgmma_compiled();
@@ -213,9 +286,17 @@ Path choose_path(const kc::GemmArgs& args, const MatmulConfig& cfg, const cudaDe
               "FASTCOMM_MATMUL_IMPL=wgmma: the wgmma kernel needs an sm_90 device (", prop->name,
               " is sm_", prop->major, prop->minor,
               ") and an extension built for sm_90a (TORCH_CUDA_ARCH_LIST containing 9.0a)");
-  if (cfg.impl == "wgmma" || (cfg.impl == "auto" && wgmma_ok &&
-                              kc::gemm_wgmma_preferred(args, prop->multiProcessorCount))) {
-    return Path::kWgmma;
+  if (cfg.impl == "wgmma") return Path::kWgmma;
+  if (cfg.impl == "auto") {
+    const AutoRule& r = auto_rule(args, prop, skinny, wgmma_ok, *wopts);
+    if (r.path == Path::kWgmma) {
+      // The row's schedule and tile where the settings leave them auto.
+      if (wopts->sched == kc::WgmmaSched::kAuto && wopts->tile == kc::Tile::kAuto) {
+        wopts->sched = r.sched;
+        wopts->tile = r.tile;
+      }
+    }
+    return r.path;
   }
   if (prop->major >= 8) return Path::kMma;
   TORCH_CHECK(cfg.impl != "mma", "FASTCOMM_MATMUL_IMPL=mma: the mma.sync kernel needs sm_80+, ",
@@ -241,7 +322,8 @@ at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias
   cudaError_t err = cudaSuccess;
   const std::optional<SkinnyOperands> skinny =
       cfg.impl == "auto" || cfg.impl == "skinny" ? skinny_operands(p) : std::nullopt;
-  switch (choose_path(args, cfg, prop, skinny.has_value())) {
+  kc::WgmmaOptions wopts = wgmma_options(cfg);
+  switch (choose_path(args, cfg, prop, skinny.has_value(), &wopts)) {
     case Path::kSkinny: {
       fill_ab(args, skinny->a, skinny->b);
       TORCH_INTERNAL_ASSERT(kc::gemm_skinny_supported(args));
@@ -257,7 +339,13 @@ at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias
       Operand b = prepare_tc_operand(p.B, 0);
       fill_ab(args, a, b);
       TORCH_INTERNAL_ASSERT(kc::gemm_wgmma_supported(args));
-      err = kc::launch_gemm_wgmma_sm90(args, prop->multiProcessorCount, wgmma_options(cfg), stream);
+      const int64_t scratch =
+          kc::gemm_wgmma_workspace_bytes(args, prop->multiProcessorCount, wopts);
+      at::Tensor workspace;
+      if (scratch > 0) workspace = at::empty({scratch / 4}, p.A.options().dtype(at::kFloat));
+      err =
+          kc::launch_gemm_wgmma_sm90(args, prop->multiProcessorCount, wopts,
+                                     scratch > 0 ? workspace.mutable_data_ptr() : nullptr, stream);
       break;
     }
     case Path::kMma: {
@@ -299,13 +387,14 @@ std::string kernel_name_cuda(const at::Tensor& a, const at::Tensor& b,
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
   const std::optional<SkinnyOperands> skinny =
       cfg.impl == "auto" || cfg.impl == "skinny" ? skinny_operands(p) : std::nullopt;
-  switch (choose_path(args, cfg, prop, skinny.has_value())) {
+  kc::WgmmaOptions wopts = wgmma_options(cfg);
+  switch (choose_path(args, cfg, prop, skinny.has_value(), &wopts)) {
     case Path::kSkinny:
       fill_ab(args, skinny->a, skinny->b);
       return std::string(args.sbk == 1 ? "skinny k-major" : "skinny n-major") + " splits " +
              std::to_string(kc::gemm_skinny_splits(args, prop->multiProcessorCount));
     case Path::kWgmma:
-      return kc::describe_gemm_wgmma_sm90(args, prop->multiProcessorCount, wgmma_options(cfg));
+      return kc::describe_gemm_wgmma_sm90(args, prop->multiProcessorCount, wopts);
     case Path::kMma: {
       const int splits = kc::gemm_mma_splits(args, prop->multiProcessorCount, to_tile(cfg.tile));
       return std::string(kc::gemm_mma_large_tile(args, prop->multiProcessorCount, to_tile(cfg.tile))
