@@ -212,6 +212,10 @@ class Variant:
         # wave, else mma.sync with its own split K).
         "nosplit": {"splits": "1"},
         "skinny": {"impl": "skinny"},
+        # The skinny kernel with one output column per warp (B K-major; the form before
+        # two-column warps) and with two.
+        "skinny1": {"impl": "skinny", "tile": "small"},
+        "skinny2": {"impl": "skinny", "tile": "large"},
         # The Hopper kernel with K split over CTAs (splits from the bytes-per-SM model,
         # 1 where it finds no gain): cooperative 128x128 (the default's choice), ping-pong,
         # cooperative 128x256.
@@ -225,7 +229,7 @@ class Variant:
         # The epilogues of the cooperative 128x256 kernel beside ping-pong's.
         "fused": ["auto", "coop", "coop_tma", "coop_off", "pingpong"],
         # Small M: the new default beside the old one and each split-K kernel.
-        "splitk": ["auto", "nosplit", "split_coop128", "split_pingpong", "skinny"],
+        "splitk": ["auto", "nosplit", "split_coop128", "split_pingpong", "skinny1", "skinny2"],
     }
 
     def __init__(self, name: str):

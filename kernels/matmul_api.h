@@ -68,12 +68,16 @@ bool gemm_mma_large_tile(const GemmArgs& args, int num_sms, Tile tile);
 // 16-byte aligned bases. They stream B once, at the memory's rate.
 constexpr int kSkinnyMaxM = 8;
 bool gemm_skinny_supported(const GemmArgs& args);
-// How K is split: warps per output column (B K-major) or blocks per group of
-// 256 columns (B N-major).
-int gemm_skinny_splits(const GemmArgs& args, int num_sms);
+// Output columns per warp (B K-major: 2 where A has 2+ rows, so that each
+// fragment of A read from L1 serves two columns; tile kLarge forces 2, kSmall
+// 1; B N-major: 1).
+int gemm_skinny_cols(const GemmArgs& args, Tile tile);
+// How K is split: warps per group of output columns (B K-major) or blocks per
+// group of 256 columns (B N-major).
+int gemm_skinny_splits(const GemmArgs& args, int num_sms, Tile tile);
 // Float32 scratch the launch needs (N-major B split over blocks), 0 if none.
 int64_t gemm_skinny_workspace_bytes(const GemmArgs& args, int num_sms);
-cudaError_t launch_gemm_skinny(const GemmArgs& args, int num_sms, void* workspace,
+cudaError_t launch_gemm_skinny(const GemmArgs& args, int num_sms, Tile tile, void* workspace,
                                cudaStream_t stream);
 
 // Hopper kernel: TMA loads, wgmma, warp-specialised producer / consumers,

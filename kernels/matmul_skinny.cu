@@ -4,7 +4,7 @@
 // of A, bound by reading B once from memory, where a tensor-core tile of 64+
 // rows would compute mostly padding.
 //
-// B K-major: one warp reduces one output column n for every row of A: each lane loads
+// B K-major: one warp reduces COLS output columns (1 or 2) for every row of A: each lane loads
 // 16 bytes of B's row n at a time (the warp reads 512 contiguous bytes, bypassing L1
 // so that A stays cached there), multiplies them with the same 8 elements
 // of every row of A (read through the read-only cache: every warp reads all
@@ -13,6 +13,10 @@
 // each taking every splits-th 256-element stretch of K, and their sums are
 // added in a fixed order through shared memory: results do not depend on
 // timing. Lane m then applies bias and activation for row m and stores once.
+// With two columns per warp (the default for M >= 2) each 16-byte fragment of
+// A read from L1 serves both columns: at M = 8 the L1 reads of A are 8x the
+// bytes of B with one column, 4x with two, which otherwise caps the stream
+// of B below the memory's rate.
 //
 // B N-major (matmul's b [K, N] as it is): a lane owns 8 adjacent columns
 // (one 16-byte load per row of B), a block 256 columns, and its 8 warps take
@@ -94,66 +98,93 @@ __device__ __forceinline__ void unpack(uint4 v, float2 (&w)[4]) {
   w[3] = pair_of<T>(v.w);
 }
 
-template <typename T, Act ACT>
+// COLS: output columns per warp (1 or 2). The warps of a block cover
+// kWarps / splits groups of COLS adjacent columns.
+template <typename T, Act ACT, int COLS>
 __global__ void __launch_bounds__(kWarps * 32) skinny_kmajor(SkinnyParams p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int cols = kWarps / p.splits;
-  const int col = warp / p.splits, part = warp % p.splits;
-  const int64_t n = int64_t{blockIdx.x} * cols + col;
+  const int groups = kWarps / p.splits;
+  const int group = warp / p.splits, part = warp % p.splits;
+  const int64_t n0 = (int64_t{blockIdx.x} * groups + group) * COLS;
   const T* A = static_cast<const T*>(p.a);
-  float acc[kSkinnyMaxM];
+  float acc[COLS][kSkinnyMaxM];
 #pragma unroll
-  for (int m = 0; m < kSkinnyMaxM; ++m) acc[m] = 0.0f;
-  if (n < p.N) {
-    const T* w = static_cast<const T*>(p.b) + n * p.sb;
+  for (int c = 0; c < COLS; ++c) {
+#pragma unroll
+    for (int m = 0; m < kSkinnyMaxM; ++m) acc[c][m] = 0.0f;
+  }
+  if (n0 < p.N) {
+    // Columns past N (the last group's second one) re-read column N - 1
+    // and are not stored: no branch in the loop.
+    const T* w[COLS];
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) {
+      const int64_t n = n0 + c < p.N ? n0 + c : p.N - 1;
+      w[c] = static_cast<const T*>(p.b) + n * p.sb;
+    }
     // This lane's 8 elements of stretch s of K are at s * 256 + lane * 8.
     const int64_t step = int64_t{p.splits} * 256;
     int64_t k = int64_t{part} * 256 + lane * 8;
-    for (; k + (kLoadsInFlight - 1) * step < p.K; k += kLoadsInFlight * step) {
-      uint4 wv[kLoadsInFlight];
+    // All COLS x kLoadsInFlight loads of B go out before the first use.
+    auto consume = [&](const uint4(&wv)[COLS], int64_t kk) {
+      float2 wf[COLS][4];
 #pragma unroll
-      for (int i = 0; i < kLoadsInFlight; ++i) wv[i] = load_streaming(w + k + i * step);
-#pragma unroll
-      for (int i = 0; i < kLoadsInFlight; ++i) {
-        float2 wf[4];
-        unpack<T>(wv[i], wf);
-#pragma unroll
-        for (int m = 0; m < kSkinnyMaxM; ++m) {
-          if (m < p.M) {
-            const uint4 x = __ldg(reinterpret_cast<const uint4*>(A + m * p.sam + k + i * step));
-            acc[m] = dot8<T>(acc[m], x, wf);
-          }
-        }
-      }
-    }
-    for (; k < p.K; k += step) {
-      float2 wf[4];
-      unpack<T>(load_streaming(w + k), wf);
+      for (int c = 0; c < COLS; ++c) unpack<T>(wv[c], wf[c]);
 #pragma unroll
       for (int m = 0; m < kSkinnyMaxM; ++m) {
         if (m < p.M) {
-          const uint4 x = __ldg(reinterpret_cast<const uint4*>(A + m * p.sam + k));
-          acc[m] = dot8<T>(acc[m], x, wf);
+          const uint4 x = __ldg(reinterpret_cast<const uint4*>(A + m * p.sam + kk));
+#pragma unroll
+          for (int c = 0; c < COLS; ++c) acc[c][m] = dot8<T>(acc[c][m], x, wf[c]);
         }
       }
+    };
+    for (; k + (kLoadsInFlight - 1) * step < p.K; k += kLoadsInFlight * step) {
+      uint4 wv[kLoadsInFlight][COLS];
+#pragma unroll
+      for (int i = 0; i < kLoadsInFlight; ++i) {
+#pragma unroll
+        for (int c = 0; c < COLS; ++c) wv[i][c] = load_streaming(w[c] + k + i * step);
+      }
+#pragma unroll
+      for (int i = 0; i < kLoadsInFlight; ++i) consume(wv[i], k + i * step);
+    }
+    for (; k < p.K; k += step) {
+      uint4 wv[COLS];
+#pragma unroll
+      for (int c = 0; c < COLS; ++c) wv[c] = load_streaming(w[c] + k);
+      consume(wv, k);
     }
   }
 #pragma unroll
-  for (int m = 0; m < kSkinnyMaxM; ++m) {
+  for (int c = 0; c < COLS; ++c) {
 #pragma unroll
-    for (int off = 16; off > 0; off /= 2) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], off);
+    for (int m = 0; m < kSkinnyMaxM; ++m) {
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) {
+        acc[c][m] += __shfl_xor_sync(0xffffffffu, acc[c][m], off);
+      }
+    }
   }
-  __shared__ float sums[kWarps][kSkinnyMaxM];
+  __shared__ float sums[kWarps][COLS][kSkinnyMaxM];
   if (lane == 0) {
 #pragma unroll
-    for (int m = 0; m < kSkinnyMaxM; ++m) sums[warp][m] = acc[m];
+    for (int c = 0; c < COLS; ++c) {
+#pragma unroll
+      for (int m = 0; m < kSkinnyMaxM; ++m) sums[warp][c][m] = acc[c][m];
+    }
   }
   __syncthreads();
-  if (part != 0 || lane >= p.M || n >= p.N) return;
-  float v = 0.0f;
-  for (int s = 0; s < p.splits; ++s) v += sums[warp + s][lane];
-  if (p.bias != nullptr) v += load_as_float(static_cast<const T*>(p.bias) + n);
-  static_cast<T*>(p.c)[lane * p.ldc + n] = from_acc<T, float>(activate<ACT, true>(v));
+  if (part != 0 || lane >= p.M) return;
+#pragma unroll
+  for (int c = 0; c < COLS; ++c) {
+    const int64_t n = n0 + c;
+    if (n >= p.N) break;
+    float v = 0.0f;
+    for (int s = 0; s < p.splits; ++s) v += sums[warp + s][c][lane];
+    if (p.bias != nullptr) v += load_as_float(static_cast<const T*>(p.bias) + n);
+    static_cast<T*>(p.c)[lane * p.ldc + n] = from_acc<T, float>(activate<ACT, true>(v));
+  }
 }
 
 template <typename T, Act ACT>
@@ -242,11 +273,17 @@ __global__ void skinny_reduce(SkinnyParams p, const float* partial) {
 }
 
 template <typename T, Act ACT>
-void launch_layout(bool kmajor, const SkinnyParams& p, float* partial, cudaStream_t stream) {
+void launch_layout(bool kmajor, int cols, const SkinnyParams& p, float* partial,
+                   cudaStream_t stream) {
   const dim3 block(kWarps * 32);
   if (kmajor) {
-    const int cols = kWarps / p.splits;
-    skinny_kmajor<T, ACT><<<(p.N + cols - 1) / cols, block, 0, stream>>>(p);
+    const int per_block = kWarps / p.splits * cols;
+    const unsigned grid = static_cast<unsigned>((p.N + per_block - 1) / per_block);
+    if (cols == 2) {
+      skinny_kmajor<T, ACT, 2><<<grid, block, 0, stream>>>(p);
+    } else {
+      skinny_kmajor<T, ACT, 1><<<grid, block, 0, stream>>>(p);
+    }
     return;
   }
   const dim3 grid((p.N + kGroupCols - 1) / kGroupCols, p.splits);
@@ -258,18 +295,19 @@ void launch_layout(bool kmajor, const SkinnyParams& p, float* partial, cudaStrea
 }
 
 template <typename T>
-void launch_act(Act act, bool kmajor, const SkinnyParams& p, float* partial, cudaStream_t stream) {
+void launch_act(Act act, bool kmajor, int cols, const SkinnyParams& p, float* partial,
+                cudaStream_t stream) {
   switch (act) {
     case Act::kNone:
-      return launch_layout<T, Act::kNone>(kmajor, p, partial, stream);
+      return launch_layout<T, Act::kNone>(kmajor, cols, p, partial, stream);
     case Act::kRelu:
-      return launch_layout<T, Act::kRelu>(kmajor, p, partial, stream);
+      return launch_layout<T, Act::kRelu>(kmajor, cols, p, partial, stream);
     case Act::kGelu:
-      return launch_layout<T, Act::kGelu>(kmajor, p, partial, stream);
+      return launch_layout<T, Act::kGelu>(kmajor, cols, p, partial, stream);
     case Act::kGeluTanh:
-      return launch_layout<T, Act::kGeluTanh>(kmajor, p, partial, stream);
+      return launch_layout<T, Act::kGeluTanh>(kmajor, cols, p, partial, stream);
     case Act::kSilu:
-      return launch_layout<T, Act::kSilu>(kmajor, p, partial, stream);
+      return launch_layout<T, Act::kSilu>(kmajor, cols, p, partial, stream);
   }
 }
 
@@ -291,17 +329,26 @@ bool kMajor(const GemmArgs& args) { return args.sbk == 1 && (args.sbn != 1 || ar
 
 }  // namespace
 
-int gemm_skinny_splits(const GemmArgs& args, int num_sms) {
+int gemm_skinny_cols(const GemmArgs& args, Tile tile) {
+  if (!kMajor(args)) return 1;
+  if (tile != Tile::kAuto) return tile == Tile::kLarge ? 2 : 1;
+  return args.M >= 2 ? 2 : 1;
+}
+
+int gemm_skinny_splits(const GemmArgs& args, int num_sms, Tile tile) {
   // About 32 warps per SM keep enough 16-byte loads in flight to stream B at
-  // the memory's rate.
-  const int64_t wanted = int64_t{num_sms} * 32;
+  // the memory's rate (two-column warps have twice the loads in flight: 16).
   if (kMajor(args)) {
+    const int cols = gemm_skinny_cols(args, tile);
+    const int64_t wanted = int64_t{num_sms} * 32 / cols;
+    const int64_t groups = (args.N + cols - 1) / cols;
     // No more warps per column than K has 256-element stretches.
     const int64_t stretches = (args.K + 255) / 256;
     int splits = 1;
-    while (splits < kWarps && args.N * splits < wanted && splits * 2 <= stretches) splits *= 2;
+    while (splits < kWarps && groups * splits < wanted && splits * 2 <= stretches) splits *= 2;
     return splits;
   }
+  const int64_t wanted = int64_t{num_sms} * 32;
   // Blocks per column group, each with at least 8 rows of K per warp.
   const int64_t groups = (args.N + kGroupCols - 1) / kGroupCols;
   const int64_t most = args.K / (8 * kWarps) > 1 ? args.K / (8 * kWarps) : 1;
@@ -313,13 +360,14 @@ int gemm_skinny_splits(const GemmArgs& args, int num_sms) {
 
 int64_t gemm_skinny_workspace_bytes(const GemmArgs& args, int num_sms) {
   if (kMajor(args)) return 0;
-  const int splits = gemm_skinny_splits(args, num_sms);
+  const int splits = gemm_skinny_splits(args, num_sms, Tile::kAuto);
   return splits > 1 ? int64_t{splits} * args.M * args.N * 4 : 0;
 }
 
-cudaError_t launch_gemm_skinny(const GemmArgs& args, int num_sms, void* workspace,
+cudaError_t launch_gemm_skinny(const GemmArgs& args, int num_sms, Tile tile, void* workspace,
                                cudaStream_t stream) {
   const bool kmajor = kMajor(args);
+  const int cols = gemm_skinny_cols(args, tile);
   SkinnyParams p{args.a,
                  args.sam,
                  args.b,
@@ -330,12 +378,12 @@ cudaError_t launch_gemm_skinny(const GemmArgs& args, int num_sms, void* workspac
                  static_cast<int>(args.M),
                  static_cast<int>(args.N),
                  static_cast<int>(args.K),
-                 gemm_skinny_splits(args, num_sms)};
+                 gemm_skinny_splits(args, num_sms, tile)};
   float* partial = static_cast<float*>(workspace);
   if (args.dtype == DType::kF16) {
-    launch_act<__half>(args.act, kmajor, p, partial, stream);
+    launch_act<__half>(args.act, kmajor, cols, p, partial, stream);
   } else {
-    launch_act<__nv_bfloat16>(args.act, kmajor, p, partial, stream);
+    launch_act<__nv_bfloat16>(args.act, kmajor, cols, p, partial, stream);
   }
   return cudaGetLastError();
 }

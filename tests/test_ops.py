@@ -577,6 +577,30 @@ def test_cuda_skinny_kernel(matmul_settings, dtype, act):
 @pytest.mark.cuda(1)
 @_skip_no_cuda
 @pytest.mark.parametrize("tile", ["auto", "large", "small"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_skinny_columns_per_warp(matmul_settings, tile, dtype):
+    """The skinny kernel with B K-major in both forms, one or two output columns per warp
+    (tile small / large; auto: two from M = 2 on), on every M up to 8, odd N (the last
+    warp's second column past N) and K with a remainder, each activation with bias."""
+    matmul_settings(impl="skinny", tile=tile)
+    for m in range(1, 9):
+        for n, k in ((1, 8), (7, 264), (1001, 1032), (4099, 4096)):
+            x = _rand(m, k, dtype=dtype, device="cuda")
+            w = _rand(n, k, dtype=dtype, device="cuda")
+            b = _rand(n, dtype=dtype, device="cuda")
+            name = torch.ops.fastcomm._kernel_name(x, w.t())
+            two = tile == "large" or (tile == "auto" and m >= 2)
+            assert name.startswith("skinny k-major ") and (" cols 2" in name) == two, name
+            for act in ACTS:
+                _poison_cuda_cache("cuda")
+                y = ops.linear(x, w, b, act)
+                ref = _ref_act(x.double() @ w.double().t() + b.double(), act)
+                assert _rel_err(y, ref) < RTOL[dtype], (m, n, k, act)
+
+
+@pytest.mark.cuda(1)
+@_skip_no_cuda
+@pytest.mark.parametrize("tile", ["auto", "large", "small"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_cuda_fp32_fp64_paths(matmul_settings, tile, dtype):
     """The CUDA-core kernel in both tilings (double always takes the 64x64 one)."""

@@ -330,7 +330,7 @@ at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias
       const int64_t scratch = kc::gemm_skinny_workspace_bytes(args, prop->multiProcessorCount);
       at::Tensor workspace;
       if (scratch > 0) workspace = at::empty({scratch / 4}, p.A.options().dtype(at::kFloat));
-      err = kc::launch_gemm_skinny(args, prop->multiProcessorCount,
+      err = kc::launch_gemm_skinny(args, prop->multiProcessorCount, to_tile(cfg.tile),
                                    scratch > 0 ? workspace.mutable_data_ptr() : nullptr, stream);
       break;
     }
@@ -391,8 +391,13 @@ std::string kernel_name_cuda(const at::Tensor& a, const at::Tensor& b,
   switch (choose_path(args, cfg, prop, skinny.has_value(), &wopts)) {
     case Path::kSkinny:
       fill_ab(args, skinny->a, skinny->b);
-      return std::string(args.sbk == 1 ? "skinny k-major" : "skinny n-major") + " splits " +
-             std::to_string(kc::gemm_skinny_splits(args, prop->multiProcessorCount));
+      {
+        const kc::Tile tile = to_tile(cfg.tile);
+        const int cols = kc::gemm_skinny_cols(args, tile);
+        return std::string(args.sbk == 1 ? "skinny k-major" : "skinny n-major") + " splits " +
+               std::to_string(kc::gemm_skinny_splits(args, prop->multiProcessorCount, tile)) +
+               (cols > 1 ? " cols " + std::to_string(cols) : "");
+      }
     case Path::kWgmma:
       return kc::describe_gemm_wgmma_sm90(args, prop->multiProcessorCount, wopts);
     case Path::kMma: {
