@@ -63,22 +63,13 @@ bool gemm_mma_large_tile(const GemmArgs& args, int num_sms, Tile tile);
 
 // Skinny products (kernels/matmul_skinny.cu): at most kSkinnyMaxM rows of A,
 // float16 / bfloat16, K a multiple of 8, A K-major (sak == 1), B K-major
-// (sbk == 1; the weight of F.linear as it is) or N-major (sbn == 1, N a
-// multiple of 8; matmul's b as it is), row strides multiples of 8 elements,
-// 16-byte aligned bases. They stream B once, at the memory's rate.
+// (sbk == 1; the weight of F.linear as it is), row strides multiples of 8
+// elements, 16-byte aligned bases. They stream B once, at the memory's rate.
 constexpr int kSkinnyMaxM = 8;
 bool gemm_skinny_supported(const GemmArgs& args);
-// Output columns per warp (B K-major: 2 where A has 2+ rows, so that each
-// fragment of A read from L1 serves two columns; tile kLarge forces 2, kSmall
-// 1; B N-major: 1).
-int gemm_skinny_cols(const GemmArgs& args, Tile tile);
-// How K is split: warps per group of output columns (B K-major) or blocks per
-// group of 256 columns (B N-major).
-int gemm_skinny_splits(const GemmArgs& args, int num_sms, Tile tile);
-// Float32 scratch the launch needs (N-major B split over blocks), 0 if none.
-int64_t gemm_skinny_workspace_bytes(const GemmArgs& args, int num_sms);
-cudaError_t launch_gemm_skinny(const GemmArgs& args, int num_sms, Tile tile, void* workspace,
-                               cudaStream_t stream);
+// How K is split: warps per output column (1, 2, 4 or 8).
+int gemm_skinny_splits(const GemmArgs& args, int num_sms);
+cudaError_t launch_gemm_skinny(const GemmArgs& args, int num_sms, cudaStream_t stream);
 
 // Hopper kernel: TMA loads, wgmma, warp-specialised producer / consumers,
 // persistent tile loop (sm_90a only; see kernels/matmul_sm90_kernel.cuh).
@@ -87,10 +78,6 @@ cudaError_t launch_gemm_skinny(const GemmArgs& args, int num_sms, Tile tile, voi
 bool gemm_wgmma_supported(const GemmArgs& args);
 // True when the loaded module carries the sm_90a kernel for the current device.
 bool gemm_wgmma_compiled();
-// Whether the default dispatch should take the Hopper kernel for this
-// problem: false when it has too few 128 x 128 tiles to occupy the SMs, where
-// the mma.sync kernel's 64 x 64 tiles spread better.
-bool gemm_wgmma_preferred(const GemmArgs& args, int num_sms);
 
 // Schedules of the Hopper kernel: two consumer warpgroups on one 128 x 256
 // (or 128 x 128) tile, or ping-pong on two 128 x 128 tiles.

@@ -258,13 +258,6 @@ bool gemm_wgmma_compiled() {
   return known[dev] == 1;
 }
 
-bool gemm_wgmma_preferred(const GemmArgs& p, int num_sms) {
-  // Below half a wave of 128 x 128 tiles (1024^2 outputs on 132 SMs) the
-  // mma.sync kernel's 64 x 64 tiles keep more SMs busy: measured 77 against
-  // 67 TFLOP/s at 1024^3 on the H200, while at 2048^3 wgmma led 433 to 282.
-  return sm90::cdiv(p.M, 128) * sm90::cdiv(p.N, 128) * 2 >= num_sms;
-}
-
 int gemm_wgmma_splits(const GemmArgs& p, int num_sms, const WgmmaOptions& opts) {
   return sm90::choose_plan(p, num_sms, opts).splits;
 }

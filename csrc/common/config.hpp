@@ -129,7 +129,7 @@ struct MatmulConfig {
   std::string impl = "auto";
   // FASTCOMM_MATMUL_TILE: auto | large | small (CUDA cores and mma.sync:
   // 128x128 / 64x64; Hopper: the cooperative 128x256 / 128x128 tile, which
-  // implies sched=coop; skinny with B K-major: 2 / 1 output columns per warp).
+  // implies sched=coop).
   std::string tile = "auto";
   // FASTCOMM_MATMUL_SCHED: auto | coop | pingpong (Hopper consumer schedule).
   std::string sched = "auto";

@@ -5,11 +5,12 @@
 // Kernel choice, for float16 / bfloat16 (float32 / float64 always take the
 // tiled CUDA-core kernel): the first row of kAutoRules below that matches
 // the problem, among
-//   * the skinny kernel (kernels/matmul_skinny.cu, at most 8 rows of A:
-//     decode-time linear layers), which streams B once;
+//   * the skinny kernel (kernels/matmul_skinny.cu) for one row of A with B
+//     K-major (decode-time linear layers), which streams B once;
 //   * on sm_90, the Hopper kernel (TMA + wgmma, warp-specialised,
-//     persistent; kernels/matmul_sm90*.cu{,h}), with K split over CTAs where
-//     its tiles leave SMs idle (small M), or on its own tile heuristic;
+//     persistent; kernels/matmul_sm90*.cu{,h}), cooperative 128 x 128 tile
+//     (K split over CTAs where its tiles leave SMs idle) or 128 x 256 tile,
+//     whichever a wave model finds faster;
 //   * the mma.sync tensor-core kernel (kernels/matmul_sm80.cu) on sm_80+,
 //     with its own K split for small M;
 //   * otherwise the CUDA-core kernel (kernels/matmul_simt.cu).
@@ -175,21 +176,24 @@ enum class Path { kSimt, kSkinny, kMma, kWgmma };
 
 // When a row of kAutoRules applies, besides its bound on M.
 enum class When {
-  kSkinnyLayout,  // A and B as the skinny kernel takes them
-  kWgmmaSplit,    // sm_90: the Hopper kernel's split-K model picks >= 2 splits
-                  // on the cooperative 128 x 128 tile (its 128 x 128 tiles
-                  // leave SMs idle and splitting K gains; kernels/matmul_sm90.cu)
-  kWgmmaFills,    // sm_90: at least half a wave of 128 x 128 tiles
-                  // (gemm_wgmma_preferred)
+  kSkinnyLayout,  // A and B as the skinny kernel takes them (B K-major)
+  kWgmmaNarrow,   // sm_90: the 128 x 128 tile is no slower by the wave model (wave_128_wins)
+  kWgmma,         // sm_90
   kSm80,          // sm_80+
   kAlways,
 };
 
 // One row: problems with M <= max_m for which `when` holds take `path` with
-// these Hopper options (unset ones auto). Expected speeds relative to cuBLAS
-// on H100 (bf16) are in docs/matmul.md; the split-K row replaces the
-// mma.sync split (M <= 256 with N = 4096: 0.3-0.5x) and the unsplit
-// ping-pong where few tiles leave most SMs idle.
+// these Hopper options (unset ones auto). Why these rows (ratios to cuBLAS
+// per shape class, H100, in docs/matmul.md):
+//   * skinny only at M == 1 with B K-major: there it streams the weight at
+//     the memory's rate; with B N-major, and with 8 rows of A, the split-K
+//     Hopper kernel is faster;
+//   * on sm_90 every other problem takes the Hopper kernel, small ones too
+//     (its 128 x 128 tile, K split where the tiles leave SMs idle, beats
+//     mma.sync on every small shape measured, up to 1024^3), on the tile of
+//     the wave model below; the split count is the Hopper split-K model's
+//     (kernels/matmul_sm90.cu).
 struct AutoRule {
   int64_t max_m;
   When when;
@@ -198,16 +202,30 @@ struct AutoRule {
   kc::Tile tile;
 };
 constexpr int64_t kAnyM = INT64_MAX;
+constexpr int64_t kSkinnyAutoMaxM = 1;
 constexpr AutoRule kAutoRules[] = {
-    {kc::kSkinnyMaxM, When::kSkinnyLayout, Path::kSkinny, kc::WgmmaSched::kAuto, kc::Tile::kAuto},
-    {kAnyM, When::kWgmmaSplit, Path::kWgmma, kc::WgmmaSched::kCoop, kc::Tile::kSmall},
-    {kAnyM, When::kWgmmaFills, Path::kWgmma, kc::WgmmaSched::kAuto, kc::Tile::kAuto},
+    {kSkinnyAutoMaxM, When::kSkinnyLayout, Path::kSkinny, kc::WgmmaSched::kAuto, kc::Tile::kAuto},
+    {kAnyM, When::kWgmmaNarrow, Path::kWgmma, kc::WgmmaSched::kCoop, kc::Tile::kSmall},
+    {kAnyM, When::kWgmma, Path::kWgmma, kc::WgmmaSched::kCoop, kc::Tile::kLarge},
     {kAnyM, When::kSm80, Path::kMma, kc::WgmmaSched::kAuto, kc::Tile::kAuto},
     {kAnyM, When::kAlways, Path::kSimt, kc::WgmmaSched::kAuto, kc::Tile::kAuto},
 };
 
-// The skinny kernel's operands, when the problem is one for it: B K-major or
-// N-major as it is, A K-major (copied where it is not: A has at most 8 rows).
+// The wave model of the cooperative tiles: a persistent grid takes
+// ceil(tiles / SMs) rounds; a 128 x 256 tile takes 2 / kWideTileGain times a
+// 128 x 128 one (it does twice the flops at a better rate per flop). The
+// 128 x 128 tile wins ties.
+constexpr double kWideTileGain = 1.1;
+bool wave_128_wins(const kc::GemmArgs& args, int num_sms) {
+  auto cdiv = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  const int64_t rows = cdiv(args.M, 128);
+  const double rounds128 = static_cast<double>(cdiv(rows * cdiv(args.N, 128), num_sms));
+  const double rounds256 = static_cast<double>(cdiv(rows * cdiv(args.N, 256), num_sms));
+  return rounds128 <= rounds256 * 2.0 / kWideTileGain;
+}
+
+// The skinny kernel's operands, when the problem is one for it: B K-major as
+// it is, A K-major (copied where it is not: A has at most kSkinnyMaxM rows).
 struct SkinnyOperands {
   Operand a, b;
 };
@@ -218,9 +236,7 @@ std::optional<SkinnyOperands> skinny_operands(const GemmProblem& p) {
     return std::nullopt;
   }
   SkinnyOperands o;
-  if (!try_layout(p.B, 0, o.b) && !(p.N % 8 == 0 && try_layout(p.B, 1, o.b))) {
-    return std::nullopt;
-  }
+  if (!try_layout(p.B, 0, o.b)) return std::nullopt;
   if (!try_layout(p.A, 1, o.a)) {
     at::Tensor copy = p.A.contiguous();
     if (!try_layout(copy, 1, o.a)) return std::nullopt;
@@ -229,11 +245,16 @@ std::optional<SkinnyOperands> skinny_operands(const GemmProblem& p) {
   return o;
 }
 
+// Whether the skinny kernel is forced or the default dispatch may take it
+// (its operands are prepared only then: A may need a copy).
+bool skinny_considered(const MatmulConfig& cfg, const GemmProblem& p) {
+  return cfg.impl == "skinny" || (cfg.impl == "auto" && p.M <= kSkinnyAutoMaxM);
+}
+
 // The row of kAutoRules for a half-type problem (always found: the last row
 // matches everything).
 const AutoRule& auto_rule(const kc::GemmArgs& args, const cudaDeviceProp* prop, bool skinny,
-                          bool wgmma_ok, const kc::WgmmaOptions& base) {
-  const int sms = prop->multiProcessorCount;
+                          bool wgmma_ok) {
   for (const AutoRule& r : kAutoRules) {
     if (args.M > r.max_m) continue;
     bool ok = false;
@@ -241,16 +262,11 @@ const AutoRule& auto_rule(const kc::GemmArgs& args, const cudaDeviceProp* prop, 
       case When::kSkinnyLayout:
         ok = skinny;
         break;
-      case When::kWgmmaSplit: {
-        if (!wgmma_ok || base.splits == 1) break;
-        kc::WgmmaOptions o = base;
-        o.sched = r.sched;
-        o.tile = r.tile;
-        ok = kc::gemm_wgmma_splits(args, sms, o) > 1;
+      case When::kWgmmaNarrow:
+        ok = wgmma_ok && wave_128_wins(args, prop->multiProcessorCount);
         break;
-      }
-      case When::kWgmmaFills:
-        ok = wgmma_ok && kc::gemm_wgmma_preferred(args, sms);
+      case When::kWgmma:
+        ok = wgmma_ok;
         break;
       case When::kSm80:
         ok = prop->major >= 8;
@@ -274,10 +290,8 @@ Path choose_path(const kc::GemmArgs& args, const MatmulConfig& cfg, const cudaDe
   const bool half = args.dtype == kc::DType::kF16 || args.dtype == kc::DType::kBF16;
   TORCH_CHECK(cfg.impl != "skinny" || skinny,
               "FASTCOMM_MATMUL_IMPL=skinny: the skinny kernel needs float16 / bfloat16, at most ",
-              kc::kSkinnyMaxM,
-              " rows of A, K a multiple of 8 and B K-major, or N-major with N "
-              "a multiple of 8 (got M=",
-              args.M, " N=", args.N, " K=", args.K, ")");
+              kc::kSkinnyMaxM, " rows of A, K a multiple of 8 and B K-major (got M=", args.M,
+              " N=", args.N, " K=", args.K, ")");
   if (skinny && cfg.impl == "skinny") return Path::kSkinny;
   // K == 0 (bias + activation only) also goes to the CUDA-core kernel.
   if (!half || args.K == 0 || cfg.impl == "simt") return Path::kSimt;
@@ -288,7 +302,7 @@ Path choose_path(const kc::GemmArgs& args, const MatmulConfig& cfg, const cudaDe
               ") and an extension built for sm_90a (TORCH_CUDA_ARCH_LIST containing 9.0a)");
   if (cfg.impl == "wgmma") return Path::kWgmma;
   if (cfg.impl == "auto") {
-    const AutoRule& r = auto_rule(args, prop, skinny, wgmma_ok, *wopts);
+    const AutoRule& r = auto_rule(args, prop, skinny, wgmma_ok);
     if (r.path == Path::kWgmma) {
       // The row's schedule and tile where the settings leave them auto.
       if (wopts->sched == kc::WgmmaSched::kAuto && wopts->tile == kc::Tile::kAuto) {
@@ -321,17 +335,13 @@ at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias
 
   cudaError_t err = cudaSuccess;
   const std::optional<SkinnyOperands> skinny =
-      cfg.impl == "auto" || cfg.impl == "skinny" ? skinny_operands(p) : std::nullopt;
+      skinny_considered(cfg, p) ? skinny_operands(p) : std::nullopt;
   kc::WgmmaOptions wopts = wgmma_options(cfg);
   switch (choose_path(args, cfg, prop, skinny.has_value(), &wopts)) {
     case Path::kSkinny: {
       fill_ab(args, skinny->a, skinny->b);
       TORCH_INTERNAL_ASSERT(kc::gemm_skinny_supported(args));
-      const int64_t scratch = kc::gemm_skinny_workspace_bytes(args, prop->multiProcessorCount);
-      at::Tensor workspace;
-      if (scratch > 0) workspace = at::empty({scratch / 4}, p.A.options().dtype(at::kFloat));
-      err = kc::launch_gemm_skinny(args, prop->multiProcessorCount, to_tile(cfg.tile),
-                                   scratch > 0 ? workspace.mutable_data_ptr() : nullptr, stream);
+      err = kc::launch_gemm_skinny(args, prop->multiProcessorCount, stream);
       break;
     }
     case Path::kWgmma: {
@@ -386,18 +396,13 @@ std::string kernel_name_cuda(const at::Tensor& a, const at::Tensor& b,
   const MatmulConfig cfg = matmulConfig();
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
   const std::optional<SkinnyOperands> skinny =
-      cfg.impl == "auto" || cfg.impl == "skinny" ? skinny_operands(p) : std::nullopt;
+      skinny_considered(cfg, p) ? skinny_operands(p) : std::nullopt;
   kc::WgmmaOptions wopts = wgmma_options(cfg);
   switch (choose_path(args, cfg, prop, skinny.has_value(), &wopts)) {
     case Path::kSkinny:
       fill_ab(args, skinny->a, skinny->b);
-      {
-        const kc::Tile tile = to_tile(cfg.tile);
-        const int cols = kc::gemm_skinny_cols(args, tile);
-        return std::string(args.sbk == 1 ? "skinny k-major" : "skinny n-major") + " splits " +
-               std::to_string(kc::gemm_skinny_splits(args, prop->multiProcessorCount, tile)) +
-               (cols > 1 ? " cols " + std::to_string(cols) : "");
-      }
+      return "skinny k-major splits " +
+             std::to_string(kc::gemm_skinny_splits(args, prop->multiProcessorCount));
     case Path::kWgmma:
       return kc::describe_gemm_wgmma_sm90(args, prop->multiProcessorCount, wopts);
     case Path::kMma: {
