@@ -17,10 +17,10 @@ Compares, for square sizes (default 1024..8192) and LLM-like shapes
 Each fastcomm kernel path listed in ``--variants`` is timed separately,
 forced through torchext._testing.set_matmul_config (see ``Variant.SETTINGS``;
 needs the testing module, FASTCOMM_BUILD_TESTING=1): ``auto`` (the default
-dispatch), ``nosplit`` (the default dispatch with the Hopper kernel's split K
-off), ``skinny``, ``mma`` (mma.sync), ``simt``, ``wgmma`` (the Hopper kernel with its
-own heuristic), ``split_coop128`` / ``split_pingpong`` / ``split_coop256`` (the Hopper
-kernel with K split over CTAs where its model gains), and the Hopper variants ``coop`` (cooperative 128x256,
+dispatch), ``skinny`` (B K-major, at most 8 rows of A), ``mma`` (mma.sync), ``simt``,
+``wgmma`` (the Hopper kernel with its own heuristic), ``split_coop128`` /
+``split_pingpong`` / ``split_coop256`` (the Hopper kernel with K split over CTAs where its
+model gains), and the Hopper variants ``coop`` (cooperative 128x256,
 epilogue from registers), ``coop_tma`` (same, epilogue through shared memory +
 TMA stores), ``coop128`` (cooperative 128x128, TMA stores), ``pingpong`` (two
 128x128 tiles in ping-pong) and ``coop_off`` (the offload epilogue: activation
@@ -207,18 +207,10 @@ class Variant:
         # activation and the TMA stores run on warps 1-3 of the producer
         # warpgroup, under the next tile's main loop).
         "coop_off": {**_HOPPER, "sched": "coop", "tile": "large", "epi": "offload"},
-        # The default dispatch without the Hopper kernel's split K: the choice before it
-        # existed (skinny for M <= 8, the Hopper kernel once its 128x128 tiles fill half a
-        # wave, else mma.sync with its own split K).
-        "nosplit": {"splits": "1"},
         "skinny": {"impl": "skinny"},
-        # The skinny kernel with one output column per warp (B K-major; the form before
-        # two-column warps) and with two.
-        "skinny1": {"impl": "skinny", "tile": "small"},
-        "skinny2": {"impl": "skinny", "tile": "large"},
         # The Hopper kernel with K split over CTAs (splits from the bytes-per-SM model,
-        # 1 where it finds no gain): cooperative 128x128 (the default's choice), ping-pong,
-        # cooperative 128x256.
+        # 1 where it finds no gain): cooperative 128x128 and 128x256 (the default's two
+        # tiles), ping-pong.
         "split_coop128": {**_HOPPER, "sched": "coop", "tile": "small"},
         "split_pingpong": {**_HOPPER, "sched": "pingpong"},
         "split_coop256": {**_HOPPER, "sched": "coop", "tile": "large"},
@@ -228,8 +220,8 @@ class Variant:
         "hopper": ["auto", "mma", "coop_tma", "coop128", "pingpong", "coop_off"],
         # The epilogues of the cooperative 128x256 kernel beside ping-pong's.
         "fused": ["auto", "coop", "coop_tma", "coop_off", "pingpong"],
-        # Small M: the new default beside the old one and each split-K kernel.
-        "splitk": ["auto", "nosplit", "split_coop128", "split_pingpong", "skinny1", "skinny2"],
+        # Small M: the default beside each split-K kernel, mma.sync and the skinny kernel.
+        "splitk": ["auto", "split_coop128", "split_coop256", "split_pingpong", "mma", "skinny"],
     }
 
     def __init__(self, name: str):
