@@ -17,8 +17,10 @@ Compares, for square sizes (default 1024..8192) and LLM-like shapes
 Each fastcomm kernel path listed in ``--variants`` is timed separately,
 forced through torchext._testing.set_matmul_config (see ``Variant.SETTINGS``;
 needs the testing module, FASTCOMM_BUILD_TESTING=1): ``auto`` (the default
-dispatch), ``mma`` (mma.sync), ``simt``, ``wgmma`` (the Hopper kernel with its
-own heuristic), and the Hopper variants ``coop`` (cooperative 128x256,
+dispatch), ``skinny`` (B K-major, at most 8 rows of A), ``mma`` (mma.sync), ``simt``,
+``wgmma`` (the Hopper kernel with its own heuristic), ``split_coop128`` /
+``split_pingpong`` / ``split_coop256`` (the Hopper kernel with K split over CTAs where its
+model gains), and the Hopper variants ``coop`` (cooperative 128x256,
 epilogue from registers), ``coop_tma`` (same, epilogue through shared memory +
 TMA stores), ``coop128`` (cooperative 128x128, TMA stores), ``pingpong`` (two
 128x128 tiles in ping-pong) and ``coop_off`` (the offload epilogue: activation
@@ -29,7 +31,7 @@ fused`` the epilogues. The kernel a variant actually ran is recorded
 baseline, per shape and variant) is printed last.
 
 Timing: CUDA events around every call, median of ``--reps`` calls after a
-warm-up, inputs rotated over enough copies to exceed twice the L2 cache,
+warm-up, with the GPU kept busy ahead of the host (GPU time, not launch time), inputs rotated over enough copies to exceed twice the L2 cache,
 random normal data (never zeros). Every method's output is checked against a
 float32 reference first (relative Frobenius error, reported in the table).
 
@@ -124,6 +126,10 @@ def _l2_bytes() -> int:
     return int(getattr(props, "L2_cache_size", 50 << 20) or (50 << 20))
 
 
+# About 100 µs of GPU clock per timed call: more than any method's host time to launch one.
+_SLEEP_CYCLES_PER_CALL = 200_000
+
+
 def time_calls(fn: Callable[[int], object], reps: int, warmup_ms: float) -> dict:
     """Median / 20th / 80th percentile of per-call GPU time in ms. fn(i) runs call i."""
     torch.cuda.synchronize()
@@ -141,6 +147,9 @@ def time_calls(fn: Callable[[int], object], reps: int, warmup_ms: float) -> dict
                 break
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    # Keep the GPU behind the host: without a queue of work in front, a small product's events
+    # would time the host's launch of it (tens of µs) instead of the kernel.
+    torch.cuda._sleep(int(reps * _SLEEP_CYCLES_PER_CALL))
     for r in range(reps):
         starts[r].record()
         fn(r)
@@ -198,12 +207,21 @@ class Variant:
         # activation and the TMA stores run on warps 1-3 of the producer
         # warpgroup, under the next tile's main loop).
         "coop_off": {**_HOPPER, "sched": "coop", "tile": "large", "epi": "offload"},
+        "skinny": {"impl": "skinny"},
+        # The Hopper kernel with K split over CTAs (splits from the bytes-per-SM model,
+        # 1 where it finds no gain): cooperative 128x128 and 128x256 (the default's two
+        # tiles), ping-pong.
+        "split_coop128": {**_HOPPER, "sched": "coop", "tile": "small"},
+        "split_pingpong": {**_HOPPER, "sched": "pingpong"},
+        "split_coop256": {**_HOPPER, "sched": "coop", "tile": "large"},
     }
     SETS: ClassVar[dict[str, list[str]]] = {
         # Every Hopper kernel shape, and the default.
         "hopper": ["auto", "mma", "coop_tma", "coop128", "pingpong", "coop_off"],
         # The epilogues of the cooperative 128x256 kernel beside ping-pong's.
         "fused": ["auto", "coop", "coop_tma", "coop_off", "pingpong"],
+        # Small M: the default beside each split-K kernel, mma.sync and the skinny kernel.
+        "splitk": ["auto", "split_coop128", "split_coop256", "split_pingpong", "mma", "skinny"],
     }
 
     def __init__(self, name: str):

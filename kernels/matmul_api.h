@@ -51,9 +51,25 @@ bool gemm_simt_large_tile(const GemmArgs& args, int num_sms, Tile tile);
 //   other stride is a multiple of 8 elements; both base pointers are 16-byte
 //   aligned; K >= 1.
 bool gemm_mma_supported(const GemmArgs& args);
-cudaError_t launch_gemm_mma_sm80(const GemmArgs& args, int num_sms, Tile tile, cudaStream_t stream);
+// K split over blocks per output tile where the tiles are too few to occupy
+// the SMs (small M): how many (1: none), and the float32 scratch the launch
+// then needs (its `workspace`; null when 0).
+int gemm_mma_splits(const GemmArgs& args, int num_sms, Tile tile);
+int64_t gemm_mma_workspace_bytes(const GemmArgs& args, int num_sms, Tile tile);
+cudaError_t launch_gemm_mma_sm80(const GemmArgs& args, int num_sms, Tile tile, void* workspace,
+                                 cudaStream_t stream);
 // The mma.sync launcher's tile choice: true for 128 x 128, false for 64 x 64.
 bool gemm_mma_large_tile(const GemmArgs& args, int num_sms, Tile tile);
+
+// Skinny products (kernels/matmul_skinny.cu): at most kSkinnyMaxM rows of A,
+// float16 / bfloat16, K a multiple of 8, A K-major (sak == 1), B K-major
+// (sbk == 1; the weight of F.linear as it is), row strides multiples of 8
+// elements, 16-byte aligned bases. They stream B once, at the memory's rate.
+constexpr int kSkinnyMaxM = 8;
+bool gemm_skinny_supported(const GemmArgs& args);
+// How K is split: warps per output column (1, 2, 4 or 8).
+int gemm_skinny_splits(const GemmArgs& args, int num_sms);
+cudaError_t launch_gemm_skinny(const GemmArgs& args, int num_sms, cudaStream_t stream);
 
 // Hopper kernel: TMA loads, wgmma, warp-specialised producer / consumers,
 // persistent tile loop (sm_90a only; see kernels/matmul_sm90_kernel.cuh).
@@ -62,10 +78,6 @@ bool gemm_mma_large_tile(const GemmArgs& args, int num_sms, Tile tile);
 bool gemm_wgmma_supported(const GemmArgs& args);
 // True when the loaded module carries the sm_90a kernel for the current device.
 bool gemm_wgmma_compiled();
-// Whether the default dispatch should take the Hopper kernel for this
-// problem: false when it has too few 128 x 128 tiles to occupy the SMs, where
-// the mma.sync kernel's 64 x 64 tiles spread better.
-bool gemm_wgmma_preferred(const GemmArgs& args, int num_sms);
 
 // Schedules of the Hopper kernel: two consumer warpgroups on one 128 x 256
 // (or 128 x 128) tile, or ping-pong on two 128 x 128 tiles.
@@ -87,9 +99,22 @@ struct WgmmaOptions {
   WgmmaEpi epi = WgmmaEpi::kAuto;
   Raster raster = Raster::kAuto;
   int group = 0;  // rows / columns of C per tile group; 0 (auto) = 2048
+  // K split over CTAs per output tile (float32 sums in a workspace, then an
+  // ordered second pass applies the epilogue): 0 (auto) where the tiles do
+  // not fill the SMs and a bytes-per-SM model gains from it, then on the
+  // cooperative 128 x 128 tile unless a schedule or tile is forced; 1 none;
+  // n > 1 forced (clamped to the K-slices of 64 and to 16).
+  int splits = 0;
 };
+// Split count of the launch these options give (1: none), and the float32
+// workspace it needs (splits x M x N x 4 bytes; 0 without a split).
+int gemm_wgmma_splits(const GemmArgs& args, int num_sms, const WgmmaOptions& opts);
+int64_t gemm_wgmma_workspace_bytes(const GemmArgs& args, int num_sms, const WgmmaOptions& opts);
+// `workspace`: gemm_wgmma_workspace_bytes of float32 scratch, 8-byte aligned
+// (null when that is 0), on the stream's device and not in use until the
+// launch's work on `stream` is done.
 cudaError_t launch_gemm_wgmma_sm90(const GemmArgs& args, int num_sms, const WgmmaOptions& opts,
-                                   cudaStream_t stream);
+                                   void* workspace, cudaStream_t stream);
 // What launch_gemm_wgmma_sm90 would run, e.g. "wgmma pingpong 128x128 raster m"
 // (for tests and benchmark reports).
 std::string describe_gemm_wgmma_sm90(const GemmArgs& args, int num_sms, const WgmmaOptions& opts);

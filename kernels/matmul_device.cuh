@@ -325,6 +325,32 @@ __device__ __forceinline__ void epilogue_pair(const GemmArgs& p, int row, int co
   store_out_pair<T, ACT>(p, row, col, v0, v1, two, pair_ok);
 }
 
+// ---- split K -------------------------------------------------------------------
+
+// The second pass of a product whose K was split over `splits` blocks per
+// output tile, each of which wrote its float32 sums to
+// partial[split][row][col]: C = act(the splits' sums added in split order +
+// bias), so the result does not depend on which block finished first.
+template <typename T>
+__global__ void splitk_finish(const GemmArgs p, const float* __restrict__ partial, int splits) {
+  const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (i >= p.M * p.N) return;
+  const int row = static_cast<int>(i / p.N), col = static_cast<int>(i % p.N);
+  float v = 0.0f;
+  for (int s = 0; s < splits; ++s) v += partial[(int64_t{s} * p.M + row) * p.N + col];
+  if (p.bias != nullptr) v += load_as_float(static_cast<const T*>(p.bias) + col);
+  FASTCOMM_DISPATCH_ACT(p.act, (store_out_pair<T, kAct>(p, row, col, v, 0.0f, false, false)));
+}
+
+template <typename T>
+cudaError_t launch_splitk_finish(const GemmArgs& p, const float* partial, int splits,
+                                 cudaStream_t stream) {
+  const int64_t outputs = p.M * p.N;
+  splitk_finish<T>
+      <<<static_cast<unsigned>((outputs + 255) / 256), 256, 0, stream>>>(p, partial, splits);
+  return cudaGetLastError();
+}
+
 // ---- tile order --------------------------------------------------------------
 
 // Linear tile index -> (tile row, tile column), walking group_m tile rows

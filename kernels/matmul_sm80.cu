@@ -20,6 +20,11 @@
 //    chunks outside are zero-filled; so any M, N, K works.
 //  * Epilogue: bias + activation + cast fused into the register -> global
 //    store (paired 4-byte stores).
+//  * Split K: where the output tiles are too few to occupy the SMs (small M:
+//    batch x tokens), gridDim.y blocks share each tile, each multiplying a
+//    contiguous range of K-slices and writing float32 sums; splitk_finish
+//    adds them in order and applies the epilogue.
+#include <algorithm>
 #include <climits>
 #include <type_traits>
 
@@ -168,9 +173,11 @@ __device__ __forceinline__ void mma_epilogue(const GemmArgs& p, const float (&ac
   }
 }
 
+// K split over gridDim.y blocks per tile: their float32 sums go to
+// partial[blockIdx.y][row][col] (null when gridDim.y == 1).
 template <typename T, typename Cfg>
 __global__ void __launch_bounds__(Cfg::THREADS, (Cfg::THREADS == 256 ? 2 : 3))
-    gemm_mma_kernel(const GemmArgs p) {
+    gemm_mma_kernel(const GemmArgs p, float* partial) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, STAGES = Cfg::STAGES;
   constexpr int MT = Cfg::MT, NT = Cfg::NT;
@@ -220,10 +227,14 @@ __global__ void __launch_bounds__(Cfg::THREADS, (Cfg::THREADS == 256 ? 2 : 3))
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
 
-  const int num_kb = (K + BK - 1) / BK;
+  // This block's K-slices: [kb_begin, kb_begin + num_kb).
+  const int total_kb = (K + BK - 1) / BK;
+  const int per_split = (total_kb + gridDim.y - 1) / gridDim.y;
+  const int kb_begin = blockIdx.y * per_split;
+  const int num_kb = kb_begin < total_kb ? min(per_split, total_kb - kb_begin) : 0;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < num_kb) load_stage(s, s);
+    if (s < num_kb) load_stage(s, kb_begin + s);
     cp_async_commit();
   }
 
@@ -233,7 +244,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, (Cfg::THREADS == 256 ? 2 : 3))
     __syncthreads();              // ... everyone's; and slice kb-1 is no longer read
     {
       const int next = kb + STAGES - 1;
-      if (next < num_kb) load_stage(next % STAGES, next);
+      if (next < num_kb) load_stage(next % STAGES, kb_begin + next);
       cp_async_commit();
     }
     const T* a_s = sA + (kb % STAGES) * Cfg::A_STAGE;
@@ -272,6 +283,22 @@ __global__ void __launch_bounds__(Cfg::THREADS, (Cfg::THREADS == 256 ? 2 : 3))
   }
   cp_async_wait<0>();
 
+  if (partial != nullptr) {
+    float* out = partial + int64_t{blockIdx.y} * M * N;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = m0 + wm0 + mt * 16 + (lane >> 2) + (e >= 2 ? 8 : 0);
+          const int col = n0 + wn0 + nt * 8 + (lane & 3) * 2 + (e & 1);
+          if (row < M && col < N) out[int64_t{row} * N + col] = acc[mt][nt][e];
+        }
+      }
+    }
+    return;
+  }
   const bool pair_ok = (p.ldc % 2 == 0) && ((reinterpret_cast<uintptr_t>(p.c) & 3) == 0);
   FASTCOMM_DISPATCH_ACT(p.act,
                         (mma_epilogue<T, kAct, MT, NT>(p, acc, m0 + wm0, n0 + wn0, lane, pair_ok)));
@@ -279,33 +306,38 @@ __global__ void __launch_bounds__(Cfg::THREADS, (Cfg::THREADS == 256 ? 2 : 3))
 }
 
 template <typename T, typename Cfg>
-cudaError_t launch_cfg(const GemmArgs& p, cudaStream_t stream) {
+cudaError_t launch_cfg(const GemmArgs& p, int splits, float* partial, cudaStream_t stream) {
   const int64_t tiles = ((p.M + Cfg::BM - 1) / Cfg::BM) * ((p.N + Cfg::BN - 1) / Cfg::BN);
   if (tiles > INT_MAX) return cudaErrorInvalidValue;
   auto kernel = gemm_mma_kernel<T, Cfg>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM_BYTES);
   if (err != cudaSuccess) return err;
-  kernel<<<static_cast<unsigned>(tiles), Cfg::THREADS, Cfg::SMEM_BYTES, stream>>>(p);
-  return cudaGetLastError();
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(splits));
+  kernel<<<grid, Cfg::THREADS, Cfg::SMEM_BYTES, stream>>>(p, splits > 1 ? partial : nullptr);
+  err = cudaGetLastError();
+  if (err != cudaSuccess || splits == 1) return err;
+  return launch_splitk_finish<T>(p, partial, splits, stream);
 }
 
 template <typename T, bool A_K, bool B_K>
-cudaError_t launch_layout(const GemmArgs& p, bool large, cudaStream_t stream) {
+cudaError_t launch_layout(const GemmArgs& p, bool large, int splits, float* partial,
+                          cudaStream_t stream) {
   if (large) {
-    return launch_cfg<T, MmaConfig<128, 128, 32, 2, 4, 4, A_K, B_K>>(p, stream);
+    return launch_cfg<T, MmaConfig<128, 128, 32, 2, 4, 4, A_K, B_K>>(p, splits, partial, stream);
   }
-  return launch_cfg<T, MmaConfig<64, 64, 32, 2, 2, 4, A_K, B_K>>(p, stream);
+  return launch_cfg<T, MmaConfig<64, 64, 32, 2, 2, 4, A_K, B_K>>(p, splits, partial, stream);
 }
 
 template <typename T>
-cudaError_t launch_type(const GemmArgs& p, bool large, cudaStream_t stream) {
+cudaError_t launch_type(const GemmArgs& p, bool large, int splits, float* partial,
+                        cudaStream_t stream) {
   const bool a_k = p.sak == 1;
   const bool b_k = p.sbk == 1;
-  if (a_k && b_k) return launch_layout<T, true, true>(p, large, stream);
-  if (a_k) return launch_layout<T, true, false>(p, large, stream);
-  if (b_k) return launch_layout<T, false, true>(p, large, stream);
-  return launch_layout<T, false, false>(p, large, stream);
+  if (a_k && b_k) return launch_layout<T, true, true>(p, large, splits, partial, stream);
+  if (a_k) return launch_layout<T, true, false>(p, large, splits, partial, stream);
+  if (b_k) return launch_layout<T, false, true>(p, large, splits, partial, stream);
+  return launch_layout<T, false, false>(p, large, splits, partial, stream);
 }
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
@@ -330,11 +362,31 @@ bool gemm_mma_large_tile(const GemmArgs& p, int num_sms, Tile tile) {
   return tiles_large >= static_cast<int64_t>(num_sms);
 }
 
-cudaError_t launch_gemm_mma_sm80(const GemmArgs& p, int num_sms, Tile tile, cudaStream_t stream) {
+int gemm_mma_splits(const GemmArgs& p, int num_sms, Tile tile) {
+  if (gemm_mma_large_tile(p, num_sms, tile)) return 1;
+  const int64_t tiles = ((p.M + 63) / 64) * ((p.N + 63) / 64);
+  if (tiles >= num_sms) return 1;
+  // About two blocks per SM (three fit), each with at least 8 K-slices of 32
+  // so that the copy pipeline fills; at most 16 (the partial sums' traffic).
+  int64_t splits = (2 * int64_t{num_sms} + tiles - 1) / tiles;
+  splits = std::min<int64_t>({splits, (p.K + 31) / 32 / 8, 16});
+  return static_cast<int>(std::max<int64_t>(splits, 1));
+}
+
+int64_t gemm_mma_workspace_bytes(const GemmArgs& p, int num_sms, Tile tile) {
+  const int splits = gemm_mma_splits(p, num_sms, tile);
+  return splits > 1 ? int64_t{splits} * p.M * p.N * 4 : 0;
+}
+
+cudaError_t launch_gemm_mma_sm80(const GemmArgs& p, int num_sms, Tile tile, void* workspace,
+                                 cudaStream_t stream) {
   if (!gemm_mma_supported(p)) return cudaErrorInvalidValue;
   const bool large = gemm_mma_large_tile(p, num_sms, tile);
-  if (p.dtype == DType::kBF16) return launch_type<__nv_bfloat16>(p, large, stream);
-  return launch_type<__half>(p, large, stream);
+  const int splits = gemm_mma_splits(p, num_sms, tile);
+  if (splits > 1 && workspace == nullptr) return cudaErrorInvalidValue;
+  float* partial = static_cast<float*>(workspace);
+  if (p.dtype == DType::kBF16) return launch_type<__nv_bfloat16>(p, large, splits, partial, stream);
+  return launch_type<__half>(p, large, splits, partial, stream);
 }
 
 }  // namespace cuda

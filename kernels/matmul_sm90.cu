@@ -7,10 +7,12 @@
 #include <cuda_fp16.h>
 #include <cudaTypedefs.h>
 
+#include <algorithm>
 #include <climits>
 #include <mutex>
 #include <string>
 
+#include "matmul_device.cuh"
 #include "matmul_sm90_launch.h"
 
 namespace fastcomm {
@@ -46,6 +48,66 @@ bool tma_operand_ok(int64_t inner, int64_t ld) {
   return ld % 8 == 0 && ld >= inner && ld < (int64_t(1) << 36);
 }
 
+// ---- split K ---------------------------------------------------------------------
+//
+// Where the output tiles are too few to occupy the SMs (small M: 128 x 4096
+// is 32 tiles of 128 x 128 on 132 SMs), each tile's K-slices are shared by
+// `splits` CTAs, which write float32 sums; splitk_finish adds them in split
+// order and applies bias, activation and the cast (deterministic). The choice
+// of splits models such a small product as bound by the bytes each SM moves,
+// counted in bytes per SM on the busiest SM:
+//   waves x (slices per unit x bytes per slice + the unit's float32 store)
+//   + (the finish pass's bytes + a launch) / SMs,
+// with waves = ceil(units / SMs). A split is taken only where it models
+// kSplitGain faster than none, since the second pass and the extra traffic
+// are what the model knows least well.
+constexpr int kTileM = 128;  // tile rows (kBM of the kernel)
+constexpr int kSliceK = 64;  // K per pipeline stage (kBK of the kernel)
+constexpr int kMaxSplits = 16;
+constexpr int kMinSlicesPerSplit = 4;        // K >= 256 per unit: the pipeline fills
+constexpr double kSplitGain = 0.8;           // modelled time at most 0.8 x the unsplit one
+constexpr double kFinishLaunchBytes = 48e3;  // ~2 us of one SM's share of the bandwidth
+
+double split_cost(const GemmArgs& p, int num_sms, int bn, int64_t tiles, int64_t num_kb,
+                  int splits) {
+  const double rows = static_cast<double>(std::min<int64_t>(p.M, kTileM));
+  const double slice_bytes = (rows + bn) * kSliceK * 2;
+  const int64_t units = tiles * splits;
+  const double waves = static_cast<double>(cdiv(units, num_sms));
+  const double slices = static_cast<double>(cdiv(num_kb, splits));
+  double cost = waves * slices * slice_bytes;
+  if (splits > 1) {
+    cost += waves * rows * bn * 4;
+    const double finish = static_cast<double>(p.M) * p.N * (4.0 * splits + 2.0);
+    cost += (finish + kFinishLaunchBytes * num_sms) / num_sms;
+  }
+  return cost;
+}
+
+// The modelled best split count for tiles of 128 x bn (1: no split).
+int auto_splits(const GemmArgs& p, int num_sms, int bn) {
+  const int64_t tiles = cdiv(p.M, kTileM) * cdiv(p.N, bn);
+  const int64_t num_kb = cdiv(p.K, kSliceK);
+  if (tiles >= num_sms) return 1;
+  const double none = split_cost(p, num_sms, bn, tiles, num_kb, 1);
+  int best = 1;
+  double best_cost = none * kSplitGain;
+  for (int s = 2; s <= kMaxSplits && s * kMinSlicesPerSplit <= num_kb; ++s) {
+    const double c = split_cost(p, num_sms, bn, tiles, num_kb, s);
+    if (c < best_cost) {
+      best = s;
+      best_cost = c;
+    }
+  }
+  return best;
+}
+
+// A forced split count: at least one K-slice per unit, at most kMaxSplits.
+int clamp_splits(const GemmArgs& p, int splits) {
+  const int64_t num_kb = cdiv(p.K, kSliceK);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({splits, num_kb, kMaxSplits})));
+}
+
 // C can be written by 64 x 64 TMA stores.
 bool tma_store_ok(const GemmArgs& p) { return aligned16(p.c) && tma_operand_ok(p.N, p.ldc); }
 
@@ -56,6 +118,20 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
   const double c256 = wave_cost(tm * cdiv(p.N, 256), num_sms, 256, kEffCoop256);
   const double c128 = wave_cost(tm * cdiv(p.N, 128), num_sms, 128, kEffCoop128);
   const double cpp = wave_cost(tm * cdiv(p.N, 128), num_sms, 128, kEffPingpong);
+  // Split K first: where the 128 x 128 tiles leave the SMs idle and the
+  // model gains from a split, the cooperative 128 x 128 kernel with split K
+  // (unless a schedule or tile is forced).
+  if (o.splits == 0 && o.sched != WgmmaSched::kPingpong && o.tile != Tile::kLarge) {
+    const int s = auto_splits(p, num_sms, 128);
+    if (s > 1) {
+      plan.sched = Sched::kCoop;
+      plan.bn = 128;
+      plan.splits = s;
+      plan.group = o.group == 0 ? kDefaultGroup : o.group;
+      plan.raster_n = o.raster == Raster::kN;
+      return plan;
+    }
+  }
   bool pingpong;
   if (o.sched == WgmmaSched::kAuto) {
     // A forced tile width means the cooperative kernel of that width.
@@ -88,6 +164,12 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
   const bool act_math = p.act == Act::kGelu || p.act == Act::kGeluTanh || p.act == Act::kSilu;
   plan.epi_offload = plan.tma_store && plan.bn == 256 &&
                      (o.epi == WgmmaEpi::kOffload || (o.epi == WgmmaEpi::kAuto && act_math));
+  plan.splits = o.splits > 0 ? clamp_splits(p, o.splits) : auto_splits(p, num_sms, plan.bn);
+  if (plan.splits > 1) {
+    // The units store float32 sums from registers; the epilogue is splitk_finish's.
+    plan.tma_store = false;
+    plan.epi_offload = false;
+  }
   plan.group = o.group == 0 ? kDefaultGroup : o.group;
   if (o.raster == Raster::kAuto) {
     // Bytes read from DRAM, if each group's panel stays in L2: rows-first
@@ -176,24 +258,37 @@ bool gemm_wgmma_compiled() {
   return known[dev] == 1;
 }
 
-bool gemm_wgmma_preferred(const GemmArgs& p, int num_sms) {
-  // Below half a wave of 128 x 128 tiles (1024^2 outputs on 132 SMs) the
-  // mma.sync kernel's 64 x 64 tiles keep more SMs busy: measured 77 against
-  // 67 TFLOP/s at 1024^3 on the H200, while at 2048^3 wgmma led 433 to 282.
-  return sm90::cdiv(p.M, 128) * sm90::cdiv(p.N, 128) * 2 >= num_sms;
+int gemm_wgmma_splits(const GemmArgs& p, int num_sms, const WgmmaOptions& opts) {
+  return sm90::choose_plan(p, num_sms, opts).splits;
+}
+
+int64_t gemm_wgmma_workspace_bytes(const GemmArgs& p, int num_sms, const WgmmaOptions& opts) {
+  const int splits = gemm_wgmma_splits(p, num_sms, opts);
+  return splits > 1 ? int64_t{splits} * p.M * p.N * 4 : 0;
 }
 
 cudaError_t launch_gemm_wgmma_sm90(const GemmArgs& p, int num_sms, const WgmmaOptions& opts,
-                                   cudaStream_t stream) {
+                                   void* workspace, cudaStream_t stream) {
   if (!gemm_wgmma_supported(p) || num_sms <= 0) return cudaErrorInvalidValue;
-  const sm90::Plan plan = sm90::choose_plan(p, num_sms, opts);
-  const bool bf16 = p.dtype == DType::kBF16;
-  if (plan.sched == sm90::Sched::kPingpong) {
-    return bf16 ? sm90::launch_sched<__nv_bfloat16, sm90::Sched::kPingpong>(p, plan, stream)
-                : sm90::launch_sched<__half, sm90::Sched::kPingpong>(p, plan, stream);
+  sm90::Plan plan = sm90::choose_plan(p, num_sms, opts);
+  if (plan.splits > 1) {
+    if (workspace == nullptr || (reinterpret_cast<uintptr_t>(workspace) & 7) != 0) {
+      return cudaErrorInvalidValue;
+    }
+    plan.partial = static_cast<float*>(workspace);
   }
-  return bf16 ? sm90::launch_sched<__nv_bfloat16, sm90::Sched::kCoop>(p, plan, stream)
-              : sm90::launch_sched<__half, sm90::Sched::kCoop>(p, plan, stream);
+  const bool bf16 = p.dtype == DType::kBF16;
+  cudaError_t err;
+  if (plan.sched == sm90::Sched::kPingpong) {
+    err = bf16 ? sm90::launch_sched<__nv_bfloat16, sm90::Sched::kPingpong>(p, plan, stream)
+               : sm90::launch_sched<__half, sm90::Sched::kPingpong>(p, plan, stream);
+  } else {
+    err = bf16 ? sm90::launch_sched<__nv_bfloat16, sm90::Sched::kCoop>(p, plan, stream)
+               : sm90::launch_sched<__half, sm90::Sched::kCoop>(p, plan, stream);
+  }
+  if (err != cudaSuccess || plan.splits == 1) return err;
+  return bf16 ? detail::launch_splitk_finish<__nv_bfloat16>(p, plan.partial, plan.splits, stream)
+              : detail::launch_splitk_finish<__half>(p, plan.partial, plan.splits, stream);
 }
 
 std::string describe_gemm_wgmma_sm90(const GemmArgs& p, int num_sms, const WgmmaOptions& opts) {
@@ -201,7 +296,9 @@ std::string describe_gemm_wgmma_sm90(const GemmArgs& p, int num_sms, const Wgmma
   std::string s = plan.sched == sm90::Sched::kPingpong
                       ? std::string("wgmma pingpong 128x128")
                       : "wgmma coop 128x" + std::to_string(plan.bn);
-  if (plan.sched == sm90::Sched::kCoop) {
+  if (plan.splits > 1) {
+    s += " splitk " + std::to_string(plan.splits);
+  } else if (plan.sched == sm90::Sched::kCoop) {
     s += !plan.tma_store ? " epi direct" : plan.epi_offload ? " epi offload" : " epi tma";
   }
   s += plan.raster_n ? " raster n" : " raster m";

@@ -89,6 +89,43 @@ __device__ __forceinline__ void epilogue_direct(const GemmArgs& p, const float (
   }
 }
 
+// Split K: the warpgroup's float32 sums of its K range, as they are, into
+// partial[row][col] (row stride N; the split's slab of the workspace that
+// splitk_finish adds up in split order and finishes with bias, activation and
+// the cast). Paired 8-byte stores where N is even (then every pair is
+// aligned), masked at the edges of C. Offsets derive from an opaque copy of
+// the thread index, as in epilogue_direct, so that nothing is hoisted out of
+// the tile loop next to the accumulators.
+template <int MSUB, int BN>
+__device__ __forceinline__ void epilogue_partial(const float (&acc)[MSUB][BN / 2],
+                                                 float* __restrict__ partial, int block_row, int n0,
+                                                 int wtid, int M, int N) {
+  const int et = static_cast<int>(opaque_u32(static_cast<uint32_t>(wtid)));
+  const int row0 = block_row + (et / 32) * 16 + ((et % 32) >> 2);
+  const int col0 = n0 + (et & 3) * 2;
+  const bool paired = (N % 2) == 0;
+#pragma unroll
+  for (int mi = 0; mi < MSUB; ++mi) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row0 + 64 * mi + 8 * h;
+      if (row >= M) continue;
+      float* const out = partial + static_cast<int64_t>(row) * N;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const int col = col0 + 8 * j;
+        const float v0 = acc[mi][4 * j + 2 * h], v1 = acc[mi][4 * j + 2 * h + 1];
+        if (paired && col + 1 < N) {
+          *reinterpret_cast<float2*>(out + col) = make_float2(v0, v1);
+        } else {
+          if (col < N) out[col] = v0;
+          if (col + 1 < N) out[col + 1] = v1;
+        }
+      }
+    }
+  }
+}
+
 // The thread's bias pairs for the lean TMA epilogue: the two columns
 // n0 + 8 j + 2 (l % 4) + {0, 1} of each 8-column block j, as the packed
 // 16-bit pair (zero where there is no bias or the column is outside C).

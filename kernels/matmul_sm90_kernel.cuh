@@ -119,6 +119,13 @@ struct KernelOpts {
   // epilogue_tma, 2 the offload epilogue (set for, and only for, the
   // kernels instantiated with OFFLOAD).
   int tma_store = 0;
+  // Split K: each tile's K-slices are shared by `splits` work units, unit u
+  // taking tile u / splits and the u % splits-th of the slices (an even share,
+  // at least one each); with splits > 1 every unit stores its float32 sums
+  // to partial[split][row][col] (M x N per split) and the bias, activation
+  // and cast are left to splitk_finish. tma_store is 0 then.
+  int splits = 1;
+  float* partial = nullptr;
 };
 
 // ---- the kernel ------------------------------------------------------------------------
@@ -176,21 +183,40 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tiles_m = (M + BM - 1) / BM;
   const int tiles_n = (N + BN - 1) / BN;
   const int num_kb = (K + kBK - 1) / kBK;
-  // Work units: the tiles, each CTA taking every gridDim.x-th.
-  const int num_units = tiles_m * tiles_n;
+  // Work units: the tiles times the K splits (the splits of a tile are
+  // adjacent units), each CTA taking every gridDim.x-th.
+  const int splits = opts.splits;
+  const int num_units = tiles_m * tiles_n * splits;
   const int first_unit = blockIdx.x;
   const int unit_stride = gridDim.x;
   // Tile order for L2 reuse: groups of opts.group_tiles tile rows walked
   // column by column, or of tile columns walked row by row.
   auto unit_tile = [&](int unit, int& m0, int& n0) {
+    const int tile = splits == 1 ? unit : unit / splits;
     int tm, tn;
     if (opts.raster_n) {
-      grouped_tile(unit, tiles_n, tiles_m, opts.group_tiles, tn, tm);
+      grouped_tile(tile, tiles_n, tiles_m, opts.group_tiles, tn, tm);
     } else {
-      grouped_tile(unit, tiles_m, tiles_n, opts.group_tiles, tm, tn);
+      grouped_tile(tile, tiles_m, tiles_n, opts.group_tiles, tm, tn);
     }
     m0 = tm * BM;
     n0 = tn * BN;
+  };
+  // The unit's K-slices [kb_lo, kb_hi): split s of S takes [s nkb / S, (s + 1) nkb / S).
+  auto unit_slices = [&](int unit, int& kb_lo, int& kb_hi) {
+    if (splits == 1) {
+      kb_lo = 0;
+      kb_hi = num_kb;
+      return;
+    }
+    const int sp = unit % splits;
+    kb_lo = static_cast<int>(static_cast<int64_t>(sp) * num_kb / splits);
+    kb_hi = static_cast<int>(static_cast<int64_t>(sp + 1) * num_kb / splits);
+  };
+  auto unit_num_kb = [&](int unit) {
+    int lo, hi;
+    unit_slices(unit, lo, hi);
+    return hi - lo;
   };
 
   if (tid == 0) {
@@ -217,9 +243,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       int s = 0;
       uint32_t phase = 0;
       for (int unit = first_unit; unit < num_units; unit += unit_stride) {
-        int m0, n0;
+        int m0, n0, kb_lo, kb_hi;
         unit_tile(unit, m0, n0);
-        for (int kb = 0; kb < num_kb; ++kb) {
+        unit_slices(unit, kb_lo, kb_hi);
+        for (int kb = kb_lo; kb < kb_hi; ++kb) {
           // First round passes at once.
           mbar_wait(empty_bar(s), phase ^ 1);
           mbar_arrive_expect_tx(full_bar(s), C::STAGE_BYTES);
@@ -294,14 +321,18 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     float acc[MSUB][BN / 2];
     int j = 0;  // tiles this warpgroup has done
+    // Where the unit's first K-slice sits in the producer's stage sequence:
+    // the K-slices of the CTA's earlier units (ping-pong: of both
+    // warpgroups' units, which alternate).
+    int64_t it0 = (PINGPONG && cw == 1 && first_unit < num_units) ? unit_num_kb(first_unit) : 0;
     for (int unit = first; unit < num_units; unit += stride, ++j) {
       int m0, n0;
       unit_tile(unit, m0, n0);
-      // Where the tile's first K-slice sits in the producer's stage sequence.
-      const int64_t seq = PINGPONG ? 2 * j + cw : j;
-      const int64_t it0 = seq * num_kb;
+      const int num_kb_unit = unit_num_kb(unit);
       int s = static_cast<int>(it0 % STAGES);
       uint32_t phase = static_cast<uint32_t>((it0 / STAGES) & 1);
+      it0 += num_kb_unit;
+      if (PINGPONG && unit + unit_stride < num_units) it0 += unit_num_kb(unit + unit_stride);
 #pragma unroll
       for (int mi = 0; mi < MSUB; ++mi) {
 #pragma unroll
@@ -314,7 +345,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_wait(order_bar(cw), static_cast<uint32_t>(j & 1) ^ (cw == 0 ? 1u : 0u));
       }
       int prev_s = 0;
-      for (int kb = 0; kb < num_kb; ++kb) {
+      for (int kb = 0; kb < num_kb_unit; ++kb) {
         mbar_wait(full_bar(s), phase);
         // The slice's descriptors, moved by one add per k16 step.
         DescPair da = desc_advance(a_desc0, static_cast<uint32_t>(s) * C::A_BYTES);
@@ -347,7 +378,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         prefetch_bias<T, BN>(p, n0, wtid, bias_paired, bw);
         wgmma_wait<0>();
         fence_accumulators(acc);
-        if (num_kb > 0) release(prev_s);
+        if (num_kb_unit > 0) release(prev_s);
         // Tile j - 1's stores have read the buffer (the first tile passes at
         // once; the protocol is traced above epilogue_offload_write).
         mbar_wait(tile_empty_bar, static_cast<uint32_t>(j & 1) ^ 1u);
@@ -378,7 +409,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           prefetch_bias<T, BN>(p, n0, wtid, bias_paired, bw);
           wgmma_wait<0>();
           fence_accumulators(acc);
-          if (num_kb > 0) release(prev_s);
+          if (num_kb_unit > 0) release(prev_s);
           const uint32_t stage = sEpi + static_cast<uint32_t>(cw) * 2u * kEpiChunkBytes;
           FASTCOMM_DISPATCH_ACT(p.act, (epilogue_tma<T, kAct, BN>(p, &tma_c, acc, bw, stage,
                                                                   m0 + 64 * cw, n0, wtid, 1 + cw)));
@@ -387,8 +418,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       wgmma_wait<0>();
       fence_accumulators(acc);
-      if (num_kb > 0) release(prev_s);
+      if (num_kb_unit > 0) release(prev_s);
       const int block_row = m0 + (PINGPONG ? 0 : 64 * cw);  // first row of our 64 * MSUB
+      if (splits > 1) {
+        // Split K: the float32 sums into this split's slab of the workspace.
+        epilogue_partial<MSUB, BN>(acc, opts.partial + static_cast<int64_t>(unit % splits) * M * N,
+                                   block_row, n0, wtid, M, N);
+        continue;
+      }
       const bool interior = block_row + 64 * MSUB <= M && n0 + BN <= N && pair_ok &&
                             (p.bias == nullptr || bias_paired);
       FASTCOMM_DISPATCH_ACT(
@@ -416,6 +453,11 @@ cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stre
   if (!ok_a || !ok_b) return cudaErrorInvalidValue;
   KernelOpts opts;
   opts.raster_n = plan.raster_n ? 1 : 0;
+  opts.splits = plan.splits;
+  opts.partial = plan.partial;
+  if (plan.splits > 1 && (plan.partial == nullptr || plan.tma_store || OFFLOAD)) {
+    return cudaErrorInvalidValue;
+  }
   opts.group_tiles = std::max(1, plan.raster_n ? plan.group / BN : plan.group / C::BM);
   if constexpr (OFFLOAD) {
     opts.tma_store = 2;  // the dispatcher picks OFFLOAD only where C takes TMA stores
@@ -428,7 +470,7 @@ cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stre
   } else {
     mc = mb;  // unused by the kernel; any valid map
   }
-  const int64_t units = ((p.M + C::BM - 1) / C::BM) * ((p.N + BN - 1) / BN);
+  const int64_t units = ((p.M + C::BM - 1) / C::BM) * ((p.N + BN - 1) / BN) * plan.splits;
   if (units > INT_MAX) return cudaErrorInvalidValue;
   auto kernel = gemm_wgmma_kernel<T, S, BN, A_K, B_K, OFFLOAD>;
 

@@ -35,6 +35,12 @@ struct Plan {
   bool raster_n = false;  // walk tiles in groups of columns (true) or of rows (false)
   int group = 2048;       // rows (raster m) or columns (raster n) of C per group
   int num_sms = 0;
+  // Split K: work units per tile (1: none). With splits > 1 the kernel writes
+  // float32 sums to `partial` (splits x M x N, the caller's workspace) and
+  // splitk_finish applies the epilogue; the epilogue is then neither TMA nor
+  // offload.
+  int splits = 1;
+  float* partial = nullptr;
 };
 
 // Encodes a 2-D TMA map over a row-major [outer][inner] 16-bit matrix with

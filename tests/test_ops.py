@@ -456,8 +456,12 @@ def test_matmul_settings_override(matmul_settings):
     got = _testing.matmul_config()
     assert got == {
         "impl": "simt", "tile": "small", "sched": "auto", "epi": "auto", "raster": "auto",
-        "group": "512",
+        "group": "512", "splits": "0",
     }, got  # fmt: skip
+    matmul_settings(splits=3)
+    assert _testing.matmul_config()["splits"] == "3"
+    matmul_settings(splits="auto")
+    assert _testing.matmul_config()["splits"] == "0"
     matmul_settings(epi="offload")
     assert _testing.matmul_config()["impl"] == "auto"
     for kw, var in (
@@ -466,6 +470,9 @@ def test_matmul_settings_override(matmul_settings):
         ({"group": 128}, "FASTCOMM_MATMUL_GROUP"),
         ({"group": 100000}, "FASTCOMM_MATMUL_GROUP"),
         ({"group": "big"}, "FASTCOMM_MATMUL_GROUP"),
+        ({"splits": 17}, "FASTCOMM_MATMUL_SPLITS"),
+        ({"splits": -1}, "FASTCOMM_MATMUL_SPLITS"),
+        ({"splits": "two"}, "FASTCOMM_MATMUL_SPLITS"),
     ):
         with pytest.raises(ValueError, match=var):
             matmul_settings(**kw)
@@ -485,6 +492,90 @@ def test_cuda_kernel_paths(matmul_settings, impl, tile, dtype):
     matmul_settings(impl=impl, tile=tile)
     shapes = SHAPES + CUDA_SHAPES
     _check_all_layouts("cuda", dtype, shapes)
+
+
+# (M, N, K) for the skinny kernel: M from 1 to its limit (forced; the default dispatch takes
+# it at M = 1), odd N, K from one 16-byte load per lane to several 256-element stretches with
+# a remainder, and a K long enough to split.
+SKINNY_SHAPES = [(1, 1, 8), (2, 7, 8), (3, 129, 264), (5, 1000, 1032), (8, 4099, 4096),
+                 (1, 3, 8200), (4, 64, 11008), (1, 4099, 4096), (1, 1001, 1032)]  # fmt: skip
+
+
+# Small M (batch x tokens) on odd N and K: the skinny kernel (M = 1, B K-major) and the
+# tensor-core kernels with K split over CTAs / blocks.
+SMALL_M = [1, 2, 3, 8, 16, 31, 64, 128, 255, 256]
+
+
+@pytest.mark.cuda(1)
+@_skip_no_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_small_m(matmul_settings, dtype):
+    """The default dispatch for every small M on odd N and K, every operand layout, with and
+    without activation, against float64; and the kernel it names: split K for tiles that do
+    not fill the GPU."""
+    matmul_settings()
+    shapes = [(m, n, k) for m in SMALL_M for n, k in ((1000, 1032), (257, 4104), (4099, 520))]
+    _check_all_layouts("cuda", dtype, shapes, acts=("none", "gelu_tanh"))
+    probe_a = torch.empty(16, 4096, device="cuda", dtype=dtype)
+    probe_b = torch.empty(4096, 4096, device="cuda", dtype=dtype)
+    name = torch.ops.fastcomm._kernel_name(probe_a, probe_b)
+    if _cuda_cc() == (9, 0):
+        assert name.startswith("wgmma coop 128x128 splitk "), name
+    elif _cuda_cc()[0] >= 8:
+        assert name.startswith("mma 64x64 splitk "), name
+
+
+@pytest.mark.cuda(1)
+@_skip_no_cuda
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_skinny_kernel(matmul_settings, dtype, act):
+    """The skinny kernel (B K-major: linear's weight as it is), forced on every M up to 8
+    and as the default choice at M = 1: with and without bias on odd shapes, an A that is
+    not K-major (copied) and a strided weight view, against float64. The default takes it
+    only at M = 1 with B K-major; forcing it where it cannot run (B N-major, M > 8, K not a
+    multiple of 8) raises."""
+    for impl in ("skinny", "auto"):
+        matmul_settings(impl=impl)
+        for m, n, k in SKINNY_SHAPES:
+            x = _rand(m, k, dtype=dtype, device="cuda")
+            w = _rand(n, k, dtype=dtype, device="cuda")
+            b = _rand(n, dtype=dtype, device="cuda")
+            name = torch.ops.fastcomm._kernel_name(x, w.t(), act)
+            if impl == "skinny" or m == 1:
+                assert name.startswith("skinny k-major splits "), (impl, m, n, k, name)
+            else:
+                assert not name.startswith("skinny"), (impl, m, n, k, name)
+            for bias in (None, b):
+                _poison_cuda_cache("cuda")
+                y = ops.linear(x, w, bias, act)
+                pre = x.double() @ w.double().t()
+                ref = _ref_act(pre + bias.double() if bias is not None else pre, act)
+                assert _rel_err(y, ref) < RTOL[dtype], (impl, m, n, k, bias is None)
+            y = ops.matmul(x, w.t())
+            assert _rel_err(y, x.double() @ w.double().t()) < RTOL[dtype], "matmul"
+        for m in (1, 5) if impl == "skinny" else (1,):
+            x_m_major = _rand(520, m, dtype=dtype, device="cuda").t()
+            w = _rand(333, 520, dtype=dtype, device="cuda")
+            name = torch.ops.fastcomm._kernel_name(x_m_major, w.t(), act)
+            assert name.startswith("skinny k-major "), (impl, m, name)
+            ref = _ref_act(x_m_major.double() @ w.double().t(), act)
+            assert _rel_err(ops.linear(x_m_major, w, None, act), ref) < RTOL[dtype], "A M-major"
+            wide = _rand(333, 1040, dtype=dtype, device="cuda")[:, :520]  # row stride 1040
+            ref = _ref_act(x_m_major.double() @ wide.double().t(), act)
+            assert _rel_err(ops.linear(x_m_major, wide, None, act), ref) < RTOL[dtype], "W view"
+    matmul_settings(impl="skinny")
+    x3 = _rand(2, 3, 520, dtype=dtype, device="cuda")  # M = 6 from batch dimensions
+    w = _rand(333, 520, dtype=dtype, device="cuda")
+    ref = _ref_act(x3.double() @ w.double().t(), act)
+    assert _rel_err(ops.linear(x3, w, None, act), ref) < RTOL[dtype], "batch dims"
+    for a, bb in (
+        (_rand(9, 64, dtype=dtype, device="cuda"), _rand(32, 64, dtype=dtype, device="cuda").t()),
+        (_rand(4, 60, dtype=dtype, device="cuda"), _rand(32, 60, dtype=dtype, device="cuda").t()),
+        (_rand(1, 64, dtype=dtype, device="cuda"), _rand(64, 32, dtype=dtype, device="cuda")),
+    ):
+        with pytest.raises(RuntimeError, match="FASTCOMM_MATMUL_IMPL=skinny"):
+            ops.matmul(a, bb)
 
 
 @pytest.mark.cuda(1)
@@ -621,9 +712,9 @@ def test_cuda_wgmma_tile_groups(matmul_settings, raster, group):
 @pytest.mark.cuda(1)
 @_skip_no_cuda
 def test_cuda_default_dispatch(matmul_settings):
-    """With every setting auto: half types take the Hopper kernel on sm_90 for problems
-    that fill the GPU and the mma.sync kernel for small ones (and on other sm_80+ GPUs);
-    float32 the CUDA-core kernel. The default path's results are right."""
+    """With every setting auto: half types take the Hopper kernel on sm_90 (small problems
+    too) and the mma.sync kernel on other sm_80+ GPUs; float32 the CUDA-core kernel. The
+    default path's results are right."""
     matmul_settings()
     bf = torch.bfloat16
     big = torch.empty(4096, 4096, device="cuda", dtype=bf)
@@ -632,7 +723,7 @@ def test_cuda_default_dispatch(matmul_settings):
     name_small = torch.ops.fastcomm._kernel_name(small, small)
     if _is_sm90:
         assert name_big.startswith("wgmma "), name_big
-        assert name_small.startswith("mma "), name_small
+        assert name_small.startswith("wgmma coop 128x128"), name_small
         # the 128x256 tile: the offload epilogue where there is activation math to hide
         assert name_big.startswith("wgmma coop 128x256") and " epi tma " in name_big, name_big
         for act, epi in (("relu", "tma"), ("gelu", "offload"), ("gelu_tanh", "offload"),
@@ -653,6 +744,64 @@ def test_cuda_default_dispatch(matmul_settings):
         y = ops.linear(a, w, b, act)
         ref = _ref_act(a.double() @ w.double().t() + b.double(), act)
         assert _rel_err(y, ref) < RTOL[bf], act
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _wave_tile(m: int, n: int, sms: int) -> int:
+    """The cooperative tile width the default dispatch takes on sm_90 (kAutoRules' wave
+    model): ceil(tiles / SMs) rounds, a 128 x 256 tile taking 2 / 1.1 times a 128 x 128 one."""
+    r128 = _cdiv(_cdiv(m, 128) * _cdiv(n, 128), sms)
+    r256 = _cdiv(_cdiv(m, 128) * _cdiv(n, 256), sms)
+    return 128 if r128 <= r256 * 2 / 1.1 else 256
+
+
+# (M, N) of the decode / prefill grid and squares, with the tile width the wave model gives
+# on 132 SMs (H100 SXM, H200).
+WAVE_TILES_132 = {
+    (2, 4096): 128, (8, 14336): 128, (16, 11008): 128, (128, 14336): 128, (256, 4096): 128,
+    (256, 11008): 256, (256, 14336): 256, (512, 4096): 128, (512, 11008): 128,
+    (512, 14336): 256, (1024, 1024): 128, (1024, 4096): 256, (1024, 11008): 256,
+    (1024, 14336): 128, (2048, 2048): 256, (2048, 4096): 256, (4096, 4096): 256,
+}  # fmt: skip
+
+
+@pytest.mark.cuda(1)
+@pytest.mark.skipif(not _is_sm90, reason="the Hopper rows of the dispatch need an sm_90 GPU")
+def test_cuda_default_dispatch_rule(matmul_settings):
+    """The default dispatch on sm_90, for matmul (b N-major) and linear (weight K-major):
+    the skinny kernel only at M = 1 with B K-major; everything else the Hopper kernel's
+    cooperative 128 x 128 tile (K split where its tiles leave SMs idle) or 128 x 256 tile,
+    by the wave model; never mma.sync."""
+    matmul_settings()
+    bf = torch.bfloat16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if sms == 132:
+        for (m, n), bn in WAVE_TILES_132.items():
+            assert _wave_tile(m, n, sms) == bn, (m, n, bn)
+    shapes = [(m, n, 4096) for m in (1, 2, 8, 16, 128, 256, 512, 1024, 2048)
+              for n in (4096, 11008, 14336)] + [(1024, 1024, 1024), (2048, 2048, 2048)]  # fmt: skip
+    for m, n, k in shapes:
+        a = torch.empty(m, k, device="cuda", dtype=bf)
+        b_n_major = torch.empty(k, n, device="cuda", dtype=bf)
+        w = torch.empty(n, k, device="cuda", dtype=bf)
+        for b, k_major in ((b_n_major, False), (w.t(), True)):
+            name = torch.ops.fastcomm._kernel_name(a, b)
+            if m == 1 and k_major:
+                assert name.startswith("skinny k-major "), (m, n, k, name)
+                continue
+            bn = _wave_tile(m, n, sms)
+            assert name.startswith(f"wgmma coop 128x{bn}"), (m, n, k, k_major, name)
+            if bn == 128 and k == 4096 and _cdiv(m, 128) * _cdiv(n, 128) * 2 <= sms:
+                assert " splitk " in name, (m, n, k, name)  # at most half the SMs busy
+    # The skinny kernel's other conditions: K a multiple of 8 (else the Hopper kernel).
+    name = torch.ops.fastcomm._kernel_name(
+        torch.empty(1, 4100, device="cuda", dtype=bf),
+        torch.empty(4096, 4100, device="cuda", dtype=bf).t(),
+    )
+    assert name.startswith("wgmma coop 128x128"), name
 
 
 @pytest.mark.cuda(1)
@@ -696,3 +845,81 @@ def test_kernel_name_cpu():
         torch.ops.fastcomm._kernel_name(a, torch.randn(5, 3))
     with pytest.raises(RuntimeError, match="activation"):
         torch.ops.fastcomm._kernel_name(a, torch.randn(4, 3), "tanh")
+
+
+# Split K in the Hopper kernel: forced split counts on every schedule and tile, and the
+# default dispatch (the cooperative 128 x 128 tile where the tiles leave SMs idle).
+WGMMA_SPLIT_VARIANTS = {
+    "auto": {},
+    "wgmma_auto": {"impl": "wgmma"},
+    "coop128_s2": {"impl": "wgmma", "sched": "coop", "tile": "small", "splits": 2},
+    "coop128_s5": {"impl": "wgmma", "sched": "coop", "tile": "small", "splits": 5},
+    "coop256_s3": {"impl": "wgmma", "sched": "coop", "tile": "large", "splits": 3},
+    "pingpong_s3": {"impl": "wgmma", "sched": "pingpong", "splits": 3},
+    "pingpong_s16": {"impl": "wgmma", "sched": "pingpong", "splits": 16},
+}
+
+
+@pytest.mark.cuda(1)
+@pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("variant", sorted(WGMMA_SPLIT_VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_wgmma_split_k(matmul_settings, variant, dtype):
+    """The Hopper kernel with K split over CTAs (float32 sums, then the ordered second pass
+    with bias and activation) for small M on odd N and K, every operand layout and
+    activation, batch dimensions, against float64; the split shows in the kernel name, K
+    shorter than the split count clamps it, and the result is bitwise reproducible."""
+    settings = WGMMA_SPLIT_VARIANTS[variant]
+    matmul_settings(**settings)
+    probe_a = torch.empty(128, 4096, device="cuda", dtype=dtype)
+    probe_b = torch.empty(4096, 4096, device="cuda", dtype=dtype)
+    name = torch.ops.fastcomm._kernel_name(probe_a, probe_b)
+    if "splits" in settings:
+        assert name.startswith(f"wgmma {settings['sched']}"), name
+        assert f" splitk {settings['splits']} " in name, name
+    else:
+        assert name.startswith("wgmma coop 128x128 splitk "), name
+    shapes = [(m, n, k) for m in SMALL_M for n, k in ((1000, 1032), (257, 4104))]
+    shapes += [(64, 4096, 4096), (200, 3000, 64), (5, 33, 40)]
+    _check_all_layouts("cuda", dtype, shapes, acts=ACTS)
+    # batch dimensions: M = 2 x 3 x 11 rows
+    x = _rand(2, 3, 11, 1032, dtype=dtype, device="cuda")
+    w = _rand(1000, 1032, dtype=dtype, device="cuda")
+    b = _rand(1000, dtype=dtype, device="cuda")
+    y = ops.linear(x, w, b, "gelu")
+    ref = _ref_act(x.double() @ w.double().t() + b.double(), "gelu")
+    assert _rel_err(y, ref) < RTOL[dtype], "batch dims"
+    # one K-slice: the split count is clamped to it
+    if "splits" in settings:
+        name = torch.ops.fastcomm._kernel_name(probe_a[:, :64], probe_b[:64])
+        assert " splitk " not in name, name
+    a = _rand(64, 4104, dtype=dtype, device="cuda")
+    bb = _rand(4104, 1000, dtype=dtype, device="cuda")
+    first = ops.matmul(a, bb)
+    for _ in range(3):
+        _poison_cuda_cache("cuda")
+        assert torch.equal(ops.matmul(a, bb), first), "split K is not deterministic"
+
+
+@pytest.mark.cuda(1)
+@pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
+def test_cuda_wgmma_split_k_dispatch(matmul_settings):
+    """The default dispatch's split K on the decode / prefill grid: small M with N = 4096
+    takes the cooperative 128 x 128 kernel with split K; splits=1 turns it off (the same
+    tile, unsplit); M >= 1024 never splits."""
+    bf = torch.bfloat16
+    matmul_settings()
+    for m, n, k in ((16, 4096, 4096), (128, 4096, 4096), (128, 4096, 11008), (256, 4096, 4096)):
+        a = torch.empty(m, k, device="cuda", dtype=bf)
+        b = torch.empty(k, n, device="cuda", dtype=bf)
+        name = torch.ops.fastcomm._kernel_name(a, b)
+        assert name.startswith("wgmma coop 128x128 splitk "), (m, n, k, name)
+    for m, n, k in ((1024, 4096, 4096), (2048, 14336, 4096)):
+        a = torch.empty(m, k, device="cuda", dtype=bf)
+        b = torch.empty(k, n, device="cuda", dtype=bf)
+        name = torch.ops.fastcomm._kernel_name(a, b)
+        assert " splitk " not in name, (m, n, k, name)
+    matmul_settings(splits=1)
+    a = torch.empty(128, 4096, device="cuda", dtype=bf)
+    name = torch.ops.fastcomm._kernel_name(a, torch.empty(4096, 4096, device="cuda", dtype=bf))
+    assert name.startswith("wgmma coop 128x128") and " splitk " not in name, name

@@ -412,7 +412,7 @@ const char* tierName(Tier tier) {
 
 namespace {
 
-const char* const kMatmulSettings[] = {"impl", "tile", "sched", "epi", "raster", "group"};
+const char* const kMatmulSettings[] = {"impl", "tile", "sched", "epi", "raster", "group", "splits"};
 
 // "tile" -> "FASTCOMM_MATMUL_TILE".
 std::string matmulVar(const std::string& name) {
@@ -436,7 +436,7 @@ void MatmulConfig::set(const std::string& name, const std::string& value) {
   const std::string var = matmulVar(n);
   const char* v = value.c_str();
   if (n == "impl") {
-    impl = oneOf(var.c_str(), v, {"auto", "wgmma", "mma", "simt"});
+    impl = oneOf(var.c_str(), v, {"auto", "skinny", "wgmma", "mma", "simt"});
   } else if (n == "tile") {
     tile = oneOf(var.c_str(), v, {"auto", "large", "small"});
   } else if (n == "sched") {
@@ -452,16 +452,25 @@ void MatmulConfig::set(const std::string& name, const std::string& value) {
                                   " is not 0 (auto) or from 256 to 65536");
     }
     group = static_cast<int>(g);
+  } else if (n == "splits") {
+    const std::string t = lower(value);
+    char* end = nullptr;
+    const long s = t == "auto" ? 0 : std::strtol(v, &end, 10);
+    if (t != "auto" && (end == v || *end != '\0' || s < 0 || s > 16)) {
+      throw std::invalid_argument("fastcomm: " + var + "=" + value +
+                                  " is not auto, 0 (auto) or from 1 to 16");
+    }
+    splits = static_cast<int>(s);
   } else {
     throw std::invalid_argument("fastcomm: no matmul setting " + name +
-                                " (impl, tile, sched, epi, raster, group)");
+                                " (impl, tile, sched, epi, raster, group, splits)");
   }
 }
 
 std::string MatmulConfig::describe() const {
   std::ostringstream os;
   os << "matmul impl=" << impl << " tile=" << tile << " sched=" << sched << " epi=" << epi
-     << " raster=" << raster << " group=" << group;
+     << " raster=" << raster << " group=" << group << " splits=" << splits;
   return os.str();
 }
 

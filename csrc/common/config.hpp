@@ -125,8 +125,8 @@ const char* tierName(Tier tier);
 // process, at the first matmul (ops/matmul_config.hpp; tests override it
 // through torchext._testing.set_matmul_config).
 struct MatmulConfig {
-  // FASTCOMM_MATMUL_IMPL: auto | wgmma | mma | simt. Forcing wgmma or mma
-  // raises where that kernel cannot run instead of falling back.
+  // FASTCOMM_MATMUL_IMPL: auto | skinny | wgmma | mma | simt. Forcing skinny,
+  // wgmma or mma raises where that kernel cannot run instead of falling back.
   std::string impl = "auto";
   // FASTCOMM_MATMUL_TILE: auto | large | small (CUDA cores and mma.sync:
   // 128x128 / 64x64; Hopper: the cooperative 128x256 / 128x128 tile, which
@@ -145,11 +145,16 @@ struct MatmulConfig {
   // FASTCOMM_MATMUL_GROUP: rows (raster m) or columns (raster n) of C per
   // group of the Hopper tile order, 256..65536; 0 = auto (2048).
   int group = 0;
+  // FASTCOMM_MATMUL_SPLITS: K split over blocks per output tile of the
+  // tensor-core kernels (Hopper wgmma; the mma.sync kernel keeps its own
+  // choice): 0 = auto (where the tiles do not fill the SMs), 1 = none,
+  // 2..16 forced (fewer where K has fewer 64-wide slices).
+  int splits = 0;
 
   // Every FASTCOMM_MATMUL_* variable that is set, through set().
   static MatmulConfig fromEnv();
   // Sets the field of FASTCOMM_MATMUL_<NAME> (name: "impl", "tile", "sched",
-  // "epi", "raster" or "group", any case) from `value` as that variable would;
+  // "epi", "raster", "group" or "splits", any case) from `value` as that variable would;
   // throws std::invalid_argument naming the variable.
   void set(const std::string& name, const std::string& value);
   std::string describe() const;

@@ -31,7 +31,7 @@ void bindMatmul(py::module_& m) {
         ops::setMatmulConfigOverride(c);
       },
       "Replaces the FASTCOMM_MATMUL_* settings of this process until reset_matmul_config(): "
-      "keywords impl, tile, sched, epi, raster, group (values as the variables take them); "
+      "keywords impl, tile, sched, epi, raster, group, splits (values as the variables take them); "
       "the ones not given are auto. Raises ValueError naming the variable of a bad value.");
   m.def(
       "reset_matmul_config", [] { ops::setMatmulConfigOverride(std::nullopt); },
@@ -40,9 +40,13 @@ void bindMatmul(py::module_& m) {
       "matmul_config",
       [] {
         const MatmulConfig c = ops::matmulConfig();
-        return std::map<std::string, std::string>{
-            {"impl", c.impl}, {"tile", c.tile},     {"sched", c.sched},
-            {"epi", c.epi},   {"raster", c.raster}, {"group", std::to_string(c.group)}};
+        return std::map<std::string, std::string>{{"impl", c.impl},
+                                                  {"tile", c.tile},
+                                                  {"sched", c.sched},
+                                                  {"epi", c.epi},
+                                                  {"raster", c.raster},
+                                                  {"group", std::to_string(c.group)},
+                                                  {"splits", std::to_string(c.splits)}};
       },
       "The matmul settings in force: the override, else the environment's.");
 }

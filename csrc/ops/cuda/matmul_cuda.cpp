@@ -3,13 +3,17 @@
 // of kernel. Kernels run on the current stream of the inputs' device.
 //
 // Kernel choice, for float16 / bfloat16 (float32 / float64 always take the
-// tiled CUDA-core kernel):
-//   1. on sm_90, the Hopper kernel (TMA + wgmma, warp-specialised,
-//      persistent; kernels/matmul_sm90*.cu{,h}) unless the problem has too
-//      few tiles to fill the GPU (gemm_wgmma_preferred);
-//   2. otherwise the mma.sync tensor-core kernel (kernels/matmul_sm80.cu) on
-//      sm_80+;
-//   3. otherwise the CUDA-core kernel (kernels/matmul_simt.cu).
+// tiled CUDA-core kernel): the first row of kAutoRules below that matches
+// the problem, among
+//   * the skinny kernel (kernels/matmul_skinny.cu) for one row of A with B
+//     K-major (decode-time linear layers), which streams B once;
+//   * on sm_90, the Hopper kernel (TMA + wgmma, warp-specialised,
+//     persistent; kernels/matmul_sm90*.cu{,h}), cooperative 128 x 128 tile
+//     (K split over CTAs where its tiles leave SMs idle) or 128 x 256 tile,
+//     whichever a wave model finds faster;
+//   * the mma.sync tensor-core kernel (kernels/matmul_sm80.cu) on sm_80+,
+//     with its own K split for small M;
+//   * otherwise the CUDA-core kernel (kernels/matmul_simt.cu).
 // The FASTCOMM_MATMUL_* settings (common/config.hpp, MatmulConfig; read once,
 // ops/matmul_config.hpp) force a path, tile, schedule, epilogue or tile order,
 // for debugging.
@@ -53,6 +57,7 @@ kc::WgmmaOptions wgmma_options(const MatmulConfig& c) {
              : c.raster == "n" ? kc::Raster::kN
                                : kc::Raster::kAuto;
   o.group = c.group;
+  o.splits = c.splits;
   return o;
 }
 
@@ -165,12 +170,129 @@ kc::GemmArgs problem_args(const GemmProblem& p, Activation act) {
   return args;
 }
 
-enum class Path { kSimt, kMma, kWgmma };
+enum class Path { kSimt, kSkinny, kMma, kWgmma };
+
+// ---- the default dispatch (impl=auto, half types) ---------------------------------
+
+// When a row of kAutoRules applies, besides its bound on M.
+enum class When {
+  kSkinnyLayout,  // A and B as the skinny kernel takes them (B K-major)
+  kWgmmaNarrow,   // sm_90: the 128 x 128 tile is no slower by the wave model (wave_128_wins)
+  kWgmma,         // sm_90
+  kSm80,          // sm_80+
+  kAlways,
+};
+
+// One row: problems with M <= max_m for which `when` holds take `path` with
+// these Hopper options (unset ones auto). Why these rows (ratios to cuBLAS
+// per shape class, H100, in docs/matmul.md):
+//   * skinny only at M == 1 with B K-major: there it streams the weight at
+//     the memory's rate; with B N-major, and with 8 rows of A, the split-K
+//     Hopper kernel is faster;
+//   * on sm_90 every other problem takes the Hopper kernel, small ones too
+//     (its 128 x 128 tile, K split where the tiles leave SMs idle, beats
+//     mma.sync on every small shape measured, up to 1024^3), on the tile of
+//     the wave model below; the split count is the Hopper split-K model's
+//     (kernels/matmul_sm90.cu).
+struct AutoRule {
+  int64_t max_m;
+  When when;
+  Path path;
+  kc::WgmmaSched sched;
+  kc::Tile tile;
+};
+constexpr int64_t kAnyM = INT64_MAX;
+constexpr int64_t kSkinnyAutoMaxM = 1;
+constexpr AutoRule kAutoRules[] = {
+    {kSkinnyAutoMaxM, When::kSkinnyLayout, Path::kSkinny, kc::WgmmaSched::kAuto, kc::Tile::kAuto},
+    {kAnyM, When::kWgmmaNarrow, Path::kWgmma, kc::WgmmaSched::kCoop, kc::Tile::kSmall},
+    {kAnyM, When::kWgmma, Path::kWgmma, kc::WgmmaSched::kCoop, kc::Tile::kLarge},
+    {kAnyM, When::kSm80, Path::kMma, kc::WgmmaSched::kAuto, kc::Tile::kAuto},
+    {kAnyM, When::kAlways, Path::kSimt, kc::WgmmaSched::kAuto, kc::Tile::kAuto},
+};
+
+// The wave model of the cooperative tiles: a persistent grid takes
+// ceil(tiles / SMs) rounds; a 128 x 256 tile takes 2 / kWideTileGain times a
+// 128 x 128 one (it does twice the flops at a better rate per flop). The
+// 128 x 128 tile wins ties.
+constexpr double kWideTileGain = 1.1;
+bool wave_128_wins(const kc::GemmArgs& args, int num_sms) {
+  auto cdiv = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  const int64_t rows = cdiv(args.M, 128);
+  const double rounds128 = static_cast<double>(cdiv(rows * cdiv(args.N, 128), num_sms));
+  const double rounds256 = static_cast<double>(cdiv(rows * cdiv(args.N, 256), num_sms));
+  return rounds128 <= rounds256 * 2.0 / kWideTileGain;
+}
+
+// The skinny kernel's operands, when the problem is one for it: B K-major as
+// it is, A K-major (copied where it is not: A has at most kSkinnyMaxM rows).
+struct SkinnyOperands {
+  Operand a, b;
+};
+std::optional<SkinnyOperands> skinny_operands(const GemmProblem& p) {
+  const at::ScalarType t = p.A.scalar_type();
+  if ((t != at::kHalf && t != at::kBFloat16) || p.M < 1 || p.M > kc::kSkinnyMaxM || p.K < 8 ||
+      p.K % 8 != 0) {
+    return std::nullopt;
+  }
+  SkinnyOperands o;
+  if (!try_layout(p.B, 0, o.b)) return std::nullopt;
+  if (!try_layout(p.A, 1, o.a)) {
+    at::Tensor copy = p.A.contiguous();
+    if (!try_layout(copy, 1, o.a)) return std::nullopt;
+    o.a.keep = copy;
+  }
+  return o;
+}
+
+// Whether the skinny kernel is forced or the default dispatch may take it
+// (its operands are prepared only then: A may need a copy).
+bool skinny_considered(const MatmulConfig& cfg, const GemmProblem& p) {
+  return cfg.impl == "skinny" || (cfg.impl == "auto" && p.M <= kSkinnyAutoMaxM);
+}
+
+// The row of kAutoRules for a half-type problem (always found: the last row
+// matches everything).
+const AutoRule& auto_rule(const kc::GemmArgs& args, const cudaDeviceProp* prop, bool skinny,
+                          bool wgmma_ok) {
+  for (const AutoRule& r : kAutoRules) {
+    if (args.M > r.max_m) continue;
+    bool ok = false;
+    switch (r.when) {
+      case When::kSkinnyLayout:
+        ok = skinny;
+        break;
+      case When::kWgmmaNarrow:
+        ok = wgmma_ok && wave_128_wins(args, prop->multiProcessorCount);
+        break;
+      case When::kWgmma:
+        ok = wgmma_ok;
+        break;
+      case When::kSm80:
+        ok = prop->major >= 8;
+        break;
+      case When::kAlways:
+        ok = true;
+        break;
+    }
+    if (ok) return r;
+  }
+  return kAutoRules[sizeof(kAutoRules) / sizeof(kAutoRules[0]) - 1];
+}
 
 // The kernel for a problem on the current device (see the top of the file);
-// raises where a forced kernel cannot run.
-Path choose_path(const kc::GemmArgs& args, const MatmulConfig& cfg, const cudaDeviceProp* prop) {
+// raises where a forced kernel cannot run. `skinny`: the problem has the
+// skinny kernel's shape and layout. `wopts`: the Hopper options, from the
+// settings, which the default dispatch may complete (schedule and tile of
+// its row).
+Path choose_path(const kc::GemmArgs& args, const MatmulConfig& cfg, const cudaDeviceProp* prop,
+                 bool skinny, kc::WgmmaOptions* wopts) {
   const bool half = args.dtype == kc::DType::kF16 || args.dtype == kc::DType::kBF16;
+  TORCH_CHECK(cfg.impl != "skinny" || skinny,
+              "FASTCOMM_MATMUL_IMPL=skinny: the skinny kernel needs float16 / bfloat16, at most ",
+              kc::kSkinnyMaxM, " rows of A, K a multiple of 8 and B K-major (got M=", args.M,
+              " N=", args.N, " K=", args.K, ")");
+  if (skinny && cfg.impl == "skinny") return Path::kSkinny;
   // K == 0 (bias + activation only) also goes to the CUDA-core kernel.
   if (!half || args.K == 0 || cfg.impl == "simt") return Path::kSimt;
   const bool wgmma_ok = prop->major == 9 && prop->minor == 0 && kc::gemm_wgmma_compiled();
@@ -178,9 +300,17 @@ Path choose_path(const kc::GemmArgs& args, const MatmulConfig& cfg, const cudaDe
               "FASTCOMM_MATMUL_IMPL=wgmma: the wgmma kernel needs an sm_90 device (", prop->name,
               " is sm_", prop->major, prop->minor,
               ") and an extension built for sm_90a (TORCH_CUDA_ARCH_LIST containing 9.0a)");
-  if (cfg.impl == "wgmma" || (cfg.impl == "auto" && wgmma_ok &&
-                              kc::gemm_wgmma_preferred(args, prop->multiProcessorCount))) {
-    return Path::kWgmma;
+  if (cfg.impl == "wgmma") return Path::kWgmma;
+  if (cfg.impl == "auto") {
+    const AutoRule& r = auto_rule(args, prop, skinny, wgmma_ok);
+    if (r.path == Path::kWgmma) {
+      // The row's schedule and tile where the settings leave them auto.
+      if (wopts->sched == kc::WgmmaSched::kAuto && wopts->tile == kc::Tile::kAuto) {
+        wopts->sched = r.sched;
+        wopts->tile = r.tile;
+      }
+    }
+    return r.path;
   }
   if (prop->major >= 8) return Path::kMma;
   TORCH_CHECK(cfg.impl != "mma", "FASTCOMM_MATMUL_IMPL=mma: the mma.sync kernel needs sm_80+, ",
@@ -204,13 +334,28 @@ at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
 
   cudaError_t err = cudaSuccess;
-  switch (choose_path(args, cfg, prop)) {
+  const std::optional<SkinnyOperands> skinny =
+      skinny_considered(cfg, p) ? skinny_operands(p) : std::nullopt;
+  kc::WgmmaOptions wopts = wgmma_options(cfg);
+  switch (choose_path(args, cfg, prop, skinny.has_value(), &wopts)) {
+    case Path::kSkinny: {
+      fill_ab(args, skinny->a, skinny->b);
+      TORCH_INTERNAL_ASSERT(kc::gemm_skinny_supported(args));
+      err = kc::launch_gemm_skinny(args, prop->multiProcessorCount, stream);
+      break;
+    }
     case Path::kWgmma: {
       Operand a = prepare_tc_operand(p.A, 1);
       Operand b = prepare_tc_operand(p.B, 0);
       fill_ab(args, a, b);
       TORCH_INTERNAL_ASSERT(kc::gemm_wgmma_supported(args));
-      err = kc::launch_gemm_wgmma_sm90(args, prop->multiProcessorCount, wgmma_options(cfg), stream);
+      const int64_t scratch =
+          kc::gemm_wgmma_workspace_bytes(args, prop->multiProcessorCount, wopts);
+      at::Tensor workspace;
+      if (scratch > 0) workspace = at::empty({scratch / 4}, p.A.options().dtype(at::kFloat));
+      err =
+          kc::launch_gemm_wgmma_sm90(args, prop->multiProcessorCount, wopts,
+                                     scratch > 0 ? workspace.mutable_data_ptr() : nullptr, stream);
       break;
     }
     case Path::kMma: {
@@ -218,7 +363,12 @@ at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias
       Operand b = prepare_tc_operand(p.B, 0);
       fill_ab(args, a, b);
       TORCH_INTERNAL_ASSERT(kc::gemm_mma_supported(args));
-      err = kc::launch_gemm_mma_sm80(args, prop->multiProcessorCount, to_tile(cfg.tile), stream);
+      const int64_t scratch =
+          kc::gemm_mma_workspace_bytes(args, prop->multiProcessorCount, to_tile(cfg.tile));
+      at::Tensor workspace;
+      if (scratch > 0) workspace = at::empty({scratch / 4}, p.A.options().dtype(at::kFloat));
+      err = kc::launch_gemm_mma_sm80(args, prop->multiProcessorCount, to_tile(cfg.tile),
+                                     scratch > 0 ? workspace.mutable_data_ptr() : nullptr, stream);
       break;
     }
     case Path::kSimt:
@@ -245,13 +395,23 @@ std::string kernel_name_cuda(const at::Tensor& a, const at::Tensor& b,
   args.c = const_cast<char*>(aligned_c);
   const MatmulConfig cfg = matmulConfig();
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  switch (choose_path(args, cfg, prop)) {
+  const std::optional<SkinnyOperands> skinny =
+      skinny_considered(cfg, p) ? skinny_operands(p) : std::nullopt;
+  kc::WgmmaOptions wopts = wgmma_options(cfg);
+  switch (choose_path(args, cfg, prop, skinny.has_value(), &wopts)) {
+    case Path::kSkinny:
+      fill_ab(args, skinny->a, skinny->b);
+      return "skinny k-major splits " +
+             std::to_string(kc::gemm_skinny_splits(args, prop->multiProcessorCount));
     case Path::kWgmma:
-      return kc::describe_gemm_wgmma_sm90(args, prop->multiProcessorCount, wgmma_options(cfg));
-    case Path::kMma:
-      return kc::gemm_mma_large_tile(args, prop->multiProcessorCount, to_tile(cfg.tile))
-                 ? "mma 128x128"
-                 : "mma 64x64";
+      return kc::describe_gemm_wgmma_sm90(args, prop->multiProcessorCount, wopts);
+    case Path::kMma: {
+      const int splits = kc::gemm_mma_splits(args, prop->multiProcessorCount, to_tile(cfg.tile));
+      return std::string(kc::gemm_mma_large_tile(args, prop->multiProcessorCount, to_tile(cfg.tile))
+                             ? "mma 128x128"
+                             : "mma 64x64") +
+             (splits > 1 ? " splitk " + std::to_string(splits) : "");
+    }
     case Path::kSimt:
       break;
   }
