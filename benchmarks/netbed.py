@@ -504,6 +504,10 @@ class Counters:
     rx_packets: int
     qdisc_drops: int  # packets the node end's qdiscs dropped (queue full)
     tcp_retransmits: int = 0  # TCP segments the node's namespace sent again (RetransSegs)
+    # Retransmission timeouts in the node's namespace (TcpExt TCPTimeouts): each stalls a flow
+    # for at least the minimum RTO (200 ms on Linux), which a collective's time shows.
+    tcp_timeouts: int = 0
+    veth_drops: int = 0  # packets the node's veth dropped, either direction (not the qdisc's)
 
     def minus(self, other: "Counters") -> "Counters":
         return Counters(
@@ -643,24 +647,23 @@ class Netbed:
                     info["tx"]["packets"],
                     info["rx"]["packets"],
                     sum(q.get("drops", 0) for q in qdiscs if q.get("kind") in ("tbf", "netem")),
-                    self._retransmits(n.netns),
+                    *self._tcp_counters(n.netns),
+                    info["tx"].get("dropped", 0) + info["rx"].get("dropped", 0),
                 )
             )
         return out
 
-    def _retransmits(self, netns: str) -> int:
-        """RetransSegs of the namespace's TCP (/proc/net/snmp is per network namespace)."""
+    def _tcp_counters(self, netns: str) -> tuple[int, int]:
+        """RetransSegs and TCPTimeouts of the namespace's TCP (/proc/net/snmp and
+        /proc/net/netstat are per network namespace); 0 for what cannot be read."""
         text = subprocess.run(
-            self.tools.exec_prefix(netns) + ["cat", "/proc/net/snmp"],
+            self.tools.exec_prefix(netns) + ["cat", "/proc/net/snmp", "/proc/net/netstat"],
             env=self.tools.env(),  # ip itself may need the unpacked libraries
             capture_output=True,
             text=True,
             check=False,
         ).stdout
-        rows = [line.split() for line in text.splitlines() if line.startswith("Tcp:")]
-        if len(rows) == 2 and "RetransSegs" in rows[0]:
-            return int(rows[1][rows[0].index("RetransSegs")])
-        return 0
+        return _snmp_value(text, "Tcp:", "RetransSegs"), _snmp_value(text, "TcpExt:", "TCPTimeouts")
 
     def tcp_ceiling(self, streams: int = 4, seconds: float = 1.5) -> float:
         """GB/s per direction that plain TCP gets between nodes 0 and 1 with `streams`
@@ -756,6 +759,8 @@ class LaunchResult:
             "link_rx_bytes": [c.rx_bytes for c in self.link],
             "link_qdisc_drops": [c.qdisc_drops for c in self.link],
             "link_tcp_retransmits": [c.tcp_retransmits for c in self.link],
+            "link_tcp_timeouts": [c.tcp_timeouts for c in self.link],
+            "link_veth_drops": [c.veth_drops for c in self.link],
         }
 
     def describe(self) -> str:
@@ -763,9 +768,21 @@ class LaunchResult:
             f"node {i} sent {format_bytes(c.tx_bytes)} received {format_bytes(c.rx_bytes)}"
             + (f" ({c.qdisc_drops} packets dropped by its qdisc)" if c.qdisc_drops else "")
             + (f" ({c.tcp_retransmits} TCP segments retransmitted)" if c.tcp_retransmits else "")
+            + (f" ({c.tcp_timeouts} retransmission timeouts)" if c.tcp_timeouts else "")
+            + (f" ({c.veth_drops} packets dropped by its veth)" if c.veth_drops else "")
             for i, c in enumerate(self.link)
         )
         return f"exit {self.returncodes} in {self.seconds:.1f} s; over the links: {per}"
+
+
+def _snmp_value(text: str, table: str, name: str) -> int:
+    """The value of `name` in the `table` of /proc/net/snmp or /proc/net/netstat text (a header
+    line and a value line per table); 0 if absent."""
+    rows = [line.split() for line in text.splitlines() if line.startswith(table)]
+    for header, values in zip(rows[::2], rows[1::2]):
+        if name in header:
+            return int(values[header.index(name)])
+    return 0
 
 
 def _exit_code(rc: int) -> int:

@@ -95,6 +95,21 @@ def test_rates_delays_and_link_settings() -> None:
     assert nb.parse_link("1gbit").limit == (4 << 20) + (128 << 10)  # the queue's floor
 
 
+def test_tcp_counters_parse_snmp_and_netstat() -> None:
+    """The counters come from the header / value line pairs of /proc/net/snmp and netstat."""
+    text = (
+        "Ip: Forwarding DefaultTTL\nIp: 1 64\n"
+        "Tcp: RtoAlgorithm ActiveOpens RetransSegs InErrs\nTcp: 1 5 1234 0\n"
+        "TcpExt: SyncookiesSent TCPTimeouts TCPLossProbes\nTcpExt: 0 17 3\n"
+        "IpExt: InNoRoutes\nIpExt: 0\n"
+    )
+    assert nb._snmp_value(text, "Tcp:", "RetransSegs") == 1234
+    assert nb._snmp_value(text, "TcpExt:", "TCPTimeouts") == 17
+    assert nb._snmp_value(text, "TcpExt:", "TCPLossProbes") == 3
+    assert nb._snmp_value(text, "TcpExt:", "NoSuchCounter") == 0
+    assert nb._snmp_value("", "Tcp:", "RetransSegs") == 0
+
+
 def test_plan_of_a_veth_pair() -> None:
     plan = nb.make_plan(2, nb.parse_link("25gbit,20us"), tag="4242-beef")
     assert [n.netns for n in plan.nodes] == ["netbed-4242-beef-n0", "netbed-4242-beef-n1"]
@@ -215,9 +230,9 @@ def test_collectives_and_ddp_over_a_shaped_link(tools: object, link: object, tmp
         n = bed.nodes[node]
         listening = [line for line in res.output[node] if "tcp transport listening on" in line]
         assert len(listening) >= 2, tail
-        assert all(f"{n.addr}:" in line and f"({n.ifname})" in line for line in listening), (
-            listening
-        )
+        assert all(
+            f"{n.addr}:" in line and f"({n.ifname})" in line for line in listening
+        ), listening
     print(f"\n[{link.describe()}: {res.describe()}]")
 
 
@@ -232,6 +247,8 @@ def test_tcp_ceiling_and_retransmit_counters(tools: object, link: object) -> Non
     assert 0.5 * rate < gbps < 1.02 * rate, (gbps, rate)
     for b, a in zip(before, after):
         assert a.tcp_retransmits >= b.tcp_retransmits >= 0
+        assert a.tcp_timeouts >= b.tcp_timeouts >= 0
+        assert a.veth_drops >= b.veth_drops >= 0
         assert a.tx_bytes - b.tx_bytes > 0.5 * gbps * 1e9
 
 
