@@ -7,7 +7,9 @@ launch of bench_collectives.py. This driver runs, one after the other, on one ma
      running both side by side, interleaved);
   2. the peer alone, once per setting of a small sweep: NCCL_SOCKET_NTHREADS x
      NCCL_NSOCKS_PERTHREAD in --socket-settings, times NCCL_BUFFSIZE in --buffsizes;
-  3. optionally fastcomm alone once per wire dtype of --wire-dtype (e.g. bf16,int8);
+  3. optionally fastcomm alone once per wire dtype of --wire-dtype (e.g. bf16,int8), and once
+     per setting of --fastcomm-env (e.g. "FASTCOMM_TCP_SOCKETS=2;FASTCOMM_TCP_SOCKETS=4"): the
+     series fastcomm(TCP_SOCKETS=2), ..., to compare fastcomm's own settings on the same links;
 
 all with the same --sim-nodes, --device, --ops, sizes and iteration options, and with
 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1. It then merges the
@@ -81,11 +83,14 @@ class Launch:
     """One torchrun launch of bench_collectives.py."""
 
     name: str  # also the file name of its JSON and its --label
-    role: str  # "main" (fastcomm [+ peer at default]), "peer" (one swept setting), "wire"
+    # "main" (fastcomm [+ peer at default]), "peer" (one swept setting), "wire" (fastcomm with a
+    # wire dtype), "variant" (fastcomm with the environment settings in env)
+    role: str
     backends: list[str]
     setting: str = DEFAULT_SETTING  # the peer setting, as shown in tables
     env: dict[str, str] = field(default_factory=dict)  # set for this launch only
     wire_dtype: Optional[str] = None
+    series: str = ""  # the merged series of a "wire" or "variant" launch
     cmd: list[str] = field(default_factory=list)
     json: str = ""
     returncode: Optional[int] = None
@@ -194,6 +199,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "of fastcomm alone for each, the series fastcomm(<dtype>) (default: %(default)s)",
     )
     p.add_argument(
+        "--fastcomm-env",
+        type=_fastcomm_envs,
+        default=[],
+        metavar="'NAME=V [NAME=V];...'",
+        help="one more launch of fastcomm alone per ';'-separated setting, each a list of "
+        "FASTCOMM_* assignments: the series fastcomm(<setting without the FASTCOMM_ prefix>)",
+    )
+    p.add_argument(
         "--out-dir",
         help="folder of the per-launch JSON files (default: a new folder under the temp dir)",
     )
@@ -269,6 +282,29 @@ def _wire_dtypes(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _fastcomm_envs(text: str) -> list[dict[str, str]]:
+    """'FASTCOMM_A=1 FASTCOMM_B=2;FASTCOMM_A=3' -> [{A: 1, B: 2}, {A: 3}] (full names)."""
+    settings = []
+    for part in (p.strip() for p in text.split(";")):
+        if not part:
+            continue
+        env = {}
+        for item in part.split():
+            name, eq, value = item.partition("=")
+            if not eq or not name.startswith("FASTCOMM_") or not value:
+                raise argparse.ArgumentTypeError(
+                    f"{item!r}: give FASTCOMM_NAME=VALUE assignments, separated by spaces"
+                )
+            env[name] = value
+        settings.append(env)
+    return settings
+
+
+def env_label(env: dict[str, str]) -> str:
+    """'TCP_SOCKETS=2 CHUNK_BYTES=1M' for {FASTCOMM_TCP_SOCKETS: 2, FASTCOMM_CHUNK_BYTES: 1M}."""
+    return " ".join(f"{k.removeprefix('FASTCOMM_')}={v}" for k, v in env.items())
+
+
 def _link_text(link: nb.Link) -> str:
     """'25 Gbit/s' or '25 Gbit/s, 20 us delay'."""
     rate = nb.format_rate(link.rate_bps)
@@ -310,7 +346,22 @@ def plan_launches(args: argparse.Namespace, out_dir: str, fallback: bool = False
             name = f"{args.peer}-" + label.replace(" buf=", "-buf")
             launches.append(Launch(name, "peer", [args.peer], label, env))
     for wire in args.wire_dtype:
-        launches.append(Launch(f"fastcomm-{wire}", "wire", ["fastcomm"], wire_dtype=wire))
+        launches.append(
+            Launch(
+                f"fastcomm-{wire}",
+                "wire",
+                ["fastcomm"],
+                wire_dtype=wire,
+                series=f"fastcomm({wire})",
+            )
+        )
+    for k, env in enumerate(args.fastcomm_env):
+        label = env_label(env)
+        launches.append(
+            Launch(
+                f"fastcomm-env{k}", "variant", ["fastcomm"], env=env, series=f"fastcomm({label})"
+            )
+        )
     if fallback:
         launches.append(Launch(f"{args.peer}-{DEFAULT_SETTING}", "peer", [args.peer]))
     if args.netbed:
@@ -518,7 +569,9 @@ def merge(
                     )
     if args.fastcomm:
         take("main", "fastcomm", "fastcomm", None)
-    defaults = [la.name for la in launches if la.setting == DEFAULT_SETTING and la.role != "wire"]
+    defaults = [
+        la.name for la in launches if la.setting == DEFAULT_SETTING and la.role in ("main", "peer")
+    ]
     defaults = [
         name
         for name in defaults
@@ -540,12 +593,13 @@ def merge(
             r["setting"]: (r["busbw_gbps"] if _usable(r) else None) for r in rows_here
         }
     for launch in launches:
-        if launch.role == "wire":
-            series = f"fastcomm({launch.wire_dtype})"
-            take(launch.name, series, series, None)
+        if launch.role == "wire":  # bench_collectives names the series itself
+            take(launch.name, launch.series, launch.series, None)
+        elif launch.role == "variant":
+            take(launch.name, "fastcomm", launch.series, None)
 
     series_order = (["fastcomm"] if args.fastcomm else []) + [default_series, best_series]
-    series_order += [f"fastcomm({la.wire_dtype})" for la in launches if la.role == "wire"]
+    series_order += [la.series for la in launches if la.role in ("wire", "variant")]
     series_order = [s for s in series_order if any(r["backend"] == s for r in rows)]
     ops = list(dict.fromkeys(r["op"] for d in loaded.values() for r in d["results"]))
     rank = {s: k for k, s in enumerate(series_order)}
@@ -584,7 +638,8 @@ def merge(
                 "launches": [
                     {
                         "name": la.name,
-                        "setting": la.setting if la.role != "wire" else None,
+                        "setting": la.setting if la.role in ("main", "peer") else None,
+                        "series": la.series or None,
                         "backends": la.backends,
                         "env": LAUNCH_ENV | la.env,
                         "cmd": la.cmd,
