@@ -50,6 +50,21 @@ EnvSpec = Union[None, Mapping[str, str], Callable[[int], Mapping[str, str]]]
 _OUTPUT_TAIL_CHARS = 6000
 
 
+def load_benchmark_module(relpath: str) -> Any:
+    """benchmarks/<relpath>.py (e.g. "netbed", "tools/ncu_summary") as a module named by its
+    file (the benchmarks are scripts, not a package; registered in sys.modules first, where
+    dataclasses look their module up)."""
+    import importlib.util
+
+    name = os.path.basename(relpath)
+    path = os.path.join(os.path.dirname(TESTS_DIR), "benchmarks", f"{relpath}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def backend_under_test() -> str:
     """The backend the suite runs against (FASTCOMM_TEST_BACKEND, default "fastcomm")."""
     return BACKEND

@@ -10,7 +10,6 @@ The tests that make namespaces skip, with the reason, where that is not possible
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -18,11 +17,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-from _harness import is_gloo
+from _harness import is_gloo, load_benchmark_module
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -31,15 +29,7 @@ RATE = "1gbit"  # fast enough for the case matrix on a 2-core machine
 DELAY = "20us"  # where the kernel has netem
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("netbed", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["netbed"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-nb = _load()
+nb = load_benchmark_module("netbed")
 
 
 @pytest.fixture(scope="module")

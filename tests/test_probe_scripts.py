@@ -4,25 +4,17 @@ parse and name every stage they handle."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from _harness import load_benchmark_module
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ROOT / "benchmarks" / "tools"
 RUNNER = ROOT / "scripts" / "gpu_check.sh"
-
-
-def load_tool(name: str) -> ModuleType:
-    """benchmarks/tools/<name>.py as a module (the tools are no package)."""
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.parametrize("script", [RUNNER, TOOLS / "matmul_ncu.sh"], ids=lambda p: p.name)
@@ -36,7 +28,10 @@ def test_runner_documents_every_stage_it_handles():
     documented = set(re.findall(r"^#   ([a-z]+) ", text, flags=re.M))
     assert handled == documented, (handled, documented)
     expected = {"build", "carried", "tests", "ops", "bench", "sweep", "matmulbench", "killed"}
-    assert expected | {"capture", "hooks", "ddpbench", "suite", "netbed", "nvlink", "nvlinkparts"} == handled
+    assert (
+        expected | {"capture", "hooks", "ddpbench", "suite", "netbed", "nvlink", "nvlinkparts"}
+        == handled
+    )
 
 
 def test_runner_unknown_stage_fails_before_running_anything(tmp_path):
@@ -67,7 +62,9 @@ def test_ncu_summary_raw_table(tmp_path):
         "# kernel 0: 4096x4096x4096 fc[auto]\n"
         "# kernel 1: 4096x4096x4096 cublas\n"
     )
-    table = load_tool("ncu_summary").raw_table(str(path), ["smsp__inst_executed", "dram"])
+    table = load_benchmark_module("tools/ncu_summary").raw_table(
+        str(path), ["smsp__inst_executed", "dram"]
+    )
     lines = table.splitlines()
     assert lines[2] == "| smsp__inst_executed.sum | 1.69e+06 | 2.6e+07 |"
     assert lines[3] == "| dram__bytes_read.sum | 1.48e+08 | 1.45e+08 |"
@@ -92,7 +89,7 @@ def test_ncu_summary_opcode_table(tmp_path):
         + block.format(name="ours", h=100, b=7)
         + block.format(name="cublas", h=50, b=1)
     )
-    summary = load_tool("ncu_summary")
+    summary = load_benchmark_module("tools/ncu_summary")
     names, counts = summary.opcode_counts(str(path))
     assert names == ["ours", "cublas"]
     assert [dict(c) for c in counts] == [{"HGMMA": 200, "BRA": 7}, {"HGMMA": 100, "BRA": 1}]

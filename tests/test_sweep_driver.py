@@ -3,31 +3,21 @@ real sweep of CPU tensors on 2 simulated nodes with fastcomm's own settings comp
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-from _harness import is_gloo
+from _harness import is_gloo, load_benchmark_module
 
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = ROOT / "benchmarks" / "run_multinode_sweep.py"
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("run_multinode_sweep", DRIVER)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["run_multinode_sweep"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-sweep = _load()
+sweep = load_benchmark_module("run_multinode_sweep")
 
 
 def test_fastcomm_settings_become_launches_of_their_own(tmp_path: Path) -> None:

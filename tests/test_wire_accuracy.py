@@ -32,7 +32,6 @@ with arbitrary block alignment) on synthetic gradients, without processes.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -40,24 +39,18 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
+
+from _harness import load_benchmark_module
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "wire_accuracy.py"
 WIRES = ("none", "bf16", "fp16", "int8")
 STEPS = 4
 RUN_TIMEOUT_S = 240
-
-
-def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("wire_accuracy", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +160,7 @@ def test_bound_covers_modelled_wires() -> None:
     cancelling), a model of each encoding in both 2-node algorithms (ring: one partial rounded
     per block; recursive doubling: both; then the sum) stays within error_bound, and the bound
     is no more than 20x the error (it says something)."""
-    wa = load_script()
+    wa = load_benchmark_module("wire_accuracy")
     g = torch.Generator().manual_seed(7)
     n = 20_000
     problems = []
@@ -198,7 +191,7 @@ def test_bound_covers_modelled_wires() -> None:
 def test_block_max_norm_covers_any_alignment() -> None:
     """||m|| of block_max_norm is at least that of the true block maxima, wherever the blocks
     start."""
-    wa = load_script()
+    wa = load_benchmark_module("wire_accuracy")
     g = torch.Generator().manual_seed(3)
     x = torch.randn(5000, generator=g, dtype=torch.float64) * torch.exp(
         3.0 * torch.randn(5000, generator=g, dtype=torch.float64)
