@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _harness import BACKEND, Checker, RankFailure, gen, is_gloo, run_ranks
+from _nvlink import WORLDS, nvlink_calls, rank_device, replay_pattern
 
 pytestmark = [
     pytest.mark.skipif(is_gloo(), reason="fastcomm's NVLink all_reduce"),
@@ -35,26 +36,9 @@ DTYPES = ["float32", "float16", "bfloat16"]
 OPS = ["SUM", "AVG", "MIN", "MAX"]
 ONE, TWO, NCCL = "one", "two", "nccl"
 
-# Every group size the machine has GPUs for (the limits differ by size).
-WORLDS = [
-    pytest.param(2, id="2gpu"),
-    pytest.param(4, id="4gpu", marks=pytest.mark.cuda(world_size=4)),
-]
-
-
-def _device(rank: int) -> torch.device:
-    torch.cuda.set_device(rank)
-    return torch.device("cuda", rank)
-
 
 def _counts(group: Any = None) -> tuple[int, int]:
-    import torchext
-
-    s = torchext.stats(group)
-    return (
-        int(s.get("nvlink_one_shot", {}).get("count", 0)),
-        int(s.get("nvlink_two_shot", {}).get("count", 0)),
-    )
+    return nvlink_calls("nvlink_one_shot", group), nvlink_calls("nvlink_two_shot", group)
 
 
 def _path(before: tuple[int, int], after: tuple[int, int]) -> str:
@@ -136,7 +120,7 @@ def matrix_fn(rank: int, ws: int) -> dict[str, Any]:
     async/sync calls on different streams, a subgroup and a group with the path off."""
     import torchext._testing as testing
 
-    dev = _device(rank)
+    dev = rank_device(rank)
     limits = tuple(testing.nvlink_limits(ws))
     chk = Checker(f"rank {rank}")
     calls = 0
@@ -228,14 +212,8 @@ def test_every_dtype_op_size_and_offset(ws: int) -> None:
     assert res[0]["calls"] > 500, res
 
 
-def _pattern(base: torch.Tensor, rank: int, i: int, dt: torch.dtype) -> torch.Tensor:
-    """Small integers (|x| <= 30): sums of up to 8 ranks and their halves are exact in every
-    dtype, so replays are checked for equality."""
-    return torch.remainder(base + (13 * rank + i), 61).sub_(30).to(dt)
-
-
 def _expected(base: torch.Tensor, ws: int, i: int, op: str, dt: torch.dtype) -> torch.Tensor:
-    x = torch.stack([_pattern(base, r, i, torch.float64) for r in range(ws)])
+    x = torch.stack([replay_pattern(base, r, i, torch.float64) for r in range(ws)])
     if op == "SUM":
         r = x.sum(0)
     elif op == "AVG":
@@ -252,7 +230,7 @@ def graph_fn(rank: int, ws: int, replays: int) -> dict[str, Any]:
     `replays` times with fresh data each time, eager calls of other sizes between them."""
     import torchext._testing as testing
 
-    dev = _device(rank)
+    dev = rank_device(rank)
     one, two = testing.nvlink_limits(ws)
     chk = Checker(f"rank {rank}")
     # A second group on the same GPUs, with buffers and counters of its own, in the same graph.
@@ -290,7 +268,7 @@ def graph_fn(rank: int, ws: int, replays: int) -> dict[str, Any]:
     before = _counts()
     for i in range(replays):
         for t, base, (d, _, _, _) in zip(static, bases, specs):
-            t.copy_(_pattern(base, rank, i, getattr(torch, d)))
+            t.copy_(replay_pattern(base, rank, i, getattr(torch, d)))
         g.replay()
         for t, base, (d, op, _, _) in zip(static, bases, specs):
             bad += (t != _expected(base, ws, i, op, getattr(torch, d))).sum()
@@ -299,7 +277,7 @@ def graph_fn(rank: int, ws: int, replays: int) -> dict[str, Any]:
             d, op = DTYPES[(i // 50) % 3], OPS[(i // 50) % 4]
             n = [17, 1023, one // 4 + 5, two // 8 + 3][(i // 50) % 4]
             base = torch.arange(n, device=dev, dtype=torch.int64) * 3
-            t = _pattern(base, rank, i, getattr(torch, d))
+            t = replay_pattern(base, rank, i, getattr(torch, d))
             dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
             bad += (t != _expected(base, ws, i, op, getattr(torch, d))).sum()
             eager_calls += 1
@@ -342,7 +320,7 @@ GRACE_S = 10.0
 
 
 def killed_fn(rank: int, ws: int, mode: str) -> dict[str, Any]:
-    dev = _device(rank)
+    dev = rank_device(rank)
     dist.init_process_group(backend=BACKEND, timeout=timedelta(seconds=PG_TIMEOUT_S))
     chk = Checker(f"rank {rank}")
     n = 4099  # one-shot

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from _harness import BACKEND, Checker, RankFailure, gen, is_gloo, run_ranks
+from _nvlink import WORLDS, nvlink_calls, rank_device, replay_pattern
 
 pytestmark = [
     pytest.mark.skipif(is_gloo(), reason="fastcomm's NVLink all_gather / reduce_scatter"),
@@ -34,23 +35,6 @@ REDUCE_DTYPES = ["float32", "float16", "bfloat16"]
 OPS = ["SUM", "AVG", "MIN", "MAX"]
 GATHER_DTYPES = ["float32", "bfloat16", "float64", "int64", "int32", "uint8", "bool"]
 KEYS = ("nvlink_all_gather", "nvlink_reduce_scatter")
-
-# Every group size the machine has GPUs for (the limits differ by size).
-WORLDS = [
-    pytest.param(2, id="2gpu"),
-    pytest.param(4, id="4gpu", marks=pytest.mark.cuda(world_size=4)),
-]
-
-
-def _device(rank: int) -> torch.device:
-    torch.cuda.set_device(rank)
-    return torch.device("cuda", rank)
-
-
-def _count(key: str, group: Any = None) -> int:
-    import torchext
-
-    return int(torchext.stats(group).get(key, {}).get("count", 0))
 
 
 def _sizes(esize: int, limit: int) -> list[int]:
@@ -75,9 +59,9 @@ def _gather_one(
     guard = torch.ones((), dtype=dt) if dt != torch.bool else torch.tensor(True)
     buf = torch.full((offset + ws * n + 3,), guard.item(), dtype=dt, device=dev)
     out = buf[offset : offset + ws * n]
-    before = _count(KEYS[0])
+    before = nvlink_calls(KEYS[0])
     dist.all_gather_into_tensor(out, src[offset:])
-    took = _count(KEYS[0]) - before
+    took = nvlink_calls(KEYS[0]) - before
     got = buf.cpu()
     chk.equal(got[offset : offset + ws * n], torch.cat(parts), key)
     outside = torch.cat([got[:offset], got[offset + ws * n :]])
@@ -96,9 +80,9 @@ def _scatter_one(
     src[offset:].copy_(inputs[rank].to(dev))
     buf = torch.full((offset + n + 3,), 7.0, dtype=dt, device=dev)
     out = buf[offset : offset + n]
-    before = _count(KEYS[1])
+    before = nvlink_calls(KEYS[1])
     dist.reduce_scatter_tensor(out, src[offset:], op=getattr(dist.ReduceOp, op))
-    took = _count(KEYS[1]) - before
+    took = nvlink_calls(KEYS[1]) - before
     got = buf.cpu()
     chk.reduced(got[offset : offset + n], [x[rank * n : (rank + 1) * n] for x in inputs], op, key)
     outside = torch.cat([got[:offset], got[offset + n :]])
@@ -111,7 +95,7 @@ def matrix_fn(rank: int, ws: int) -> dict[str, Any]:
     in-place forms FSDP uses, the list forms, async calls and a subgroup."""
     import torchext._testing as testing
 
-    dev = _device(rank)
+    dev = rank_device(rank)
     gather_limit, scatter_limit = testing.nvlink_part_limits(ws)
     chk = Checker(f"rank {rank}")
     calls = 0
@@ -139,15 +123,15 @@ def matrix_fn(rank: int, ws: int) -> dict[str, Any]:
     parts = [gen("nvl-ag/inplace", r, (n,), torch.bfloat16) for r in range(ws)]
     out = torch.empty(ws * n, dtype=torch.bfloat16, device=dev)
     out[rank * n : (rank + 1) * n].copy_(parts[rank].to(dev))
-    before = _count(KEYS[0])
+    before = nvlink_calls(KEYS[0])
     dist.all_gather_into_tensor(out, out[rank * n : (rank + 1) * n])
-    chk.true(_count(KEYS[0]) - before == 1, "in-place all_gather not on NVLink")
+    chk.true(nvlink_calls(KEYS[0]) - before == 1, "in-place all_gather not on NVLink")
     chk.equal(out.cpu(), torch.cat(parts), "in-place all_gather")
     inputs = [gen("nvl-rs/inplace", r, (ws * n,), torch.float32, "SUM") for r in range(ws)]
     src = inputs[rank].to(dev)
-    before = _count(KEYS[1])
+    before = nvlink_calls(KEYS[1])
     dist.reduce_scatter_tensor(src[rank * n : (rank + 1) * n], src)
-    chk.true(_count(KEYS[1]) - before == 1, "in-place reduce_scatter not on NVLink")
+    chk.true(nvlink_calls(KEYS[1]) - before == 1, "in-place reduce_scatter not on NVLink")
     chk.reduced(
         src[rank * n : (rank + 1) * n].cpu(),
         [x[rank * n : (rank + 1) * n] for x in inputs],
@@ -158,9 +142,9 @@ def matrix_fn(rank: int, ws: int) -> dict[str, Any]:
     # The list forms with one tensor per rank stay on NCCL and are right.
     t = gen("nvl-ag/list", rank, (513,), torch.float32).to(dev)
     outs = [torch.empty_like(t) for _ in range(ws)]
-    before = _count(KEYS[0])
+    before = nvlink_calls(KEYS[0])
     dist.all_gather(outs, t)
-    chk.true(_count(KEYS[0]) == before, "list all_gather left NCCL")
+    chk.true(nvlink_calls(KEYS[0]) == before, "list all_gather left NCCL")
     for r, o in enumerate(outs):
         chk.equal(o.cpu(), gen("nvl-ag/list", r, (513,), torch.float32), f"list all_gather {r}")
     ins = [gen(f"nvl-rs/list/{q}", rank, (513,), torch.float32, "SUM").to(dev) for q in range(ws)]
@@ -205,9 +189,9 @@ def matrix_fn(rank: int, ws: int) -> dict[str, Any]:
     for label, group, want in (("subgroup", sub, 1), ("path off", off, 0)):
         parts = [gen(f"nvl-ag/{label}", r, (999,), torch.float32) for r in range(ws)]
         out = torch.empty(ws * 999, device=dev)
-        before = _count(KEYS[0], group)
+        before = nvlink_calls(KEYS[0], group)
         dist.all_gather_into_tensor(out, parts[rank].to(dev), group=group)
-        chk.true(_count(KEYS[0], group) - before == want, f"{label}: all_gather path")
+        chk.true(nvlink_calls(KEYS[0], group) - before == want, f"{label}: all_gather path")
         chk.equal(out.cpu(), torch.cat(parts), f"{label}: all_gather")
     dist.destroy_process_group(off)
     dist.destroy_process_group(sub)
@@ -225,17 +209,12 @@ def test_every_dtype_op_size_and_form(ws: int) -> None:
     assert res[0]["calls"] > 300, res
 
 
-def _pattern(base: torch.Tensor, rank: int, i: int, dt: torch.dtype) -> torch.Tensor:
-    """Small integers (|x| <= 30): exact sums and averages over up to 8 ranks in every dtype."""
-    return torch.remainder(base + (13 * rank + i), 61).sub_(30).to(dt)
-
-
 def graph_fn(rank: int, ws: int, replays: int) -> dict[str, Any]:
     """all_gather, reduce_scatter and all_reduce captured in one graph, replayed with fresh
     data; eager calls of other sizes between replays."""
     import torchext._testing as testing
 
-    dev = _device(rank)
+    dev = rank_device(rank)
     gather_limit, scatter_limit = testing.nvlink_part_limits(ws)
     chk = Checker(f"rank {rank}")
     n_ag, n_rs = 4099, scatter_limit // 2 // 2 - 7  # bf16 all_gather, float16 reduce_scatter
@@ -255,29 +234,34 @@ def graph_fn(rank: int, ws: int, replays: int) -> dict[str, Any]:
 
     calls()  # eager first
     torch.cuda.synchronize()
-    before = [_count(k) for k in KEYS]
+    before = [nvlink_calls(k) for k in KEYS]
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         calls()
-    chk.true([_count(k) - b for k, b in zip(KEYS, before)] == [1, 1], "capture not counted once")
+    chk.true(
+        [nvlink_calls(k) - b for k, b in zip(KEYS, before)] == [1, 1], "capture not counted once"
+    )
 
     bad = torch.zeros((), dtype=torch.int64, device=dev)
     for i in range(replays):
-        ag_in.copy_(_pattern(base_ag, rank, i, torch.bfloat16))
-        rs_in.copy_(_pattern(base_rs, rank, i, torch.float16))
-        ar.copy_(_pattern(base_ar, rank, i, torch.float32))
+        ag_in.copy_(replay_pattern(base_ag, rank, i, torch.bfloat16))
+        rs_in.copy_(replay_pattern(base_rs, rank, i, torch.float16))
+        ar.copy_(replay_pattern(base_ar, rank, i, torch.float32))
         g.replay()
-        want_ag = torch.cat([_pattern(base_ag, r, i, torch.float64) for r in range(ws)])
+        want_ag = torch.cat([replay_pattern(base_ag, r, i, torch.float64) for r in range(ws)])
         bad += (ag_out.double() != want_ag).sum()
-        rows = torch.stack([_pattern(base_rs, r, i, torch.float64) for r in range(ws)])
+        rows = torch.stack([replay_pattern(base_rs, r, i, torch.float64) for r in range(ws)])
         want_rs = (rows.sum(0) / ws).to(torch.float16)[rank * n_rs : (rank + 1) * n_rs]
         bad += (rs_out != want_rs).sum()
-        want_ar = torch.stack([_pattern(base_ar, r, i, torch.float64) for r in range(ws)]).amax(0)
+        want_ar = torch.stack(
+            [replay_pattern(base_ar, r, i, torch.float64) for r in range(ws)]
+        ).amax(0)
         bad += (ar.double() != want_ar).sum()
         if i % 50 == 0:
             m = [9, 1001, gather_limit // 8 + 3][(i // 50) % 3]
             parts = [
-                _pattern(torch.arange(m, device=dev) * 7, r, i, torch.float32) for r in range(ws)
+                replay_pattern(torch.arange(m, device=dev) * 7, r, i, torch.float32)
+                for r in range(ws)
             ]
             out = torch.empty(ws * m, device=dev)
             dist.all_gather_into_tensor(out, parts[rank])
@@ -304,7 +288,7 @@ GRACE_S = 10.0
 
 
 def killed_fn(rank: int, ws: int, op: str) -> dict[str, Any]:
-    dev = _device(rank)
+    dev = rank_device(rank)
     dist.init_process_group(backend=BACKEND, timeout=timedelta(seconds=PG_TIMEOUT_S))
     chk = Checker(f"rank {rank}")
     n = 4099
@@ -317,10 +301,10 @@ def killed_fn(rank: int, ws: int, op: str) -> dict[str, Any]:
         out = torch.empty(n, device=dev)
         return dist.reduce_scatter_tensor(out, torch.ones(ws * n, device=dev), async_op=async_op)
 
-    before = _count(key)
+    before = nvlink_calls(key)
     call(False)
     torch.cuda.synchronize()
-    chk.true(_count(key) - before == 1, f"warm-up {op} not on NVLink")
+    chk.true(nvlink_calls(key) - before == 1, f"warm-up {op} not on NVLink")
     victim = 1
     dist.barrier()
     torch.cuda.synchronize()
