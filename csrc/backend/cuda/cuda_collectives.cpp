@@ -123,6 +123,10 @@ class CudaCollectives::Impl {
   // dumps, then abort(why).
   void fail(const std::string& why);
   void checkHealthy();
+  // The work of one call on this group's device; a captured call's work has
+  // no timing events.
+  c10::intrusive_ptr<CudaWork> newWork(const CudaOpInfo& info, const Tensors& inputs,
+                                       const Tensors& outputs, bool capturing);
   std::exception_ptr error();
   nccl::Call call(ncclComm_t comm, cudaStream_t s) const;
 
@@ -402,14 +406,21 @@ void CudaCollectives::Impl::checkHealthy() {
   }
 }
 
+c10::intrusive_ptr<CudaWork> CudaCollectives::Impl::newWork(const CudaOpInfo& info,
+                                                            const Tensors& inputs,
+                                                            const Tensors& outputs,
+                                                            bool capturing) {
+  return c10::make_intrusive<CudaWork>(rank_, info, inputs, outputs, device_, this, *events_,
+                                       cfg_.cudaTiming && !capturing, capturing);
+}
+
 WorkPtr CudaCollectives::Impl::launch(const CudaOpInfo& info, const Tensors& inputs,
                                       const Tensors& outputs, Body body) {
   checkHealthy();
   c10::cuda::CUDAGuard guard(device_);
   auto current = at::cuda::getCurrentCUDAStream(device_.index());
   const bool capturing = isCapturing(current.stream());
-  auto work = c10::make_intrusive<CudaWork>(rank_, info, inputs, outputs, device_, this, *events_,
-                                            cfg_.cudaTiming && !capturing, capturing);
+  auto work = newWork(info, inputs, outputs, capturing);
   std::lock_guard<std::mutex> lock(issueMu_);
   if (coalescing_) {
     deferred_.push_back({std::move(body), work});
@@ -484,8 +495,7 @@ WorkPtr CudaCollectives::Impl::launchHier(const CudaOpInfo& info, const at::Tens
   // collectives of a group must).
   CudaOpInfo hinfo = info;
   hinfo.onCurrentStream = false;
-  auto work = c10::make_intrusive<CudaWork>(rank_, hinfo, Tensors{t}, Tensors{t}, device_, this,
-                                            *events_, cfg_.cudaTiming && !capturing, capturing);
+  auto work = newWork(hinfo, Tensors{t}, Tensors{t}, capturing);
   const auto ctx = OpContext::start(info.name, info.seq, info.timeout);
   std::lock_guard<std::mutex> lock(issueMu_);
   TORCH_CHECK(hier_ != nullptr && !coalescing_, "fastcomm: internal: ", info.name,
@@ -522,8 +532,7 @@ WorkPtr CudaCollectives::Impl::launchNvlink(const CudaOpInfo& info, const Tensor
   // captured tensors itself and advances the call counter on the device, so
   // every replay is a fresh collective of those tensors.
   const bool capturing = isCapturing(current.stream());
-  auto work = c10::make_intrusive<CudaWork>(rank_, info, inputs, outputs, device_, this, *events_,
-                                            cfg_.cudaTiming && !capturing, capturing);
+  auto work = newWork(info, inputs, outputs, capturing);
   work->viaNvlink_ = true;
   std::lock_guard<std::mutex> lock(issueMu_);
   NvlinkCollectives* nvlink = nvlink_.get();

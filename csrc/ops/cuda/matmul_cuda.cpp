@@ -318,6 +318,16 @@ Path choose_path(const kc::GemmArgs& args, const MatmulConfig& cfg, const cudaDe
   return Path::kSimt;
 }
 
+// The float32 scratch of a split-K launch (`bytes` from the kernel's
+// *_workspace_bytes; none when 0), from the caching allocator on the
+// current stream, so a captured call takes it from the graph's pool.
+at::Tensor float_workspace(const GemmProblem& p, int64_t bytes) {
+  return bytes > 0 ? at::empty({bytes / 4}, p.A.options().dtype(at::kFloat)) : at::Tensor();
+}
+void* workspace_ptr(const at::Tensor& workspace) {
+  return workspace.defined() ? workspace.mutable_data_ptr() : nullptr;
+}
+
 at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias, Activation act) {
   TORCH_CHECK(p.M < (int64_t(1) << 31) && p.N < (int64_t(1) << 31) && p.K < (int64_t(1) << 31),
               "fastcomm: matrix dimensions must be below 2^31, got M=", p.M, " N=", p.N,
@@ -351,11 +361,9 @@ at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias
       TORCH_INTERNAL_ASSERT(kc::gemm_wgmma_supported(args));
       const int64_t scratch =
           kc::gemm_wgmma_workspace_bytes(args, prop->multiProcessorCount, wopts);
-      at::Tensor workspace;
-      if (scratch > 0) workspace = at::empty({scratch / 4}, p.A.options().dtype(at::kFloat));
-      err =
-          kc::launch_gemm_wgmma_sm90(args, prop->multiProcessorCount, wopts,
-                                     scratch > 0 ? workspace.mutable_data_ptr() : nullptr, stream);
+      const at::Tensor workspace = float_workspace(p, scratch);
+      err = kc::launch_gemm_wgmma_sm90(args, prop->multiProcessorCount, wopts,
+                                       workspace_ptr(workspace), stream);
       break;
     }
     case Path::kMma: {
@@ -365,10 +373,9 @@ at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias
       TORCH_INTERNAL_ASSERT(kc::gemm_mma_supported(args));
       const int64_t scratch =
           kc::gemm_mma_workspace_bytes(args, prop->multiProcessorCount, to_tile(cfg.tile));
-      at::Tensor workspace;
-      if (scratch > 0) workspace = at::empty({scratch / 4}, p.A.options().dtype(at::kFloat));
+      const at::Tensor workspace = float_workspace(p, scratch);
       err = kc::launch_gemm_mma_sm80(args, prop->multiProcessorCount, to_tile(cfg.tile),
-                                     scratch > 0 ? workspace.mutable_data_ptr() : nullptr, stream);
+                                     workspace_ptr(workspace), stream);
       break;
     }
     case Path::kSimt:
