@@ -32,6 +32,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 #include "common/config.hpp"
 #include "kernels/matmul_api.h"
@@ -83,14 +84,42 @@ kc::DType to_kdtype(at::ScalarType t) {
 
 int64_t round_up8(int64_t v) { return (v + 7) / 8 * 8; }
 
+// torch's float32 precision for CUDA matmuls, "tf32" or not, through the
+// Context API of the torch at hand: float32Precision(backend, op) takes enums
+// (Float32Backend::CUDA, Float32Op::MATMUL) in newer torch and strings
+// ("cuda", "matmul") in older; the member function's parameter types tell
+// which, so that neither spelling is named where it does not exist.
+template <typename R, typename B, typename O>
+bool cuda_matmul_tf32(const at::Context& ctx, R (at::Context::*get)(B, O) const) {
+  if constexpr (std::is_enum<std::decay_t<B>>::value) {
+    using Backend = std::decay_t<B>;
+    using Op = std::decay_t<O>;
+    return (ctx.*get)(Backend::CUDA, Op::MATMUL) == std::decay_t<R>::TF32;
+  } else {
+    return (ctx.*get)("cuda", "matmul") == "tf32";
+  }
+}
+// Where float32Precision is missing or overloaded: the legacy flag.
+template <typename Ctx, typename = void>
+struct Float32Matmul {
+  static bool tf32(const Ctx& ctx) { return ctx.allowTF32CuBLAS(); }
+};
+template <typename Ctx>
+struct Float32Matmul<Ctx, std::void_t<decltype(&Ctx::float32Precision)>> {
+  static bool tf32(const Ctx& ctx) { return cuda_matmul_tf32(ctx, &Ctx::float32Precision); }
+};
+
 // Whether float32 products may run on the TF32 tensor cores, read at each
-// call as ATen's CUDA matmul reads it for cuBLAS: TF32 allowed by
-// torch.backends.cuda.matmul.allow_tf32 = True or
-// torch.set_float32_matmul_precision("high" / "medium") (torch's
-// float32Precision("cuda", "matmul") == "tf32" in its newer API), and no
-// at::NoTF32Guard active. "highest" (torch's default) keeps float32 exact.
+// call as ATen's CUDA matmul reads it for cuBLAS: the CUDA matmul precision
+// is "tf32" (torch.backends.cuda.matmul.fp32_precision = "tf32",
+// torch.set_float32_matmul_precision("high" / "medium"),
+// torch.backends.cuda.matmul.allow_tf32 = True) and no at::NoTF32Guard is
+// active. "highest" / "ieee" (torch's default) keeps float32 exact. (The
+// legacy allowTF32CuBLAS() is not asked first: newer torch raises there once
+// the legacy and the new API have both been used.)
 bool tf32_allowed() {
-  return at::globalContext().allowTF32CuBLAS() && !at::NoTF32Guard::should_disable_tf32();
+  return Float32Matmul<at::Context>::tf32(at::globalContext()) &&
+         !at::NoTF32Guard::should_disable_tf32();
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
