@@ -39,6 +39,14 @@ Also measured on the same GPU: the memory-bandwidth ceiling (a large
 device-to-device copy, bytes read + written) and the tensor-core ceiling
 (cuBLAS on 8192^3), used for the roofline figure.
 
+float32 (``--dtype fp32``) honours torch's matmul precision in both libraries:
+``--tf32 off`` (default; torch's "highest": exact float32, fastcomm's CUDA-core
+kernel), ``on`` (TF32 allowed: cuBLAS's TF32 tensor-core kernels, fastcomm's
+TF32 Hopper kernel on sm_90) or ``both`` (every shape timed under each setting,
+every method under the same setting as its baseline; the TF32 rows are
+labelled ``MxNxK tf32``). References are always computed with TF32 off; TF32
+results are checked against a relative error of 2e-3.
+
 Outputs: a table on stdout (TFLOP/s and ratio columns), ``--json`` (all
 numbers + device, torch version, command line), ``--plot`` (TFLOP/s bars) and
 ``--roofline`` (each kernel placed under the two ceilings).
@@ -73,6 +81,9 @@ import torch.nn.functional as F
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
+# float32 with TF32 allowed: 10-bit mantissas in the products (~3e-4 measured
+# relative error is typical).
+TOL_TF32 = 2e-3
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -93,6 +104,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         + ", ".join(Variant.SETTINGS)
         + "; or a set: "
         + ", ".join(Variant.SETS),
+    )
+    p.add_argument(
+        "--tf32",
+        default="off",
+        choices=["off", "on", "both"],
+        help="float32 only: torch.backends.cuda.matmul.allow_tf32 for cuBLAS and fastcomm alike "
+        "(both: each shape under each setting)",
     )
     p.add_argument("--ops", default="matmul,linear", help="which comparisons: matmul, linear")
     p.add_argument("--gelu", default="tanh", choices=["tanh", "erf"])
@@ -168,6 +186,17 @@ def measure_bandwidth(reps: int = 20) -> float:
     t = time_calls(lambda i: dst.copy_(src), reps, 50.0)["ms"]
     del src, dst
     return 2 * n * 4 / (t * 1e-3) / 1e9
+
+
+@contextlib.contextmanager
+def matmul_tf32(allow: bool):
+    """torch.backends.cuda.matmul.allow_tf32 set for the block, restored after it."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = allow
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def measure_mm_peak(dtype: torch.dtype, reps: int) -> float:
@@ -287,7 +316,19 @@ def make_inputs(m: int, n: int, k: int, dtype: torch.dtype, with_b_kn: bool) -> 
     return sets
 
 
-def run_shape(m: int, n: int, k: int, args, dtype, compiled_cache: dict) -> list[dict]:
+def run_shape(
+    m: int, n: int, k: int, args, dtype, compiled_cache: dict, tf32: bool = False
+) -> list[dict]:
+    """Every method on one shape, all of them under allow_tf32 = tf32 (float32)."""
+    with matmul_tf32(tf32):
+        rows = _run_shape(m, n, k, args, dtype, compiled_cache, tf32)
+    if tf32:
+        for r in rows:
+            r["tf32"] = True
+    return rows
+
+
+def _run_shape(m: int, n: int, k: int, args, dtype, compiled_cache: dict, tf32: bool) -> list[dict]:
     ops_wanted = set(args.ops.split(","))
     variants = Variant.expand(args.variants)
     sets = make_inputs(m, n, k, dtype, "matmul" in ops_wanted)
@@ -366,7 +407,7 @@ def run_shape(m: int, n: int, k: int, args, dtype, compiled_cache: dict) -> list
                     **({"round_ms": [t["ms"] for t in times]} if len(times) > 1 else {}),
                     "tflops": flops / (ms * 1e-3) / 1e12,
                     "rel_err": err,
-                    "ok": err < TOL[dtype],
+                    "ok": err < (TOL_TF32 if tf32 else TOL[dtype]),
                     "flops": flops,
                     "min_bytes": entry["min_bytes"],
                     "intensity": flops / entry["min_bytes"],
@@ -376,7 +417,8 @@ def run_shape(m: int, n: int, k: int, args, dtype, compiled_cache: dict) -> list
 
     s0 = sets[0]
     if "matmul" in ops_wanted:
-        ref = s0["x"].float() @ s0["b"].float()
+        with matmul_tf32(False):  # exact float32 reference
+            ref = s0["x"].float() @ s0["b"].float()
         mb = (m * k + k * n + m * n) * elt
         record(
             "matmul",
@@ -395,9 +437,10 @@ def run_shape(m: int, n: int, k: int, args, dtype, compiled_cache: dict) -> list
                 record("matmul", f"fastcomm[{v}]", fc, ref, mb, kernel_name(s0["x"], s0["b"]), v)
         del ref
     if "linear" in ops_wanted:
-        ref = F.gelu(
-            F.linear(s0["x"].float(), s0["w"].float(), s0["bias"].float()), approximate=approx
-        )
+        with matmul_tf32(False):
+            ref = F.gelu(
+                F.linear(s0["x"].float(), s0["w"].float(), s0["bias"].float()), approximate=approx
+            )
         mb = (m * k + k * n + n + m * n) * elt
 
         def fl(i):
@@ -450,7 +493,9 @@ def run_shape(m: int, n: int, k: int, args, dtype, compiled_cache: dict) -> list
 
 
 def shape_label(r: dict) -> str:
-    return f"{r['M']}x{r['N']}x{r['K']}"
+    """MxNxK, with " tf32" for float32 rows timed with TF32 allowed: each method is compared
+    with the baselines of the same shape and setting."""
+    return f"{r['M']}x{r['N']}x{r['K']}" + (" tf32" if r.get("tf32") else "")
 
 
 def best_fastcomm(rows: list[dict], op: str, label: str) -> Optional[dict]:
@@ -511,7 +556,7 @@ def evaluate_targets(rows: list[dict]) -> list[dict]:
     out = []
     labels = list(dict.fromkeys(shape_label(r) for r in rows))
     for lab in labels:
-        m, n, k = (int(v) for v in lab.split("x"))
+        m, n, k = (int(v) for v in lab.split()[0].split("x"))
         if not (
             (m == n == k and m in (4096, 8192))
             or (m == 8192 and k == 4096 and n in (4096, 11008, 14336))
@@ -736,6 +781,7 @@ def main(argv=None) -> int:
         "command": " ".join([sys.executable] + sys.argv),
         "env": {k: v for k, v in os.environ.items() if k.startswith("FASTCOMM_")},
         "dtype": args.dtype,
+        "tf32": args.tf32 if args.dtype == "fp32" else "n/a",
         "gelu": args.gelu,
         "reps": args.reps,
         "rounds": args.rounds,
@@ -746,13 +792,20 @@ def main(argv=None) -> int:
         f"torch {meta['torch']}, CUDA {meta['cuda']}, {args.dtype}",
         flush=True,
     )
-    ceilings = {
-        "bandwidth_GBps": measure_bandwidth(),
-        "matmul_peak_tflops": measure_mm_peak(dtype, args.reps),
-    }
+    # float32: the modes timed (TF32 off / on); other types ignore the setting.
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.tf32]
+    if dtype != torch.float32:
+        modes = [False]
+    with matmul_tf32(modes[-1]):  # the tensor-core ceiling where TF32 is timed
+        ceilings = {
+            "bandwidth_GBps": measure_bandwidth(),
+            "matmul_peak_tflops": measure_mm_peak(dtype, args.reps),
+            "matmul_peak_tf32": modes[-1],
+        }
     print(
         f"# ceilings: copy {ceilings['bandwidth_GBps']:.0f} GB/s (read + write), "
-        f"cuBLAS 8192^3 {ceilings['matmul_peak_tflops']:.0f} TFLOP/s",
+        f"cuBLAS 8192^3 {ceilings['matmul_peak_tflops']:.0f} TFLOP/s"
+        + (" (TF32)" if ceilings["matmul_peak_tf32"] else ""),
         flush=True,
     )
 
@@ -763,8 +816,9 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     compiled_cache: dict = {}
     for m, n, k in shapes:
-        print(f"# {m}x{n}x{k}", flush=True)
-        rows += run_shape(m, n, k, args, dtype, compiled_cache)
+        for tf32 in modes:
+            print(f"# {m}x{n}x{k}" + (" tf32" if tf32 else ""), flush=True)
+            rows += run_shape(m, n, k, args, dtype, compiled_cache, tf32)
 
     print_table(rows)
     targets = evaluate_targets(rows)

@@ -1,7 +1,9 @@
 // Dispatcher of the Hopper (sm_90a) GEMM: operand checks, the choice of
 // schedule, tile, epilogue and tile order for a problem, and the TMA tensor
 // maps. The kernels themselves are in matmul_sm90_kernel.cuh, instantiated by
-// matmul_sm90_{coop,pingpong}_{bf16,f16}.cu; docs/matmul.md has the design.
+// matmul_sm90_{coop,pingpong}_{bf16,f16,tf32}.cu; docs/matmul.md has the
+// design. float32 operands run as TF32 (the caller decides that TF32 is
+// allowed): K-major operands only, the direct or split-K epilogue.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -42,10 +44,13 @@ double wave_cost(int64_t tiles, int num_sms, int bn, double eff) {
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
 
+int elem_bytes(DType t) { return t == DType::kF32 ? 4 : t == DType::kF64 ? 8 : 2; }
+
 // One operand of the TMA path: unit stride along `inner`, leading dimension
-// ld (elements) that TMA accepts (multiple of 16 bytes, not below the row).
-bool tma_operand_ok(int64_t inner, int64_t ld) {
-  return ld % 8 == 0 && ld >= inner && ld < (int64_t(1) << 36);
+// ld (elements of es bytes) that TMA accepts (a multiple of 16 bytes, not
+// below the row).
+bool tma_operand_ok(int64_t inner, int64_t ld, int es) {
+  return (ld * es) % 16 == 0 && ld >= inner && ld < (int64_t(1) << 36);
 }
 
 // ---- split K ---------------------------------------------------------------------
@@ -61,8 +66,10 @@ bool tma_operand_ok(int64_t inner, int64_t ld) {
 // with waves = ceil(units / SMs). A split is taken only where it models
 // kSplitGain faster than none, since the second pass and the extra traffic
 // are what the model knows least well.
-constexpr int kTileM = 128;  // tile rows (kBM of the kernel)
-constexpr int kSliceK = 64;  // K per pipeline stage (kBK of the kernel)
+constexpr int kTileM = 128;       // tile rows (kBM of the kernel)
+constexpr int kSliceBytes = 128;  // K per pipeline stage in bytes (kBKFor<T> of the kernel)
+// K per pipeline stage in elements: 64 (16-bit types), 32 (float32 as TF32).
+int64_t slice_k(const GemmArgs& p) { return kSliceBytes / elem_bytes(p.dtype); }
 constexpr int kMaxSplits = 16;
 constexpr int kMinSlicesPerSplit = 4;        // K >= 256 per unit: the pipeline fills
 constexpr double kSplitGain = 0.8;           // modelled time at most 0.8 x the unsplit one
@@ -71,14 +78,14 @@ constexpr double kFinishLaunchBytes = 48e3;  // ~2 us of one SM's share of the b
 double split_cost(const GemmArgs& p, int num_sms, int bn, int64_t tiles, int64_t num_kb,
                   int splits) {
   const double rows = static_cast<double>(std::min<int64_t>(p.M, kTileM));
-  const double slice_bytes = (rows + bn) * kSliceK * 2;
+  const double slice_bytes = (rows + bn) * kSliceBytes;
   const int64_t units = tiles * splits;
   const double waves = static_cast<double>(cdiv(units, num_sms));
   const double slices = static_cast<double>(cdiv(num_kb, splits));
   double cost = waves * slices * slice_bytes;
   if (splits > 1) {
     cost += waves * rows * bn * 4;
-    const double finish = static_cast<double>(p.M) * p.N * (4.0 * splits + 2.0);
+    const double finish = static_cast<double>(p.M) * p.N * (4.0 * splits + elem_bytes(p.dtype));
     cost += (finish + kFinishLaunchBytes * num_sms) / num_sms;
   }
   return cost;
@@ -87,7 +94,7 @@ double split_cost(const GemmArgs& p, int num_sms, int bn, int64_t tiles, int64_t
 // The modelled best split count for tiles of 128 x bn (1: no split).
 int auto_splits(const GemmArgs& p, int num_sms, int bn) {
   const int64_t tiles = cdiv(p.M, kTileM) * cdiv(p.N, bn);
-  const int64_t num_kb = cdiv(p.K, kSliceK);
+  const int64_t num_kb = cdiv(p.K, slice_k(p));
   if (tiles >= num_sms) return 1;
   const double none = split_cost(p, num_sms, bn, tiles, num_kb, 1);
   int best = 1;
@@ -104,12 +111,16 @@ int auto_splits(const GemmArgs& p, int num_sms, int bn) {
 
 // A forced split count: at least one K-slice per unit, at most kMaxSplits.
 int clamp_splits(const GemmArgs& p, int splits) {
-  const int64_t num_kb = cdiv(p.K, kSliceK);
+  const int64_t num_kb = cdiv(p.K, slice_k(p));
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({splits, num_kb, kMaxSplits})));
 }
 
 // C can be written by 64 x 64 TMA stores.
-bool tma_store_ok(const GemmArgs& p) { return aligned16(p.c) && tma_operand_ok(p.N, p.ldc); }
+// float32 (TF32) outputs always take the register epilogues: the TMA
+// epilogues stage 16-bit chunks.
+bool tma_store_ok(const GemmArgs& p) {
+  return p.dtype != DType::kF32 && aligned16(p.c) && tma_operand_ok(p.N, p.ldc, 2);
+}
 
 Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
   Plan plan;
@@ -205,11 +216,14 @@ bool make_map(CUtensorMap* map, DType dtype, const void* ptr, int64_t inner, int
   auto fn = encode_fn();
   if (fn == nullptr) return false;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(outer)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * elem_bytes(dtype)};
   const cuuint32_t box[2] = {box_inner, box_outer};
   const cuuint32_t elem_strides[2] = {1, 1};
-  const CUtensorMapDataType dt =
-      dtype == DType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  // float32 stays float32 in shared memory: the TF32 wgmma reads the words
+  // and uses their TF32 bits.
+  const CUtensorMapDataType dt = dtype == DType::kBF16  ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                 : dtype == DType::kF32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                                        : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   const CUresult r = fn(map, dt, 2, const_cast<void*>(ptr), dims, strides, box, elem_strides,
                         CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                         CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
@@ -219,14 +233,17 @@ bool make_map(CUtensorMap* map, DType dtype, const void* ptr, int64_t inner, int
 }  // namespace sm90
 
 bool gemm_wgmma_supported(const GemmArgs& p) {
-  if (p.dtype != DType::kF16 && p.dtype != DType::kBF16) return false;
+  if (p.dtype != DType::kF16 && p.dtype != DType::kBF16 && p.dtype != DType::kF32) return false;
   if (p.M <= 0 || p.N <= 0 || p.K <= 0 || p.M > INT_MAX || p.N > INT_MAX || p.K > INT_MAX)
     return false;
   if (!sm90::aligned16(p.a) || !sm90::aligned16(p.b)) return false;
-  const bool a_ok = (p.sak == 1 && sm90::tma_operand_ok(p.K, p.sam)) ||
-                    (p.sam == 1 && sm90::tma_operand_ok(p.M, p.sak));
-  const bool b_ok = (p.sbk == 1 && sm90::tma_operand_ok(p.K, p.sbn)) ||
-                    (p.sbn == 1 && sm90::tma_operand_ok(p.N, p.sbk));
+  const int es = sm90::elem_bytes(p.dtype);
+  const bool a_k = p.sak == 1 && sm90::tma_operand_ok(p.K, p.sam, es);
+  const bool b_k = p.sbk == 1 && sm90::tma_operand_ok(p.K, p.sbn, es);
+  // TF32: both operands K-major (the wgmma .tf32 form has no transpose).
+  if (p.dtype == DType::kF32) return a_k && b_k;
+  const bool a_ok = a_k || (p.sam == 1 && sm90::tma_operand_ok(p.M, p.sak, es));
+  const bool b_ok = b_k || (p.sbn == 1 && sm90::tma_operand_ok(p.N, p.sbk, es));
   return a_ok && b_ok;
 }
 
@@ -277,6 +294,13 @@ cudaError_t launch_gemm_wgmma_sm90(const GemmArgs& p, int num_sms, const WgmmaOp
     }
     plan.partial = static_cast<float*>(workspace);
   }
+  if (p.dtype == DType::kF32) {
+    const cudaError_t err = plan.sched == sm90::Sched::kPingpong
+                                ? sm90::launch_sched<float, sm90::Sched::kPingpong>(p, plan, stream)
+                                : sm90::launch_sched<float, sm90::Sched::kCoop>(p, plan, stream);
+    if (err != cudaSuccess || plan.splits == 1) return err;
+    return detail::launch_splitk_finish<float>(p, plan.partial, plan.splits, stream);
+  }
   const bool bf16 = p.dtype == DType::kBF16;
   cudaError_t err;
   if (plan.sched == sm90::Sched::kPingpong) {
@@ -296,6 +320,7 @@ std::string describe_gemm_wgmma_sm90(const GemmArgs& p, int num_sms, const Wgmma
   std::string s = plan.sched == sm90::Sched::kPingpong
                       ? std::string("wgmma pingpong 128x128")
                       : "wgmma coop 128x" + std::to_string(plan.bn);
+  if (p.dtype == DType::kF32) s += " tf32";
   if (plan.splits > 1) {
     s += " splitk " + std::to_string(plan.splits);
   } else if (plan.sched == sm90::Sched::kCoop) {

@@ -15,8 +15,11 @@ namespace sm90 {
 
 using namespace detail;
 
-constexpr int kBM = 128;                     // tile rows
-constexpr int kBK = 64;                      // K per stage: 64 x 2 bytes = one 128-byte swizzle row
+constexpr int kBM = 128;  // tile rows
+// K per stage: one 128-byte swizzle row, 64 elements of a 16-bit type or 32
+// of float32 (TF32): the same shared-memory bytes per stage for every type.
+template <typename T>
+constexpr int kBKFor = 128 / static_cast<int>(sizeof(T));
 constexpr int kThreads = 384;                // producer + 2 consumer warpgroups
 constexpr int kEpiChunkBytes = 64 * 64 * 2;  // TMA-store epilogue: 64 x 64 output chunks
 

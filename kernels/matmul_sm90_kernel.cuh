@@ -1,8 +1,8 @@
-// Hopper (sm_90a) GEMM for float16 / bfloat16: TMA loads, wgmma, a multi-stage
-// shared-memory pipeline, warp-specialised producer / consumers, persistent
-// tile scheduling, and the epilogue (bias, activation, cast) fused into the
-// store. Included only by the instantiation files
-// kernels/matmul_sm90_{coop,pingpong}_{bf16,f16}.cu; the dispatcher is
+// Hopper (sm_90a) GEMM for float16 / bfloat16 and for float32 as TF32: TMA
+// loads, wgmma, a multi-stage shared-memory pipeline, warp-specialised
+// producer / consumers, persistent tile scheduling, and the epilogue (bias,
+// activation, cast) fused into the store. Included only by the instantiation
+// files kernels/matmul_sm90_{coop,pingpong}_{bf16,f16,tf32}.cu; the dispatcher is
 // kernels/matmul_sm90.cu, the design and measurements are in docs/matmul.md.
 //
 // One CTA per SM, 384 threads = 3 warpgroups:
@@ -28,9 +28,17 @@
 //      last MMA, so one warpgroup's epilogue (bias, activation, stores) runs
 //      under the other one's main loop instead of stalling the tensor cores.
 //  * Tiles: 128 x 256 (4 stages of 48 KB) or 128 x 128 (6 stages of 32 KB),
-//    BK = 64 (one 128-byte swizzle row). Tile order: groups of 2048 rows
-//    (raster by rows) or 2048 columns (raster by columns), the dispatcher
-//    picking the one that re-reads fewer bytes from DRAM.
+//    BK = one 128-byte swizzle row: 64 elements of a 16-bit type, 32 of
+//    float32. Tile order: groups of 2048 rows (raster by rows) or 2048
+//    columns (raster by columns), the dispatcher picking the one that
+//    re-reads fewer bytes from DRAM.
+//  * float32 (T = float): the tensor cores multiply the operands as TF32
+//    (wgmma .tf32, m64nBNk8, four per K-slice as the 16-bit types' four k16
+//    steps), float32 accumulation, float32 output. PTX takes 32-bit operands
+//    K-major only, so only the K-major / K-major kernels exist (the
+//    dispatcher copies other operands into K-major buffers), and the
+//    epilogue stores from registers (direct, or split K's float32 sums): the
+//    TMA and offload epilogues stage 16-bit chunks.
 //  * Layouts: K-major operands are one TMA box per tile (128B swizzle, the
 //    canonical K-major wgmma layout, descriptor advanced by 32 bytes per
 //    k16 step). M-/N-major operands (e.g. b of matmul(a, b) with b [K, N]
@@ -66,9 +74,10 @@ using namespace detail;
 // OFFLOAD: the cooperative 128 x 256 kernel with the "offload" epilogue
 // (epilogue_offload_write / epilogue_warps_offload below): 3 stages and one
 // whole-tile output buffer instead of 4 stages and 4 chunk buffers.
-template <Sched S, int BN, bool OFFLOAD = false>
+template <typename T, Sched S, int BN, bool OFFLOAD = false>
 struct Cfg {
   static_assert(BN == 256 || BN == 128, "BN must be 128 or 256");
+  static_assert(sizeof(T) == 2 || !OFFLOAD, "the offload epilogue stages 16-bit outputs");
   static_assert(S == Sched::kCoop || BN == 128, "the ping-pong tile is 128 x 128");
   static_assert(!OFFLOAD || (S == Sched::kCoop && BN == 256),
                 "the offload epilogue exists for the cooperative 128 x 256 kernel only");
@@ -78,8 +87,9 @@ struct Cfg {
   // the offload epilogue, whose 64 KB tile buffer takes the fourth stage's
   // place.
   static constexpr int STAGES = OFFLOAD ? 3 : BN == 256 ? 4 : 6;
-  static constexpr int A_BYTES = BM * kBK * 2;  // 16 KB
-  static constexpr int B_BYTES = BN * kBK * 2;
+  static constexpr int BK = kBKFor<T>;                                   // 128 bytes of K
+  static constexpr int A_BYTES = BM * BK * static_cast<int>(sizeof(T));  // 16 KB
+  static constexpr int B_BYTES = BN * BK * static_cast<int>(sizeof(T));
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
   // Staging of the TMA-store epilogue (cooperative only): two chunk buffers
   // per consumer warpgroup, so that one chunk is written while the previous
@@ -141,7 +151,11 @@ __global__ void __launch_bounds__(kThreads, 1)
                       const __grid_constant__ CUtensorMap tma_c, const GemmArgs p,
                       const KernelOpts opts) {
 #if FASTCOMM_SM90A_DEVICE
-  using C = Cfg<S, BN, OFFLOAD>;
+  using C = Cfg<T, S, BN, OFFLOAD>;
+  // float32 runs as TF32, whose wgmma reads both operands K-major only.
+  constexpr bool kTF32 = std::is_same<T, float>::value;
+  static_assert(!kTF32 || (A_K && B_K), "TF32 operands must be K-major");
+  constexpr int kBK = C::BK;
   constexpr int STAGES = C::STAGES;
   constexpr bool PINGPONG = C::PINGPONG;
   constexpr int MSUB = C::MSUB;
@@ -294,16 +308,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int cw = wg - 1;            // consumer warpgroup 0 or 1
     const int wtid = tid - 128 * wg;  // thread within the warpgroup
     const int lane = tid % 32;
-    const bool pair_ok = (p.ldc % 2 == 0) && ((reinterpret_cast<uintptr_t>(p.c) & 3) == 0);
+    // Paired stores: 2 x 16 bits or 2 x 32 bits, aligned to their size.
+    const bool pair_ok =
+        (p.ldc % 2 == 0) && ((reinterpret_cast<uintptr_t>(p.c) & (2 * sizeof(T) - 1)) == 0);
     const bool bias_paired = (reinterpret_cast<uintptr_t>(p.bias) & 3) == 0;
     // Descriptor geometry (bytes): K-major: rows of 128 B, 8-row groups 1 KB
     // apart, k16 step = 32 B within the swizzled row. M/N-major: 64-element
     // chunks 8 KB apart (LBO), 8-k groups 1 KB apart (SBO), k16 step = 2 KB.
+    // TF32: K-major, k8 step = 32 B (8 x 4 bytes), the same geometry.
     constexpr uint32_t kAStepK = A_K ? 32u : 2048u;
     constexpr uint32_t kBStepK = B_K ? 32u : 2048u;
     constexpr uint32_t kALbo = A_K ? 16u : static_cast<uint32_t>(C::BOX_BYTES);
     constexpr uint32_t kBLbo = B_K ? 16u : static_cast<uint32_t>(C::BOX_BYTES);
-    constexpr bool kBF16 = std::is_same<T, __nv_bfloat16>::value;
     // A rows of this warpgroup's first m64 sub-tile: 64 rows = 8 KB into a
     // K-major tile, or the second 64-wide box of an M-major one: 8 KB either
     // way (cooperative, warpgroup 1); ping-pong warpgroups read all 128 rows.
@@ -352,10 +368,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         DescPair db = desc_advance(b_desc0, static_cast<uint32_t>(s) * C::B_BYTES);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kBK / 16; ++kk) {
+        for (int kk = 0; kk < kBK * static_cast<int>(sizeof(T)) / 32; ++kk) {
 #pragma unroll
           for (int mi = 0; mi < MSUB; ++mi) {
-            wgmma_m64k16<BN, kBF16, A_K ? 0 : 1, B_K ? 0 : 1>(
+            wgmma_m64<BN, T, A_K ? 0 : 1, B_K ? 0 : 1>(
                 acc[mi], desc_u64(desc_advance(da, mi * 8192u)), desc_u64(db), 1);
           }
           da = desc_advance(da, kAStepK);
@@ -402,7 +418,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (PINGPONG) {
         // All our MMAs are issued: the other warpgroup may start its tile.
         if (lane == 0) mbar_arrive(order_bar(cw ^ 1));
-      } else {
+      } else if constexpr (!kTF32) {
         if (opts.tma_store == 1) {
           // Lean TMA epilogue: the bias loads go out under the last MMAs.
           uint32_t bw[BN / 8];
@@ -444,7 +460,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 template <typename T, Sched S, int BN, bool A_K, bool B_K, bool OFFLOAD>
 cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stream) {
-  using C = Cfg<S, BN, OFFLOAD>;
+  using C = Cfg<T, S, BN, OFFLOAD>;
+  constexpr int kBK = C::BK;
   CUtensorMap ma, mb, mc;
   const bool ok_a = A_K ? make_map(&ma, p.dtype, p.a, p.K, p.M, p.sam, kBK, C::BM)
                         : make_map(&ma, p.dtype, p.a, p.M, p.K, p.sak, 64, kBK);
@@ -464,6 +481,7 @@ cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stre
   } else {
     opts.tma_store = (S == Sched::kCoop && plan.tma_store) ? 1 : 0;
   }
+  if (std::is_same<T, float>::value && opts.tma_store) return cudaErrorInvalidValue;
   if (opts.tma_store) {
     // C [M][N] row-major, 64 x 64 boxes (one swizzle row wide).
     if (!make_map(&mc, p.dtype, p.c, p.N, p.M, p.ldc, 64, 64)) return cudaErrorInvalidValue;
@@ -502,10 +520,16 @@ cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stre
 template <typename T, Sched S, int BN, bool OFFLOAD = false>
 cudaError_t launch_layout(const GemmArgs& p, const Plan& plan, cudaStream_t stream) {
   const bool a_k = p.sak == 1, b_k = p.sbk == 1;
-  if (a_k && b_k) return launch_kernel<T, S, BN, true, true, OFFLOAD>(p, plan, stream);
-  if (a_k) return launch_kernel<T, S, BN, true, false, OFFLOAD>(p, plan, stream);
-  if (b_k) return launch_kernel<T, S, BN, false, true, OFFLOAD>(p, plan, stream);
-  return launch_kernel<T, S, BN, false, false, OFFLOAD>(p, plan, stream);
+  if constexpr (std::is_same<T, float>::value) {
+    // TF32: K-major operands only (gemm_wgmma_supported).
+    if (!a_k || !b_k) return cudaErrorInvalidValue;
+    return launch_kernel<T, S, BN, true, true, false>(p, plan, stream);
+  } else {
+    if (a_k && b_k) return launch_kernel<T, S, BN, true, true, OFFLOAD>(p, plan, stream);
+    if (a_k) return launch_kernel<T, S, BN, true, false, OFFLOAD>(p, plan, stream);
+    if (b_k) return launch_kernel<T, S, BN, false, true, OFFLOAD>(p, plan, stream);
+    return launch_kernel<T, S, BN, false, false, OFFLOAD>(p, plan, stream);
+  }
 }
 
 template <typename T, Sched S>
@@ -515,7 +539,11 @@ cudaError_t launch_sched(const GemmArgs& p, const Plan& plan, cudaStream_t strea
   } else {
     if (plan.bn == 256) {
       if (plan.epi_offload) {  // 3 stages + the tile buffer: separate kernels
-        return launch_layout<T, S, 256, true>(p, plan, stream);
+        if constexpr (sizeof(T) == 2) {
+          return launch_layout<T, S, 256, true>(p, plan, stream);
+        } else {
+          return cudaErrorInvalidValue;  // 16-bit outputs only
+        }
       }
       return launch_layout<T, S, 256>(p, plan, stream);
     }

@@ -1,7 +1,7 @@
 // Host-side interface of the Hopper GEMM between its dispatcher
 // (kernels/matmul_sm90.cu: operand checks, the choice of schedule / tile /
 // cluster, tensor-map encoding) and the translation units that instantiate
-// the kernels (kernels/matmul_sm90_{coop,pingpong}_{bf16,f16}.cu, one per
+// the kernels (kernels/matmul_sm90_{coop,pingpong}_{bf16,f16,tf32}.cu, one per
 // schedule and type so that a parallel build compiles them side by side).
 #pragma once
 
@@ -43,7 +43,7 @@ struct Plan {
   float* partial = nullptr;
 };
 
-// Encodes a 2-D TMA map over a row-major [outer][inner] 16-bit matrix with
+// Encodes a 2-D TMA map over a row-major [outer][inner] matrix of dtype (16-bit, or float32) with
 // leading dimension ld (elements): boxes of box_inner x box_outer, 128-byte
 // swizzle, zero fill. False when the driver entry point is missing or the
 // driver rejects the geometry.
@@ -51,7 +51,7 @@ bool make_map(CUtensorMap* map, DType dtype, const void* ptr, int64_t inner, int
               int64_t ld, uint32_t box_inner, uint32_t box_outer);
 
 // Defined in kernels/matmul_sm90_kernel.cuh, explicitly instantiated for
-// T in {__nv_bfloat16, __half} and both schedules by the files named above.
+// T in {__nv_bfloat16, __half, float (TF32)} and both schedules by the files named above.
 template <typename T, Sched S>
 cudaError_t launch_sched(const GemmArgs& p, const Plan& plan, cudaStream_t stream);
 

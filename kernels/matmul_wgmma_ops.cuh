@@ -1,18 +1,25 @@
 // wgmma.mma_async wrapper used by the Hopper kernel (kernels/matmul_sm90_kernel.cuh;
 // sm_90a only).
 //
-// D[64 x N] (+)= A[64 x 16] * B[16 x N], A and B read from shared memory via
-// matrix descriptors, float32 accumulators in registers, N = 128 or 256,
-// float16 or bfloat16 inputs. TA / TB are the transpose immediates: 0 =
-// K-major, 1 = M-major (A) / N-major (B). scale_d = 0 ignores the old
-// accumulator (D = A * B).
+// D[64 x N] (+)= A[64 x k] * B[k x N], A and B read from shared memory via
+// matrix descriptors, float32 accumulators in registers, N = 128 or 256.
+// One instruction covers 32 bytes of K: k = 16 for float16 / bfloat16 inputs,
+// k = 8 for float32 inputs multiplied as TF32 (the tensor cores read the
+// float32 words and use their TF32 bits). TA / TB are the transpose
+// immediates: 0 = K-major, 1 = M-major (A) / N-major (B); the TF32 form has
+// none (PTX: 32-bit operands must be K-major in shared memory), so TA = TB = 0
+// there. scale_d = 0 ignores the old accumulator (D = A * B).
 //
 // Every accumulator register is a separate asm operand, so the operand lists
 // are spelled out once below (FASTCOMM_WGMMA_D*, FASTCOMM_WGMMA_ACC*) and one
 // macro, FASTCOMM_WGMMA_ASM, writes the instruction for each shape and type.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <cstdint>
+#include <type_traits>
 
 namespace fastcomm {
 namespace ops {
@@ -64,12 +71,24 @@ namespace sm90 {
       : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB)  \
       : "memory")
 
-template <int N, bool BF16, int TA, int TB>
-__device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,
-                                             int scale_d) {
-  static_assert(N == 128 || N == 256, "wgmma_m64k16: N must be 128 or 256");
+// T: __nv_bfloat16, __half or float (TF32).
+template <int N, typename T, int TA, int TB>
+__device__ __forceinline__ void wgmma_m64(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,
+                                          int scale_d) {
+  static_assert(N == 128 || N == 256, "wgmma_m64: N must be 128 or 256");
+  constexpr bool TF32 = std::is_same<T, float>::value;
+  constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
+  static_assert(TF32 || BF16 || std::is_same<T, __half>::value, "wgmma_m64: unsupported type");
+  static_assert(!TF32 || (TA == 0 && TB == 0), "wgmma_m64: TF32 operands must be K-major");
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  if constexpr (N == 256 && BF16) {
+  // The TF32 forms name no transpose immediates; TA / TB stay unused operands.
+  if constexpr (N == 256 && TF32) {
+    FASTCOMM_WGMMA_ASM("m64n256k8", "tf32", FASTCOMM_WGMMA_D128, FASTCOMM_WGMMA_ACC128, "%130",
+                       "%128, %129, p, 1, 1");
+  } else if constexpr (TF32) {
+    FASTCOMM_WGMMA_ASM("m64n128k8", "tf32", FASTCOMM_WGMMA_D64, FASTCOMM_WGMMA_ACC64, "%66",
+                       "%64, %65, p, 1, 1");
+  } else if constexpr (N == 256 && BF16) {
     FASTCOMM_WGMMA_ASM("m64n256k16", "bf16", FASTCOMM_WGMMA_D128, FASTCOMM_WGMMA_ACC128, "%130",
                        "%128, %129, p, 1, 1, %131, %132");
   } else if constexpr (N == 256) {

@@ -923,3 +923,289 @@ def test_cuda_wgmma_split_k_dispatch(matmul_settings):
     a = torch.empty(128, 4096, device="cuda", dtype=bf)
     name = torch.ops.fastcomm._kernel_name(a, torch.empty(4096, 4096, device="cuda", dtype=bf))
     assert name.startswith("wgmma coop 128x128") and " splitk " not in name, name
+
+
+# ------------------------------------------------ float32 and torch's matmul precision
+#
+# float32 products follow torch's matmul precision, read at every call as ATen's CUDA
+# matmul reads it: "highest" (the default) is exact float32 on the CUDA-core kernel; with
+# TF32 allowed ("high" / "medium", or torch.backends.cuda.matmul.allow_tf32 = True) sm_90
+# takes the Hopper kernel's TF32 form (float32 in memory, TF32 products, float32
+# accumulation and output) and other GPUs stay on the CUDA-core kernel.
+
+
+@pytest.fixture
+def fp32_precision() -> Iterator[Callable[[str], None]]:
+    """Sets torch's float32 matmul precision ("highest", "high", "medium"); the precision
+    and allow_tf32 in force before the test are restored after it."""
+    old_precision = torch.get_float32_matmul_precision()
+    old_allow = torch.backends.cuda.matmul.allow_tf32
+    yield torch.set_float32_matmul_precision
+    torch.backends.cuda.matmul.allow_tf32 = old_allow
+    torch.set_float32_matmul_precision(old_precision)
+
+
+def _tf32_check(out: torch.Tensor, ref: torch.Tensor, k: int, what) -> None:
+    """TF32 against a float64 reference, for standard-normal inputs: each product carries
+    the operands' 10-bit mantissas (relative error up to ~2^-10 each), and K of them add up
+    with random signs, so the error of an output grows like sqrt(K) (its magnitude does
+    too): elementwise 4e-3 x sqrt(K) (about four standard deviations), and 2e-3 relative
+    over the whole output."""
+    out = out.double()
+    assert torch.isfinite(out).all(), ("non-finite values in the output", what)
+    err = (out - ref).abs().max().item() if out.numel() else 0.0
+    assert err <= 4e-3 * math.sqrt(max(k, 1)), (what, err, k)
+    assert _rel_err(out, ref) < 2e-3, (what, _rel_err(out, ref))
+
+
+def test_fp32_precision_does_not_change_cpu_results(fp32_precision):
+    """The CPU kernel is exact float32 under every precision setting."""
+    a = _rand(33, 70, dtype=torch.float32, device="cpu")
+    w = _rand(17, 70, dtype=torch.float32, device="cpu")
+    b = _rand(17, dtype=torch.float32, device="cpu")
+    fp32_precision("highest")
+    exact = ops.linear(a, w, b, "gelu")
+    assert torch.ops.fastcomm._kernel_name(a, w.t()) == "cpu blocked"
+    for setting in ("high", "medium"):
+        fp32_precision(setting)
+        assert torch.equal(ops.linear(a, w, b, "gelu"), exact), setting
+        assert torch.ops.fastcomm._kernel_name(a, w.t()) == "cpu blocked"
+
+
+@pytest.mark.cuda(1)
+@_skip_no_cuda
+def test_cuda_fp32_precision_selects_kernel(fp32_precision):
+    """The kernel follows the precision at each call: "highest" and allow_tf32 = False the
+    CUDA-core kernel; "high", "medium" and allow_tf32 = True the TF32 Hopper kernel on
+    sm_90 (the CUDA-core kernel elsewhere); float64 and the half types are unaffected."""
+    a = torch.empty(4096, 4096, device="cuda")
+    small = torch.empty(64, 64, device="cuda")
+
+    def name(x=a):
+        return torch.ops.fastcomm._kernel_name(x, x)
+
+    fp32_precision("highest")
+    assert name() == "simt 128x128" and name(small) == "simt 64x64"
+    for setting in ("high", "medium", "highest", "high"):
+        fp32_precision(setting)
+        tf32 = setting != "highest"
+        if tf32 and _is_sm90:
+            assert name().startswith("wgmma coop 128x256 tf32 "), (setting, name())
+            assert name(small).startswith("wgmma coop 128x128 tf32 "), (setting, name(small))
+        else:
+            assert name().startswith("simt "), (setting, name())
+    fp32_precision("highest")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    assert (" tf32 " in name()) == _is_sm90, name()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    assert name() == "simt 128x128", name()
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch's newer setter
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        assert (" tf32 " in name()) == _is_sm90, name()
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        assert name() == "simt 128x128", name()
+    fp32_precision("high")
+    d = torch.empty(512, 512, device="cuda", dtype=torch.float64)
+    assert torch.ops.fastcomm._kernel_name(d, d) == "simt 64x64"
+    h = torch.empty(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    assert " tf32" not in torch.ops.fastcomm._kernel_name(h, h)
+
+
+@pytest.mark.cuda(1)
+@_skip_no_cuda
+def test_cuda_fp32_highest_is_the_exact_kernel(matmul_settings, fp32_precision):
+    """Under "highest" float32 is exactly the CUDA-core kernel, bit for bit, on every layout;
+    with TF32 allowed the same problem gives a different (TF32) result on sm_90."""
+    fp32_precision("highest")
+    for m, n, k in ((300, 520, 1000), (129, 257, 200), (1024, 768, 512)):
+        a = _rand(m, k, dtype=torch.float32, device="cuda")
+        b = _rand(k, n, dtype=torch.float32, device="cuda")
+        w = _rand(n, k, dtype=torch.float32, device="cuda")
+        bias = _rand(n, dtype=torch.float32, device="cuda")
+
+        def calls(a=a, b=b, w=w, bias=bias):
+            return [ops.matmul(a, b), ops.matmul(a, w.t()), ops.linear(a, w, bias, "silu")]
+
+        matmul_settings()
+        auto = calls()
+        matmul_settings(impl="simt")
+        simt = calls()
+        for i, (x, y) in enumerate(zip(auto, simt)):
+            assert torch.equal(x, y), (m, n, k, i)
+        assert _rel_err(auto[0], a.double() @ b.double()) < RTOL[torch.float32]
+        assert _rel_err(auto[1], a.double() @ w.double().t()) < RTOL[torch.float32]
+        if _is_sm90:
+            matmul_settings()
+            fp32_precision("high")
+            tf32 = ops.matmul(a, b)
+            fp32_precision("highest")
+            ref = a.double() @ b.double()
+            assert _rel_err(tf32, ref) > 1e-5, "TF32 allowed but the result is exact float32"
+            _tf32_check(tf32, ref, k, (m, n, k))
+
+
+# (M, N, K) for the TF32 kernel: one tile; tiny; odd N and K (rows of float32 need 16-byte
+# aligned strides: operands whose rows are not get copied into K-major buffers, C takes
+# unpaired stores); K of one 32-wide slice; many tiles per CTA; long K; small M (split K).
+TF32_SHAPES = [
+    (128, 256, 32),
+    (1, 1, 1),
+    (7, 13, 5),
+    (33, 65, 17),
+    (129, 257, 200),
+    (300, 520, 1001),
+    (1000, 1500, 700),
+    (2048, 2048, 512),
+    (257, 1024, 4096),
+    (16, 1000, 4100),
+]
+
+
+def _check_tf32_layouts(shapes, acts=ACTS) -> None:
+    """matmul on A and B K-major or transposed, linear with each activation, against
+    float64, under TF32."""
+    dt = torch.float32
+    for m, n, k in shapes:
+        a = _rand(m, k, dtype=dt, device="cuda")
+        at = _rand(k, m, dtype=dt, device="cuda").t()
+        b = _rand(k, n, dtype=dt, device="cuda")
+        bt = _rand(n, k, dtype=dt, device="cuda").t()
+        for name_a, aa in (("a", a), ("a^T", at)):
+            for name_b, bb in (("b", b), ("b^T", bt)):
+                _poison_cuda_cache("cuda")
+                out = ops.matmul(aa, bb)
+                _tf32_check(out, aa.double() @ bb.double(), k, (m, n, k, name_a, name_b))
+        w = bt.t()  # [n, k] contiguous: K-major as it is
+        bias = _rand(n, dtype=dt, device="cuda")
+        for act in acts:
+            _poison_cuda_cache("cuda")
+            y = ops.linear(a, w, bias, act)
+            ref = _ref_act(a.double() @ w.double().t() + bias.double(), act)
+            _tf32_check(y, ref, k, (m, n, k, act))
+
+
+@pytest.mark.cuda(1)
+@_skip_no_cuda
+def test_cuda_tf32_matches_float64(matmul_settings, fp32_precision):
+    """TF32 allowed, default dispatch: every layout and activation, odd sizes, against
+    float64 within TF32's bound (the CUDA-core kernel off sm_90 passes it too)."""
+    matmul_settings()
+    fp32_precision("high")
+    probe = torch.empty(2048, 2048, device="cuda")
+    assert (" tf32 " in torch.ops.fastcomm._kernel_name(probe, probe)) == _is_sm90
+    _check_tf32_layouts(TF32_SHAPES)
+
+
+@pytest.mark.cuda(1)
+@_skip_no_cuda
+def test_cuda_tf32_batch_dims_and_strides(matmul_settings, fp32_precision):
+    """TF32: batch dimensions, a misaligned base pointer and row strides that are not a
+    multiple of 16 bytes (copied into aligned K-major buffers), broadcast (stride-0) bias."""
+    matmul_settings()
+    fp32_precision("high")
+    dt = torch.float32
+    x = _rand(2, 3, 11, 1030, dtype=dt, device="cuda")
+    w = _rand(1001, 1030, dtype=dt, device="cuda")
+    b = _rand(1001, dtype=dt, device="cuda")
+    for act in ("none", "gelu"):
+        y = ops.linear(x, w, b, act)
+        assert y.shape == (2, 3, 11, 1001)
+        _tf32_check(y, _ref_act(x.double() @ w.double().t() + b.double(), act), 1030, act)
+    a = _rand(4, 70, 300, dtype=dt, device="cuda")
+    bb = _rand(300, 90, dtype=dt, device="cuda")
+    _tf32_check(ops.matmul(a, bb), a.double() @ bb.double(), 300, "batched matmul")
+    # misaligned base (offset by one element) and odd row strides
+    base = _rand(257, 515, dtype=dt, device="cuda")
+    a_odd = base[:, 1:514]  # [257, 513], base + 4 bytes, row stride 515
+    wb = _rand(130, 515, dtype=dt, device="cuda")
+    w_odd = wb[:, 2:]  # [130, 513]
+    _tf32_check(ops.linear(a_odd, w_odd), a_odd.double() @ w_odd.double().t(), 513, "odd")
+    b_exp = _rand(1, 130, dtype=dt, device="cuda").expand(513, 130)  # stride 0 along K
+    _tf32_check(ops.matmul(a_odd, b_exp), a_odd.double() @ b_exp.double(), 513, "stride 0")
+
+
+# Forced variants of the TF32 Hopper kernel: both schedules, both cooperative tiles, split K.
+TF32_VARIANTS = {
+    "coop256": {"sched": "coop", "tile": "large"},
+    "coop128": {"sched": "coop", "tile": "small", "raster": "n"},
+    "pingpong": {"sched": "pingpong"},
+    "coop128_s3": {"sched": "coop", "tile": "small", "splits": 3},
+    "coop256_s2": {"sched": "coop", "tile": "large", "splits": 2},
+    "pingpong_s5": {"sched": "pingpong", "splits": 5},
+}
+
+
+@pytest.mark.cuda(1)
+@pytest.mark.skipif(not _is_sm90, reason="the TF32 Hopper kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("variant", sorted(TF32_VARIANTS))
+def test_cuda_tf32_wgmma_variants(matmul_settings, fp32_precision, variant):
+    """The TF32 Hopper kernel forced in each schedule / tile / split: its name, every layout
+    and activation against float64; the epilogue stores from registers (no TMA or offload
+    epilogue for float32 outputs), split K is deterministic."""
+    fp32_precision("high")
+    settings = TF32_VARIANTS[variant]
+    matmul_settings(impl="wgmma", epi="tma", **settings)
+    probe = torch.empty(4096, 4096, device="cuda")
+    name = torch.ops.fastcomm._kernel_name(probe, probe)
+    assert name.startswith(f"wgmma {settings['sched']}") and " tf32" in name, name
+    if "splits" in settings:
+        assert f" splitk {settings['splits']} " in name, name
+    elif settings["sched"] == "coop":
+        assert " epi direct " in name, name  # epi=tma falls back for float32 outputs
+    _check_tf32_layouts(TF32_SHAPES[:8], acts=("none", "relu", "gelu_tanh"))
+    a = _rand(64, 4100, dtype=torch.float32, device="cuda")
+    b = _rand(4100, 1000, dtype=torch.float32, device="cuda")
+    first = ops.matmul(a, b)
+    for _ in range(2):
+        _poison_cuda_cache("cuda")
+        assert torch.equal(ops.matmul(a, b), first), "not deterministic"
+
+
+@pytest.mark.cuda(1)
+@pytest.mark.skipif(not _is_sm90, reason="the Hopper rows of the dispatch need an sm_90 GPU")
+def test_cuda_tf32_default_dispatch_rule(matmul_settings, fp32_precision):
+    """TF32 allowed: float32 takes the half types' Hopper rows (the wave model's cooperative
+    tile, K split where its tiles leave SMs idle) for matmul and linear, never the skinny
+    or mma.sync kernels; "highest" keeps the CUDA-core kernel."""
+    matmul_settings()
+    fp32_precision("high")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m, n, k in [(m, n, 4096) for m in (1, 16, 256, 1024, 8192) for n in (4096, 11008)]:
+        a = torch.empty(m, k, device="cuda")
+        for b in (torch.empty(k, n, device="cuda"), torch.empty(n, k, device="cuda").t()):
+            name = torch.ops.fastcomm._kernel_name(a, b)
+            bn = _wave_tile(m, n, sms)
+            assert name.startswith(f"wgmma coop 128x{bn} tf32 "), (m, n, k, name)
+            if bn == 128 and _cdiv(m, 128) * _cdiv(n, 128) * 2 <= sms:
+                assert " splitk " in name, (m, n, k, name)
+    fp32_precision("highest")
+    a = torch.empty(8192, 4096, device="cuda")
+    assert torch.ops.fastcomm._kernel_name(a, a.t()) == "simt 128x128"
+
+
+@pytest.mark.cuda(1)
+@_skip_no_cuda
+def test_cuda_tf32_graph_capture_and_gradients(matmul_settings, fp32_precision):
+    """TF32 under CUDA-graph capture (the precision is read at capture), and autograd's
+    backward GEMMs (transposed operands) under TF32."""
+    matmul_settings()
+    fp32_precision("high")
+    x = _rand(300, 520, dtype=torch.float32, device="cuda")
+    w = _rand(260, 520, dtype=torch.float32, device="cuda")
+    b = _rand(260, dtype=torch.float32, device="cuda")
+    ops.linear(x, w, b, "gelu")  # warm-up outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = ops.linear(x, w, b, "gelu")
+    g.replay()
+    torch.cuda.synchronize()
+    ref = _ref_act(x.double() @ w.double().t() + b.double(), "gelu")
+    _tf32_check(y, ref, 520, "graph")
+    xr = x.clone().requires_grad_()
+    wr = w.clone().requires_grad_()
+    ops.linear(xr, wr, b, "silu").sum().backward()
+    xd = x.double().requires_grad_()
+    wd = w.double().requires_grad_()
+    F.silu(xd @ wd.t() + b.double()).sum().backward()
+    assert _rel_err(xr.grad, xd.grad) < 2e-3 and _rel_err(wr.grad, wd.grad) < 2e-3

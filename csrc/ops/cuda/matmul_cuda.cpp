@@ -2,22 +2,27 @@
 // checks (shared with the CPU kernels), operand preparation and the choice
 // of kernel. Kernels run on the current stream of the inputs' device.
 //
-// Kernel choice, for float16 / bfloat16 (float32 / float64 always take the
-// tiled CUDA-core kernel): the first row of kAutoRules below that matches
-// the problem, among
+// Kernel choice, for float16 / bfloat16, and for float32 where torch's matmul
+// precision allows TF32 (tf32_allowed(); float32 otherwise, and float64,
+// always take the tiled CUDA-core kernel): the first row of kAutoRules below
+// that matches the problem, among
 //   * the skinny kernel (kernels/matmul_skinny.cu) for one row of A with B
 //     K-major (decode-time linear layers), which streams B once;
 //   * on sm_90, the Hopper kernel (TMA + wgmma, warp-specialised,
 //     persistent; kernels/matmul_sm90*.cu{,h}), cooperative 128 x 128 tile
 //     (K split over CTAs where its tiles leave SMs idle) or 128 x 256 tile,
 //     whichever a wave model finds faster;
+//     float32 runs there as TF32 on K-major operands (copied where they are
+//     not);
 //   * the mma.sync tensor-core kernel (kernels/matmul_sm80.cu) on sm_80+,
-//     with its own K split for small M;
+//     with its own K split for small M (16-bit types only: float32 with TF32
+//     allowed takes the CUDA-core kernel off sm_90);
 //   * otherwise the CUDA-core kernel (kernels/matmul_simt.cu).
 // The FASTCOMM_MATMUL_* settings (common/config.hpp, MatmulConfig; read once,
 // ops/matmul_config.hpp) force a path, tile, schedule, epilogue or tile order,
 // for debugging.
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -27,6 +32,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 #include "common/config.hpp"
 #include "kernels/matmul_api.h"
@@ -78,11 +84,50 @@ kc::DType to_kdtype(at::ScalarType t) {
 
 int64_t round_up8(int64_t v) { return (v + 7) / 8 * 8; }
 
+// torch's float32 precision for CUDA matmuls, "tf32" or not, through the
+// Context API of the torch at hand: float32Precision(backend, op) takes enums
+// (Float32Backend::CUDA, Float32Op::MATMUL) in newer torch and strings
+// ("cuda", "matmul") in older; the member function's parameter types tell
+// which, so that neither spelling is named where it does not exist.
+template <typename R, typename B, typename O>
+bool cuda_matmul_tf32(const at::Context& ctx, R (at::Context::*get)(B, O) const) {
+  if constexpr (std::is_enum<std::decay_t<B>>::value) {
+    using Backend = std::decay_t<B>;
+    using Op = std::decay_t<O>;
+    return (ctx.*get)(Backend::CUDA, Op::MATMUL) == std::decay_t<R>::TF32;
+  } else {
+    return (ctx.*get)("cuda", "matmul") == "tf32";
+  }
+}
+// Where float32Precision is missing or overloaded: the legacy flag.
+template <typename Ctx, typename = void>
+struct Float32Matmul {
+  static bool tf32(const Ctx& ctx) { return ctx.allowTF32CuBLAS(); }
+};
+template <typename Ctx>
+struct Float32Matmul<Ctx, std::void_t<decltype(&Ctx::float32Precision)>> {
+  static bool tf32(const Ctx& ctx) { return cuda_matmul_tf32(ctx, &Ctx::float32Precision); }
+};
+
+// Whether float32 products may run on the TF32 tensor cores, read at each
+// call as ATen's CUDA matmul reads it for cuBLAS: the CUDA matmul precision
+// is "tf32" (torch.backends.cuda.matmul.fp32_precision = "tf32",
+// torch.set_float32_matmul_precision("high" / "medium"),
+// torch.backends.cuda.matmul.allow_tf32 = True) and no at::NoTF32Guard is
+// active. "highest" / "ieee" (torch's default) keeps float32 exact. (The
+// legacy allowTF32CuBLAS() is not asked first: newer torch raises there once
+// the legacy and the new API have both been used.)
+bool tf32_allowed() {
+  return Float32Matmul<at::Context>::tf32(at::globalContext()) &&
+         !at::NoTF32Guard::should_disable_tf32();
+}
+
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 // A 2-D operand X[R][C] as the tensor-core kernels want it: unit stride along
-// one dimension, leading dimension a multiple of 8 elements and at least the
-// contiguous extent, 16-byte aligned base. Strides of size-1 dimensions are
+// one dimension, leading dimension a multiple of 16 bytes (8 elements of a
+// 16-bit type, 4 of float32) and at least the contiguous extent, 16-byte
+// aligned base. Strides of size-1 dimensions are
 // free and get normalised.
 struct Operand {
   const void* ptr = nullptr;
@@ -99,7 +144,7 @@ bool try_layout(const at::Tensor& t, int unit_dim, Operand& op) {
   if (unit_extent != 1 && t.stride(unit_dim) != 1) return false;
   int64_t ld = t.stride(other);
   if (other_extent == 1) ld = round_up8(unit_extent);  // never used for addressing
-  if (ld % 8 != 0 || ld < unit_extent) return false;
+  if ((ld * static_cast<int64_t>(t.element_size())) % 16 != 0 || ld < unit_extent) return false;
   op.ptr = t.const_data_ptr();
   if (!aligned16(op.ptr)) return false;
   if (unit_dim == 1) {
@@ -114,14 +159,17 @@ bool try_layout(const at::Tensor& t, int unit_dim, Operand& op) {
 
 // Prepares t [R][C] for a tensor-core kernel. `k_dim` is the dimension of t
 // that is the GEMM's K (1 for A [M][K], 0 for B [K][N]); K-major (unit
-// stride along k_dim) or M/N-major is taken as it is, anything else is
-// copied into a K-major buffer with a padded leading dimension.
-Operand prepare_tc_operand(const at::Tensor& t, int k_dim) {
+// stride along k_dim) or, unless `k_major_only`, M/N-major is taken as it
+// is, anything else is copied into a K-major buffer with a padded leading
+// dimension. k_major_only: the TF32 kernel, whose wgmma reads 32-bit
+// operands K-major only; matmul's b [K, N] (N-major) is then transposed
+// into an [N, K] buffer, K x N x 4 bytes read and written once per call.
+Operand prepare_tc_operand(const at::Tensor& t, int k_dim, bool k_major_only = false) {
   {
     Operand op;
     if (try_layout(t, k_dim, op)) return op;
   }
-  {
+  if (!k_major_only) {
     Operand op;
     if (try_layout(t, 1 - k_dim, op)) return op;
   }
@@ -172,14 +220,14 @@ kc::GemmArgs problem_args(const GemmProblem& p, Activation act) {
 
 enum class Path { kSimt, kSkinny, kMma, kWgmma };
 
-// ---- the default dispatch (impl=auto, half types) ---------------------------------
+// ---- the default dispatch (impl=auto; half types, float32 as TF32) ----------------
 
 // When a row of kAutoRules applies, besides its bound on M.
 enum class When {
   kSkinnyLayout,  // A and B as the skinny kernel takes them (B K-major)
   kWgmmaNarrow,   // sm_90: the 128 x 128 tile is no slower by the wave model (wave_128_wins)
   kWgmma,         // sm_90
-  kSm80,          // sm_80+
+  kSm80,          // sm_80+, 16-bit types (the mma.sync kernel has no TF32 form)
   kAlways,
 };
 
@@ -193,7 +241,10 @@ enum class When {
 //     (its 128 x 128 tile, K split where the tiles leave SMs idle, beats
 //     mma.sync on every small shape measured, up to 1024^3), on the tile of
 //     the wave model below; the split count is the Hopper split-K model's
-//     (kernels/matmul_sm90.cu).
+//     (kernels/matmul_sm90.cu);
+//   * float32 with TF32 allowed takes the same Hopper rows (the TF32 kernel:
+//     same tiles and stage bytes, half the K per stage) and otherwise the
+//     CUDA-core kernel.
 struct AutoRule {
   int64_t max_m;
   When when;
@@ -254,7 +305,7 @@ bool skinny_considered(const MatmulConfig& cfg, const GemmProblem& p) {
 // The row of kAutoRules for a half-type problem (always found: the last row
 // matches everything).
 const AutoRule& auto_rule(const kc::GemmArgs& args, const cudaDeviceProp* prop, bool skinny,
-                          bool wgmma_ok) {
+                          bool wgmma_ok, bool mma_ok) {
   for (const AutoRule& r : kAutoRules) {
     if (args.M > r.max_m) continue;
     bool ok = false;
@@ -269,7 +320,7 @@ const AutoRule& auto_rule(const kc::GemmArgs& args, const cudaDeviceProp* prop, 
         ok = wgmma_ok;
         break;
       case When::kSm80:
-        ok = prop->major >= 8;
+        ok = mma_ok;
         break;
       case When::kAlways:
         ok = true;
@@ -282,27 +333,31 @@ const AutoRule& auto_rule(const kc::GemmArgs& args, const cudaDeviceProp* prop, 
 
 // The kernel for a problem on the current device (see the top of the file);
 // raises where a forced kernel cannot run. `skinny`: the problem has the
-// skinny kernel's shape and layout. `wopts`: the Hopper options, from the
-// settings, which the default dispatch may complete (schedule and tile of
-// its row).
+// skinny kernel's shape and layout. `tf32`: float32 may run as TF32
+// (tf32_allowed()). `wopts`: the Hopper options, from the settings, which the
+// default dispatch may complete (schedule and tile of its row).
 Path choose_path(const kc::GemmArgs& args, const MatmulConfig& cfg, const cudaDeviceProp* prop,
-                 bool skinny, kc::WgmmaOptions* wopts) {
+                 bool skinny, bool tf32, kc::WgmmaOptions* wopts) {
   const bool half = args.dtype == kc::DType::kF16 || args.dtype == kc::DType::kBF16;
+  // float32 with TF32 allowed: the Hopper kernel's TF32 form where it runs,
+  // else (and with TF32 not allowed) the exact CUDA-core kernel.
+  const bool f32_tc = args.dtype == kc::DType::kF32 && tf32;
   TORCH_CHECK(cfg.impl != "skinny" || skinny,
               "FASTCOMM_MATMUL_IMPL=skinny: the skinny kernel needs float16 / bfloat16, at most ",
               kc::kSkinnyMaxM, " rows of A, K a multiple of 8 and B K-major (got M=", args.M,
               " N=", args.N, " K=", args.K, ")");
   if (skinny && cfg.impl == "skinny") return Path::kSkinny;
   // K == 0 (bias + activation only) also goes to the CUDA-core kernel.
-  if (!half || args.K == 0 || cfg.impl == "simt") return Path::kSimt;
+  if (!(half || f32_tc) || args.K == 0 || cfg.impl == "simt") return Path::kSimt;
   const bool wgmma_ok = prop->major == 9 && prop->minor == 0 && kc::gemm_wgmma_compiled();
+  if (f32_tc && !wgmma_ok && cfg.impl != "wgmma") return Path::kSimt;
   TORCH_CHECK(cfg.impl != "wgmma" || wgmma_ok,
               "FASTCOMM_MATMUL_IMPL=wgmma: the wgmma kernel needs an sm_90 device (", prop->name,
               " is sm_", prop->major, prop->minor,
               ") and an extension built for sm_90a (TORCH_CUDA_ARCH_LIST containing 9.0a)");
   if (cfg.impl == "wgmma") return Path::kWgmma;
   if (cfg.impl == "auto") {
-    const AutoRule& r = auto_rule(args, prop, skinny, wgmma_ok);
+    const AutoRule& r = auto_rule(args, prop, skinny, wgmma_ok, half && prop->major >= 8);
     if (r.path == Path::kWgmma) {
       // The row's schedule and tile where the settings leave them auto.
       if (wopts->sched == kc::WgmmaSched::kAuto && wopts->tile == kc::Tile::kAuto) {
@@ -312,6 +367,7 @@ Path choose_path(const kc::GemmArgs& args, const MatmulConfig& cfg, const cudaDe
     }
     return r.path;
   }
+  if (f32_tc) return Path::kSimt;  // impl=mma: no TF32 form, float32 stays on CUDA cores
   if (prop->major >= 8) return Path::kMma;
   TORCH_CHECK(cfg.impl != "mma", "FASTCOMM_MATMUL_IMPL=mma: the mma.sync kernel needs sm_80+, ",
               prop->name, " is sm_", prop->major, prop->minor);
@@ -347,7 +403,7 @@ at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias
   const std::optional<SkinnyOperands> skinny =
       skinny_considered(cfg, p) ? skinny_operands(p) : std::nullopt;
   kc::WgmmaOptions wopts = wgmma_options(cfg);
-  switch (choose_path(args, cfg, prop, skinny.has_value(), &wopts)) {
+  switch (choose_path(args, cfg, prop, skinny.has_value(), tf32_allowed(), &wopts)) {
     case Path::kSkinny: {
       fill_ab(args, skinny->a, skinny->b);
       TORCH_INTERNAL_ASSERT(kc::gemm_skinny_supported(args));
@@ -355,8 +411,10 @@ at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias
       break;
     }
     case Path::kWgmma: {
-      Operand a = prepare_tc_operand(p.A, 1);
-      Operand b = prepare_tc_operand(p.B, 0);
+      // float32 (TF32): K-major operands only.
+      const bool k_major_only = args.dtype == kc::DType::kF32;
+      Operand a = prepare_tc_operand(p.A, 1, k_major_only);
+      Operand b = prepare_tc_operand(p.B, 0, k_major_only);
       fill_ab(args, a, b);
       TORCH_INTERNAL_ASSERT(kc::gemm_wgmma_supported(args));
       const int64_t scratch =
@@ -405,7 +463,7 @@ std::string kernel_name_cuda(const at::Tensor& a, const at::Tensor& b,
   const std::optional<SkinnyOperands> skinny =
       skinny_considered(cfg, p) ? skinny_operands(p) : std::nullopt;
   kc::WgmmaOptions wopts = wgmma_options(cfg);
-  switch (choose_path(args, cfg, prop, skinny.has_value(), &wopts)) {
+  switch (choose_path(args, cfg, prop, skinny.has_value(), tf32_allowed(), &wopts)) {
     case Path::kSkinny:
       fill_ab(args, skinny->a, skinny->b);
       return "skinny k-major splits " +
