@@ -346,9 +346,11 @@ template <typename T>
 cudaError_t launch_splitk_finish(const GemmArgs& p, const float* partial, int splits,
                                  cudaStream_t stream) {
   const int64_t outputs = p.M * p.N;
-  splitk_finish<T>
-      <<<static_cast<unsigned>((outputs + 255) / 256), 256, 0, stream>>>(p, partial, splits);
-  return cudaGetLastError();
+  cudaLaunchConfig_t launch{};  // the launch's own status, as launch_kernel's
+  launch.gridDim = dim3(static_cast<unsigned>((outputs + 255) / 256));
+  launch.blockDim = dim3(256);
+  launch.stream = stream;
+  return cudaLaunchKernelEx(&launch, splitk_finish<T>, p, partial, splits);
 }
 
 // ---- tile order --------------------------------------------------------------

@@ -265,10 +265,13 @@ bool gemm_wgmma_compiled() {
       const cudaError_t err =
           i == 0 ? sm90::kernel_attributes<__nv_bfloat16, sm90::Sched::kCoop>(&attr)
                  : sm90::kernel_attributes<__nv_bfloat16, sm90::Sched::kPingpong>(&attr);
+      if (err != cudaSuccess) {  // a failed query says nothing of the build: not kept
+        cudaGetLastError();
+        return false;
+      }
       // The real kernel has its mbarriers in static shared memory; the empty
       // body of a build without sm_90a has none.
-      ok = err == cudaSuccess && attr.binaryVersion >= 90 && attr.sharedSizeBytes > 0;
-      if (err != cudaSuccess) cudaGetLastError();
+      ok = attr.binaryVersion >= 90 && attr.sharedSizeBytes > 0;
     }
     known[dev] = ok ? 1 : 2;
   }

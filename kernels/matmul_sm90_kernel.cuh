@@ -52,6 +52,7 @@
 #include <cuda.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstdio>
 #include <mutex>
@@ -496,25 +497,37 @@ cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stre
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
   if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
-  static cudaError_t setup[64];
-  static std::once_flag once[64];
-  std::call_once(once[dev], [&] {
-    setup[dev] =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
-    // Once per kernel and device (FASTCOMM_LOG=INFO): the persistent grid
-    // decides how well the tiles spread over the SMs.
-    FASTCOMM_LOG(Info, "matmul wgmma kernel "
-                           << (S == Sched::kPingpong ? "ping-pong" : "cooperative")
-                           << (OFFLOAD ? " offload" : "") << " " << C::BM << "x" << BN << " layout "
-                           << (A_K ? "K" : "M") << (B_K ? "K" : "N") << " on device " << dev << ": "
-                           << C::SMEM_BYTES << " B shared memory, " << plan.num_sms
-                           << " SMs, setup " << cudaGetErrorString(setup[dev]));
-  });
-  if (setup[dev] != cudaSuccess) return setup[dev];
+  // The shared-memory opt-in, once per kernel and device; a failure is
+  // returned, not kept: the next call tries again.
+  static std::atomic<bool> ready[64];
+  if (!ready[dev].load(std::memory_order_acquire)) {
+    static std::mutex mu;
+    std::lock_guard<std::mutex> lock(mu);
+    if (!ready[dev].load(std::memory_order_relaxed)) {
+      err =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM_BYTES);
+      if (err != cudaSuccess) return err;
+      ready[dev].store(true, std::memory_order_release);
+      // (FASTCOMM_LOG=INFO) the persistent grid decides how well the tiles
+      // spread over the SMs.
+      FASTCOMM_LOG(Info, "matmul wgmma kernel "
+                             << (S == Sched::kPingpong ? "ping-pong" : "cooperative")
+                             << (OFFLOAD ? " offload" : "") << " " << C::BM << "x" << BN
+                             << " layout " << (A_K ? "K" : "M") << (B_K ? "K" : "N")
+                             << " on device " << dev << ": " << C::SMEM_BYTES
+                             << " B shared memory, " << plan.num_sms << " SMs");
+    }
+  }
 
   const int64_t grid = units < plan.num_sms ? units : plan.num_sms;
-  kernel<<<static_cast<unsigned>(grid), kThreads, C::SMEM_BYTES, stream>>>(ma, mb, mc, p, opts);
-  return cudaGetLastError();
+  // The launch's own status (not cudaGetLastError, which would also report an
+  // earlier, unrelated failure of this thread as this launch's).
+  cudaLaunchConfig_t launch{};
+  launch.gridDim = dim3(static_cast<unsigned>(grid));
+  launch.blockDim = dim3(kThreads);
+  launch.dynamicSmemBytes = C::SMEM_BYTES;
+  launch.stream = stream;
+  return cudaLaunchKernelEx(&launch, kernel, ma, mb, mc, p, opts);
 }
 
 template <typename T, Sched S, int BN, bool OFFLOAD = false>

@@ -384,11 +384,25 @@ void* workspace_ptr(const at::Tensor& workspace) {
   return workspace.defined() ? workspace.mutable_data_ptr() : nullptr;
 }
 
+// Makes `device`'s primary context current on this thread. A device guard
+// leaves a fresh thread (autograd's, a user's) whose current device already
+// is the one asked for without any context current, and kernel attribute
+// calls there (cudaFuncSetAttribute, cudaFuncGetAttributes) fail with
+// "invalid argument" where a launch would have bound the context itself.
+void bind_device_context(c10::DeviceIndex device) {
+  thread_local uint64_t bound = 0;  // devices bound on this thread
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+  if ((bound & bit) != 0) return;
+  C10_CUDA_CHECK(cudaSetDevice(device));
+  bound |= bit;
+}
+
 at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias, Activation act) {
   TORCH_CHECK(p.M < (int64_t(1) << 31) && p.N < (int64_t(1) << 31) && p.K < (int64_t(1) << 31),
               "fastcomm: matrix dimensions must be below 2^31, got M=", p.M, " N=", p.N,
               " K=", p.K);
   c10::cuda::CUDAGuard guard(p.A.device());
+  bind_device_context(p.A.device().index());
   const GemmOutput o = make_gemm_output(p, bias);
   if (p.M == 0 || p.N == 0) return o.result(p);
 
@@ -453,6 +467,7 @@ std::string kernel_name_cuda(const at::Tensor& a, const at::Tensor& b,
   const Activation act = parse_activation(std::string_view(activation.data(), activation.size()));
   const GemmProblem p = make_matmul_problem(a, b);
   c10::cuda::CUDAGuard guard(p.A.device());
+  bind_device_context(p.A.device().index());
   kc::GemmArgs args = problem_args(p, act);
   // The output of a real call is a fresh caching-allocator block, which is
   // 512-byte aligned: any aligned address stands for it here.
