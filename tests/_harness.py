@@ -90,6 +90,13 @@ def load_script(name: str) -> Any:
     return mod
 
 
+def capture_stderr(path: str) -> None:
+    """Sends fd 2 (where fastcomm logs) to `path` for the rest of this process."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def free_port() -> int:
     """A TCP port that is free on 127.0.0.1 right now, chosen below the kernel's ephemeral
     range: a port from bind(0) is ephemeral, and the many connections the tests open draw

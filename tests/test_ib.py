@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from _harness import BACKEND, Checker, gen, gloo_skip, is_gloo, run_ranks
+from _harness import BACKEND, Checker, capture_stderr, gen, gloo_skip, is_gloo, run_ranks
 from test_transport import _barrier, _endpoint, _finish, _payload, _store
 
 pytestmark = gloo_skip("fastcomm's ib transport")
@@ -473,18 +473,11 @@ def test_extension_loads_without_rdma_core() -> None:
 # ------------------------------------------------------------------------------ process groups
 
 
-def _capture_stderr(path: str) -> None:
-    """Sends fd 2 (where fastcomm logs) to `path` for the rest of this process."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 2)
-    os.close(fd)
-
-
 def _auto_fn(rank: int, ws: int, log_dir: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    _capture_stderr(os.path.join(log_dir, f"rank{rank}.log"))
+    capture_stderr(os.path.join(log_dir, f"rank{rank}.log"))
     dist.init_process_group(BACKEND, timeout=timedelta(seconds=60))
     chk = Checker(f"rank {rank}")
     for n in (1000, 300_000):  # the small path and the pipelined one

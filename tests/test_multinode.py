@@ -21,6 +21,7 @@ from _harness import (
     BACKEND,
     Checker,
     RankFailure,
+    capture_stderr,
     dtype_of,
     gen,
     is_gloo,
@@ -237,6 +238,55 @@ def test_choices_follow_rank_zero() -> None:
         return e
 
     run_ranks(4, agree_fn, env=env)
+
+
+def sockets_fn(rank: int, ws: int, log_dir: str) -> dict[str, Any]:
+    capture_stderr(os.path.join(log_dir, f"rank{rank}.log"))
+    dist.init_process_group(BACKEND, timeout=timedelta(seconds=60))
+    chk = Checker(f"rank {rank}")
+    n = 300_000  # the pipelined path: every socket of a peer carries stripes
+    inputs = [gen("sockets", r, (n,), torch.float32, "SUM") for r in range(ws)]
+    t = inputs[rank].clone()
+    dist.all_reduce(t)
+    chk.reduced(t, inputs, "SUM", "all_reduce")
+    dist.destroy_process_group()
+    chk.raise_if_failed()
+    with open(os.path.join(log_dir, f"rank{rank}.log")) as f:
+        return {"log": f.read()}
+
+
+@pytest.mark.parametrize(
+    "nodes,env,sockets",
+    [
+        pytest.param([0, 1], {}, 8, id="2x1-auto"),
+        pytest.param([0, 0, 1, 1], {}, 4, id="2x2-auto"),
+        pytest.param([0, 0, 0, 1, 1, 1], {}, 2, id="2x3-auto"),
+        pytest.param([0, 0, 1, 1], {"FASTCOMM_TCP_SOCKETS": "3"}, 3, id="2x2-set"),
+        # Rank 0's setting is the group's: the others' differing ones are replaced.
+        pytest.param([0, 0, 1, 1], {1: {"FASTCOMM_TCP_SOCKETS": "6"}}, 4, id="2x2-rank0-auto"),
+    ],
+)
+def test_tcp_sockets_per_peer_follow_the_ranks_per_host(
+    tmp_path: Any, nodes: list[int], env: dict[Any, Any], sockets: int
+) -> None:
+    """FASTCOMM_TCP_SOCKETS=auto (the default) splits 8 sockets per peer among a host's ranks,
+    which share its link; a set value is taken as it is. The plan and every rank's transport
+    say how many they use, and the all_reduce is right."""
+
+    def rank_env(rank: int) -> dict[str, str]:
+        e = {"FASTCOMM_HOST_ID": f"simnode{nodes[rank]}", "FASTCOMM_LOG": "INFO"}
+        e.update({k: v for k, v in env.items() if isinstance(k, str)})
+        e.update(env.get(rank, {}))
+        return e
+
+    res = run_ranks(len(nodes), sockets_fn, str(tmp_path), init=False, timeout_s=180, env=rank_env)
+    assert f"; transport tcp ({sockets} sockets per peer);" in res[0]["log"], res[0]["log"][-3000:]
+    for rank, r in enumerate(res):
+        lines = [ln for ln in r["log"].splitlines() if "tcp transport listening on" in ln]
+        assert lines and all(f", {sockets} socket(s) per peer," in ln for ln in lines), (
+            rank,
+            lines,
+        )
 
 
 def bad_setting_fn(rank: int, ws: int, name: str, value: str) -> dict[str, Any]:

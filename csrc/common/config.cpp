@@ -197,9 +197,20 @@ const std::vector<Setting>& settings() {
                        bounded("FASTCOMM_CUDA_WINDOW", t, kCudaWindowMin, kCudaWindowMax);
                  },
                  [](const Config& c) { return std::to_string(c.cudaWindow); }});
-    v.push_back(count("FASTCOMM_TCP_SOCKETS", A, &Config::tcpSocketsPerPeer, 1, 64, "8",
-                      "sockets per peer connection of the tcp transport (the most that carry data: "
-                      "it sheds those that add no delivery rate)"));
+    v.push_back({{"FASTCOMM_TCP_SOCKETS", A, "auto",
+                  "sockets per peer connection of the tcp transport, 1 to 64 (the most that carry "
+                  "data: it sheds those that add no delivery rate); `auto`: 8 per host, split "
+                  "among the host's ranks (8 with one rank per host, 4 with two, at least 1)"},
+                 [](Config& c, const char* t) {
+                   c.tcpSocketsPerPeer =
+                       lower(t) == "auto"
+                           ? 0
+                           : static_cast<int>(bounded("FASTCOMM_TCP_SOCKETS", t, 1, 64));
+                 },
+                 [](const Config& c) {
+                   return c.tcpSocketsPerPeer > 0 ? std::to_string(c.tcpSocketsPerPeer)
+                                                  : std::string("auto");
+                 }});
     v.push_back(count("FASTCOMM_IB_QPS_PER_PEER", A, &Config::ibQpsPerPeer, 1, 16, "2",
                       "RC queue pairs per connection of the ib transport"));
     v.push_back({{"FASTCOMM_NVLINK", A, "auto",
@@ -390,6 +401,11 @@ std::string Config::adoptAgreed(const std::string& rankZero) {
   // The lag is this rank's own, but must stay below the agreed window.
   cudaLag = std::min<int64_t>(cudaLag, cudaWindow - 1);
   return differ;
+}
+
+int Config::tcpSocketsFor(int ranksPerHost) const {
+  if (tcpSocketsPerPeer > 0) return tcpSocketsPerPeer;
+  return std::max(1, kTcpSocketsPerHost / std::max(1, ranksPerHost));
 }
 
 std::vector<SettingInfo> settingsTable() {

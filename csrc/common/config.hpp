@@ -14,6 +14,12 @@ enum class LogLevel : int { Warn = 0, Info = 1, Debug = 2 };
 constexpr int64_t kCudaWindowMin = 3;
 constexpr int64_t kCudaWindowMax = 32;
 
+// FASTCOMM_TCP_SOCKETS=auto: this many sockets per peer for a host's ranks
+// together, split evenly among them (at least one each). The ranks of a host
+// share its link: more flows than this through one link, each with its own
+// congestion window, overflow the queues and stall in retransmission timeouts.
+constexpr int kTcpSocketsPerHost = 8;
+
 // The three tiers of settings, as types: Config derives from all three, so
 // code reads `cfg.chunkBytes` whatever the tier, and the group's agreement
 // works on the AgreedSettings part alone. Every setting is also described,
@@ -42,9 +48,10 @@ struct AgreedSettings {
   // Chunks in flight (kCudaWindowMin..Max). Larger is not faster: more bytes
   // in flight is more host memory touched per chunk, not more overlap.
   int64_t cudaWindow = 6;
-  // 8 sockets per peer with 8 progress threads (LocalSettings::tcpThreads):
-  // each thread drives one socket of a peer; one stream cannot fill a link.
-  int tcpSocketsPerPeer = 8;
+  // Sockets per peer; 0 is `auto` (tcpSocketsFor). Several per peer, each
+  // driven by its own progress thread (LocalSettings::tcpThreads): one stream
+  // cannot fill a link.
+  int tcpSocketsPerPeer = 0;
   int ibQpsPerPeer = 2;
   bool check = false;
   // CUDA all_reduces, all_gathers and reduce_scatters inside one node over
@@ -106,6 +113,9 @@ struct Config : AgreedSettings, LocalSettings, DebugSettings {
   // the variables whose value here differed ("" when none). Local settings
   // bounded by an agreed one are fitted to it (FASTCOMM_CUDA_LAG < window).
   std::string adoptAgreed(const std::string& rankZero);
+  // Sockets per peer of a group whose hosts run at most `ranksPerHost` ranks:
+  // FASTCOMM_TCP_SOCKETS, or for `auto` kTcpSocketsPerHost split among them.
+  int tcpSocketsFor(int ranksPerHost) const;
 };
 
 // One setting: its environment variable, tier, default and meaning as the

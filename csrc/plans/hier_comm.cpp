@@ -34,8 +34,10 @@ HierComm::HierComm(const c10::intrusive_ptr<c10d::Store>& store, const Topology&
 
   // Choices that must agree on every rank (a mismatch would hang or corrupt)
   // come from group rank 0 through the store.
-  const InterPlan plan = InterPlan::agree(store_, topo_.rank, topo_.size, cfg_, ctx);
+  const InterPlan plan =
+      InterPlan::agree(store_, topo_.rank, topo_.size, topo_.maxLocalSize(), cfg_, ctx);
   const std::string transportName = plan.transport;
+  cfg_ = plan.transportConfig(cfg_);
   cfg_.wireDtype = plan.wireDtype;
   cfg_.chunkBytes = plan.chunkBytes;
 
@@ -103,8 +105,9 @@ std::string HierComm::describe() const {
        << "; inter-node: " << localSize_ << " rail(s) of " << numNodes_
        << " ranks (rings; recursive doubling for all-reduces up to " << kSmallBytes << " B)";
   }
-  os << "; transport " << coll_->name() << "; wire dtype " << cfg_.wireDtype << "; chunk "
-     << cfg_.chunkBytes << " B";
+  os << "; transport " << coll_->name();
+  if (coll_->name() == "tcp") os << " (" << cfg_.tcpSocketsPerPeer << " sockets per peer)";
+  os << "; wire dtype " << cfg_.wireDtype << "; chunk " << cfg_.chunkBytes << " B";
   return os.str();
 }
 

@@ -67,7 +67,7 @@ InterPlan InterPlan::decode(const std::string& text) {
 }
 
 InterPlan InterPlan::agree(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                           const Config& cfg, const OpContext& ctx) {
+                           int ranksPerHost, const Config& cfg, const OpContext& ctx) {
   {
     std::string why;
     const bool ib = transport::transportUsable("ib", cfg, &why);
@@ -97,7 +97,14 @@ InterPlan InterPlan::agree(const c10::intrusive_ptr<c10d::Store>& store, int ran
   plan.cudaChunkBytes = cfg.cudaChunkBytes;
   plan.cudaWindow = cfg.cudaWindow;
   plan.cudaHierMinBytes = cfg.cudaHierMinBytes;
+  plan.tcpSocketsPerPeer = cfg.tcpSocketsFor(ranksPerHost);
   return plan;
+}
+
+Config InterPlan::transportConfig(const Config& cfg) const {
+  Config c = cfg;
+  c.tcpSocketsPerPeer = tcpSocketsPerPeer;
+  return c;
 }
 
 }  // namespace fastcomm

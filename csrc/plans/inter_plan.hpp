@@ -24,13 +24,17 @@ struct InterPlan {
   int64_t cudaChunkBytes = 0;    // its pipeline chunk
   int64_t cudaWindow = 0;        // its chunks in flight
   int64_t cudaHierMinBytes = 0;  // smaller all_reduces stay on the flat NCCL comm
+  int tcpSocketsPerPeer = 0;     // FASTCOMM_TCP_SOCKETS, `auto` resolved for the hosts' ranks
 
   // Every rank reports whether ib is usable here; rank 0 decides (ib only
   // when all `size` ranks can use it) and publishes, everyone (rank 0 too)
   // reads back; waits at most until ctx's deadline. A forced ib that some
-  // rank cannot use fails on every rank, naming those ranks.
+  // rank cannot use fails on every rank, naming those ranks. `ranksPerHost`:
+  // the most ranks of the group on one host (the same on every rank).
   static InterPlan agree(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                         const Config& cfg, const OpContext& ctx);
+                         int ranksPerHost, const Config& cfg, const OpContext& ctx);
+  // `cfg` with the plan's transport settings, for creating its transports.
+  Config transportConfig(const Config& cfg) const;
   std::string encode() const;
   static InterPlan decode(const std::string& text);
 };

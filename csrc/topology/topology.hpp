@@ -3,6 +3,7 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <string>
 #include <vector>
@@ -27,6 +28,12 @@ struct Topology {
   int localSize = 1;
 
   int numNodes() const { return static_cast<int>(nodeRanks.size()); }
+  // The most ranks on one node.
+  int maxLocalSize() const {
+    size_t most = 1;
+    for (const auto& node : nodeRanks) most = std::max(most, node.size());
+    return static_cast<int>(most);
+  }
   std::string describe() const;
 
   // Publishes this rank's host id in `store` and reads everyone's; fails with

@@ -326,7 +326,7 @@ CudaCollectives::Impl::Impl(const c10::intrusive_ptr<c10d::Store>& store, int ra
   comm_ = ncclCommFromStore(store_, "fastcomm/nccl/", size_, rank_, everyone, rank_, timeout_,
                             "NCCL communicator setup");
   if (topo_.numNodes() > 1) {
-    plan_ = InterPlan::agree(store_, rank_, size_, cfg_,
+    plan_ = InterPlan::agree(store_, rank_, size_, topo_.maxLocalSize(), cfg_,
                              OpContext::start("NCCL communicator setup", 0, timeout_));
   }
   stream_ = at::cuda::getStreamFromPool(/*isHighPriority=*/true, device_.index());

@@ -44,7 +44,7 @@ class TcpMemoryRegion : public MemoryRegion {
 class TcpTransport : public Transport {
  public:
   explicit TcpTransport(const Config& cfg)
-      : sockets_(std::max(1, cfg.tcpSocketsPerPeer)),
+      : sockets_(cfg.tcpSocketsPerPeer > 0 ? cfg.tcpSocketsPerPeer : kTcpSocketsPerHost),
         threads_(std::max(1, cfg.tcpThreads)),
         bufferBytes_(static_cast<int>(cfg.tcpSocketBufferBytes)),
         notifier_(std::make_shared<Notifier>()) {

@@ -445,7 +445,7 @@ std::unique_ptr<CudaHier> CudaHier::create(const c10::intrusive_ptr<c10d::Store>
       *h->res_, std::move(rail), topo.myNode, topo.rank, topo.size, plan.cudaChunkBytes,
       plan.cudaWindow, cfg.cudaLag, parseWireDtype(plan.wireDtype), store, std::move(hooks));
   Resources* r = h->res_.get();
-  h->rail_->connect(plan.transport, cfg,
+  h->rail_->connect(plan.transport, plan.transportConfig(cfg),
                     c10::make_intrusive<c10d::PrefixStore>("fastcomm/cuda_hier", store), ctx,
                     [r, &cfg, &plan, device](StagedRail::Staging& s, bool deviceMemoryMoves) {
                       r->placeStaging(s, deviceMemoryMoves, cfg, plan.transport, device);
@@ -469,9 +469,13 @@ std::string CudaHier::describe() const {
   os << "CUDA all_reduce across nodes (from " << plan_.cudaHierMinBytes << " B, "
      << "SUM/AVG/PRODUCT/MIN/MAX on float and integer types): "
      << (topo_.localSize > 1 ? "NCCL reduce-scatter in the node, " : "") << topo_.numNodes() - 1
-     << " rail peer(s) per rank over " << rail_->transportName() << " through "
-     << (rail_->stagingOnDevice() ? "device" : "pinned host") << " staging, pipelined in chunks of "
-     << plan_.cudaChunkBytes << " B (window " << plan_.cudaWindow << ", lag " << rail_->lag()
+     << " rail peer(s) per rank over " << rail_->transportName()
+     << (rail_->transportName() == "tcp"
+             ? " (" + std::to_string(plan_.tcpSocketsPerPeer) + " sockets per peer)"
+             : std::string())
+     << " through " << (rail_->stagingOnDevice() ? "device" : "pinned host")
+     << " staging, pipelined in chunks of " << plan_.cudaChunkBytes << " B (window "
+     << plan_.cudaWindow << ", lag " << rail_->lag()
      << "), reduction on the GPU, staging kernels on 3 streams (1 in a CUDA graph)"
      << (plan_.wireDtype != "none" ? ", float32 sums as " + plan_.wireDtype + " on the wire" : "")
      << (topo_.localSize > 1 ? ", NCCL all-gather in the node" : "") << "; "
