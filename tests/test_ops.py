@@ -909,6 +909,15 @@ WGMMA_SPLIT_VARIANTS = {
 }
 
 
+def _assert_deterministic(a: torch.Tensor, b: torch.Tensor, repeats: int) -> None:
+    """matmul(a, b) gives the same bits every time (split K sums its slices in a fixed
+    order), with NaN-poisoned caches in between."""
+    first = ops.matmul(a, b)
+    for _ in range(repeats):
+        _poison_cuda_cache("cuda")
+        assert torch.equal(ops.matmul(a, b), first), "split K is not deterministic"
+
+
 @pytest.mark.cuda(1)
 @pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("variant", sorted(WGMMA_SPLIT_VARIANTS))
@@ -942,12 +951,8 @@ def test_cuda_wgmma_split_k(matmul_settings, variant, dtype):
     if "splits" in settings:
         name = torch.ops.fastcomm._kernel_name(probe_a[:, :64], probe_b[:64])
         assert " splitk " not in name, name
-    a = _rand(64, 4104, dtype=dtype, device="cuda")
-    bb = _rand(4104, 1000, dtype=dtype, device="cuda")
-    first = ops.matmul(a, bb)
-    for _ in range(3):
-        _poison_cuda_cache("cuda")
-        assert torch.equal(ops.matmul(a, bb), first), "split K is not deterministic"
+    _assert_deterministic(_rand(64, 4104, dtype=dtype, device="cuda"),
+                          _rand(4104, 1000, dtype=dtype, device="cuda"), 3)  # fmt: skip
 
 
 @pytest.mark.cuda(1)
@@ -1219,12 +1224,8 @@ def test_cuda_tf32_wgmma_variants(matmul_settings, fp32_precision, variant):
     elif settings["sched"] == "coop":
         assert " epi direct " in name, name  # epi=tma falls back for float32 outputs
     _check_tf32_layouts(TF32_SHAPES[:8], acts=("none", "relu", "gelu_tanh"))
-    a = _rand(64, 4100, dtype=torch.float32, device="cuda")
-    b = _rand(4100, 1000, dtype=torch.float32, device="cuda")
-    first = ops.matmul(a, b)
-    for _ in range(2):
-        _poison_cuda_cache("cuda")
-        assert torch.equal(ops.matmul(a, b), first), "not deterministic"
+    _assert_deterministic(_rand(64, 4100, dtype=torch.float32, device="cuda"),
+                          _rand(4100, 1000, dtype=torch.float32, device="cuda"), 2)  # fmt: skip
 
 
 @pytest.mark.cuda(1)
