@@ -508,6 +508,12 @@ class Counters:
     # for at least the minimum RTO (200 ms on Linux), which a collective's time shows.
     tcp_timeouts: int = 0
     veth_drops: int = 0  # packets the node's veth dropped, either direction (not the qdisc's)
+    # Segments the node's receiving sockets dropped or pruned (TcpExt TCPRcvQDrop, TCPOFODrop,
+    # RcvPruned, OfoPruned, TCPBacklogDrop): losses that no link counter sees.
+    tcp_rcv_drops: int = 0
+    # Retransmissions the peers reported as unneeded (TcpExt TCPDSACKRecv, TCPDSACKOfoRecv):
+    # spurious ones, sent on delay or reordering, not on loss.
+    tcp_spurious: int = 0
 
     def minus(self, other: "Counters") -> "Counters":
         return Counters(
@@ -640,6 +646,7 @@ class Netbed:
                 ).stdout
                 or "[]"
             )
+            tcp = self._tcp_counters(n.netns)
             out.append(
                 Counters(
                     info["tx"]["bytes"],
@@ -647,15 +654,18 @@ class Netbed:
                     info["tx"]["packets"],
                     info["rx"]["packets"],
                     sum(q.get("drops", 0) for q in qdiscs if q.get("kind") in ("tbf", "netem")),
-                    *self._tcp_counters(n.netns),
+                    tcp["retransmits"],
+                    tcp["timeouts"],
                     info["tx"].get("dropped", 0) + info["rx"].get("dropped", 0),
+                    tcp["rcv_drops"],
+                    tcp["spurious"],
                 )
             )
         return out
 
-    def _tcp_counters(self, netns: str) -> tuple[int, int]:
-        """RetransSegs and TCPTimeouts of the namespace's TCP (/proc/net/snmp and
-        /proc/net/netstat are per network namespace); 0 for what cannot be read."""
+    def _tcp_counters(self, netns: str) -> dict[str, int]:
+        """The Counters' TCP fields from the namespace's /proc/net/snmp and /proc/net/netstat
+        (both per network namespace); 0 for what cannot be read."""
         text = subprocess.run(
             self.tools.exec_prefix(netns) + ["cat", "/proc/net/snmp", "/proc/net/netstat"],
             env=self.tools.env(),  # ip itself may need the unpacked libraries
@@ -663,7 +673,18 @@ class Netbed:
             text=True,
             check=False,
         ).stdout
-        return _snmp_value(text, "Tcp:", "RetransSegs"), _snmp_value(text, "TcpExt:", "TCPTimeouts")
+
+        def ext(*names: str) -> int:
+            return sum(_snmp_value(text, "TcpExt:", name) for name in names)
+
+        return {
+            "retransmits": _snmp_value(text, "Tcp:", "RetransSegs"),
+            "timeouts": ext("TCPTimeouts"),
+            "rcv_drops": ext(
+                "TCPRcvQDrop", "TCPOFODrop", "RcvPruned", "OfoPruned", "TCPBacklogDrop"
+            ),
+            "spurious": ext("TCPDSACKRecv", "TCPDSACKOfoRecv"),
+        }
 
     def tcp_ceiling(self, streams: int = 4, seconds: float = 1.5) -> float:
         """GB/s per direction that plain TCP gets between nodes 0 and 1 with `streams`
@@ -761,6 +782,8 @@ class LaunchResult:
             "link_tcp_retransmits": [c.tcp_retransmits for c in self.link],
             "link_tcp_timeouts": [c.tcp_timeouts for c in self.link],
             "link_veth_drops": [c.veth_drops for c in self.link],
+            "link_tcp_rcv_drops": [c.tcp_rcv_drops for c in self.link],
+            "link_tcp_spurious": [c.tcp_spurious for c in self.link],
         }
 
     def describe(self) -> str:
@@ -770,6 +793,8 @@ class LaunchResult:
             + (f" ({c.tcp_retransmits} TCP segments retransmitted)" if c.tcp_retransmits else "")
             + (f" ({c.tcp_timeouts} retransmission timeouts)" if c.tcp_timeouts else "")
             + (f" ({c.veth_drops} packets dropped by its veth)" if c.veth_drops else "")
+            + (f" ({c.tcp_rcv_drops} segments dropped by its sockets)" if c.tcp_rcv_drops else "")
+            + (f" ({c.tcp_spurious} retransmissions reported unneeded)" if c.tcp_spurious else "")
             for i, c in enumerate(self.link)
         )
         return f"exit {self.returncodes} in {self.seconds:.1f} s; over the links: {per}"

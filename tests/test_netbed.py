@@ -239,6 +239,8 @@ def test_tcp_ceiling_and_retransmit_counters(tools: object, link: object) -> Non
         assert a.tcp_retransmits >= b.tcp_retransmits >= 0
         assert a.tcp_timeouts >= b.tcp_timeouts >= 0
         assert a.veth_drops >= b.veth_drops >= 0
+        assert a.tcp_rcv_drops >= b.tcp_rcv_drops >= 0
+        assert a.tcp_spurious >= b.tcp_spurious >= 0
         assert a.tx_bytes - b.tx_bytes > 0.5 * gbps * 1e9
 
 
