@@ -708,6 +708,18 @@ class Checker:
         except AssertionError as e:
             self.fail(f"{what}: {e}")
 
+    def peer_failure(
+        self, error: BaseException, started: float, limit_s: float, op: str, victim: int
+    ) -> dict[str, Any]:
+        """The error a survivor's `op` raised after rank `victim` died: raised within `limit_s`
+        of `started` (time.monotonic()), a timeout naming `op` and the victim. Returns its
+        elapsed seconds and message, for the test's report."""
+        elapsed = time.monotonic() - started
+        msg = str(error)
+        self.true(elapsed <= limit_s, f"raised after {elapsed:.1f}s")
+        self.peer_timeout(msg, op, victim)
+        return {"elapsed": elapsed, "message": msg}
+
     def peer_timeout(self, msg: str, op: str, victim: int) -> None:
         """`msg` is a timeout error of `op` that names the dead rank `victim` in a rank list:
         "[1]", or "[1, 3]" when a survivor that already failed and left is named beside it."""

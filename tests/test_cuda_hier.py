@@ -550,10 +550,7 @@ def killed_fn(rank: int, ws: int) -> dict[str, Any]:
         dist.all_reduce(torch.ones(n, device=dev), async_op=True).wait()
         torch.cuda.synchronize()
     except RuntimeError as e:
-        out["elapsed"] = time.monotonic() - t0
-        out["message"] = msg = str(e)
-        chk.true(out["elapsed"] <= PG_TIMEOUT_S + GRACE_S, f"raised after {out['elapsed']:.1f}s")
-        chk.peer_timeout(msg, "all_reduce", victim)
+        out.update(chk.peer_failure(e, t0, PG_TIMEOUT_S + GRACE_S, "all_reduce", victim))
     else:
         chk.fail("all_reduce returned normally without rank 1")
     store.set(f"hier_kill/done/{rank}", "1")

@@ -316,10 +316,7 @@ def killed_fn(rank: int, ws: int, op: str) -> dict[str, Any]:
         call(True).wait()
         torch.cuda.synchronize()
     except RuntimeError as e:
-        out["elapsed"] = time.monotonic() - t0
-        out["message"] = msg = str(e)
-        chk.true(out["elapsed"] <= PG_TIMEOUT_S + GRACE_S, f"raised after {out['elapsed']:.1f}s")
-        chk.peer_timeout(msg, op, victim)
+        out.update(chk.peer_failure(e, t0, PG_TIMEOUT_S + GRACE_S, op, victim))
     else:
         chk.fail(f"{op} returned normally without rank {victim}")
     t1 = time.monotonic()
