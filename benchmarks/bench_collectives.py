@@ -800,7 +800,9 @@ def _meta_lines(meta: dict[str, Any]) -> list[str]:
             f"network namespace ({', '.join(net['node_addrs'])}), joined by a "
             f"{net['topology']} shaped with tc: {link['rate']} ({link['rate_gbyte_s']:.4g} "
             f"GB/s) each way, {delay}, tbf burst {link['burst_bytes']} B, limit "
-            f"{link['limit_bytes']} B, MTU {link['mtu']} (benchmarks/netbed.py); host ids by "
+            f"{link['limit_bytes']} B, MTU {link['mtu']}"
+            + (f", receive: {net['receive']}" if net.get("receive") else "")
+            + f" (benchmarks/netbed.py); host ids by "
             f"rank: {', '.join(sim['host_id_by_rank'])}; sent over the links by launch: "
             f"{moved or 'not recorded'}"
         )

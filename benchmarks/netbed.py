@@ -7,6 +7,11 @@ its ports. Every link is shaped in both directions with tc: a tbf qdisc at the l
 egress of both ends of each veth pair; with a one-way delay, a netem root qdisc holds the tbf as
 its child (tbf under netem keeps netem's timing; netem under tbf does not). With a bridge, the
 delay sits on the node end only, so node to node the delay is the one asked for, not twice it.
+Every veth end receives with RPS over all CPUs: a veth hands each packet to the backlog of the
+CPU that dequeued it from tbf, and tbf dequeues from whichever CPU sends or runs its timer, so
+without RPS one flow's packets are received on several CPUs at once and arrive out of order
+(SACK reordering, spurious retransmissions and, under many flows, retransmission timeouts that a
+NIC's per-flow receive queues do not cause); RPS hashes each flow to one CPU.
 
 One torchrun runs per node inside its namespace (ip netns exec), with --nnodes N --node_rank i
 and the rendezvous on node 0's address; each node's processes get FASTCOMM_HOST_ID and
@@ -247,9 +252,19 @@ class Plan:
             cmds.append(
                 ["ip", "-n", n.netns, "link", "set", n.ifname, "mtu", str(self.link.mtu), "up"]
             )
+        cmds += [self._rps(netns, dev) for netns, dev, _ in ends]
         for netns, dev, d in ends:
             cmds += self._shape(netns, dev, d)
         return cmds
+
+    @staticmethod
+    def _rps(netns: str, dev: str) -> list[str]:
+        """Receive packet steering over every CPU for `dev`'s receive queues (module docstring):
+        a flow's packets are then received on one CPU, in order."""
+        mask = rps_mask(os.cpu_count() or 1)
+        script = f"for q in /sys/class/net/{dev}/queues/rx-*; do echo {mask} > $q/rps_cpus; done"
+        # sh without the unpacked iproute2 libraries (Tools.env) that ip itself may need
+        return ["ip", "netns", "exec", netns, "env", "-u", "LD_LIBRARY_PATH", "sh", "-c", script]
 
     def node_env(self, rank: int) -> dict[str, str]:
         """The variables a node's processes get (see the module docstring)."""
@@ -282,6 +297,7 @@ class Plan:
             "node_ifnames": [n.ifname for n in self.nodes],
             "shaping": "tbf on the egress of both ends of every veth pair"
             + ("; netem root with tbf as its child on the node ends" if self.link.delay_us else ""),
+            "receive": "RPS over all CPUs on every veth end (a flow on one CPU, in order)",
         }
 
 
@@ -798,6 +814,15 @@ class LaunchResult:
             for i, c in enumerate(self.link)
         )
         return f"exit {self.returncodes} in {self.seconds:.1f} s; over the links: {per}"
+
+
+def rps_mask(cpus: int) -> str:
+    """The rps_cpus mask of CPUs 0..cpus-1: hex words of 32 CPUs, highest first, comma-separated."""
+    words = []
+    for lo in range(0, cpus, 32):
+        n = min(32, cpus - lo)
+        words.append(f"{(1 << n) - 1:08x}")
+    return ",".join(reversed(words))
 
 
 def _snmp_value(text: str, table: str, name: str) -> int:
