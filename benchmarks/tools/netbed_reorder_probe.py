@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     link = nb.parse_link(args.rate)
     with nb.Netbed(2, link, iproute2=args.iproute2) as bed:
-        for label, mask in (("rps on", nb.rps_mask(os.cpu_count() or 1)), ("rps off", "0")):
+        for label, mask in (("rps on", nb.rps_mask(nb.usable_cpus())), ("rps off", "0")):
             set_rps(bed, mask)
             before = [read(bed, n.netns) for n in bed.nodes]
             gbps = bed.tcp_ceiling(streams=args.streams, seconds=args.seconds)
