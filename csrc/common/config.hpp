@@ -16,8 +16,7 @@ constexpr int64_t kCudaWindowMax = 32;
 
 // FASTCOMM_TCP_SOCKETS=auto: this many sockets per peer for a host's ranks
 // together, split evenly among them (at least one each). The ranks of a host
-// share its link: more flows than this through one link, each with its own
-// congestion window, overflow the queues and stall in retransmission timeouts.
+// share its link, so the budget of flows is the host's, not each rank's.
 constexpr int kTcpSocketsPerHost = 8;
 
 // The three tiers of settings, as types: Config derives from all three, so
