@@ -720,6 +720,16 @@ class Checker:
         self.peer_timeout(msg, op, victim)
         return {"elapsed": elapsed, "message": msg}
 
+    def destroy_within(self, limit_s: float) -> float:
+        """dist.destroy_process_group() returns (normally) within `limit_s`: its seconds."""
+        import torch.distributed as dist
+
+        started = time.monotonic()
+        dist.destroy_process_group()
+        seconds = time.monotonic() - started
+        self.true(seconds <= limit_s, f"destroy_process_group() took {seconds:.1f}s")
+        return seconds
+
     def peer_timeout(self, msg: str, op: str, victim: int) -> None:
         """`msg` is a timeout error of `op` that names the dead rank `victim` in a rank list:
         "[1]", or "[1, 3]" when a survivor that already failed and left is named beside it."""
