@@ -1,12 +1,16 @@
 """What the NVLink kernel tests (test_nvlink_allreduce.py, test_nvlink_gather_scatter.py) share:
-the group sizes they run at, the GPU of a rank, the path counters and the replay data."""
+the group sizes they run at, the GPU of a rank, the path counters, the subgroup and path-off
+groups and the replay data."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+from _harness import BACKEND
 
 # Every group size the machine has GPUs for (the limits differ by size).
 WORLDS = [
@@ -26,6 +30,18 @@ def nvlink_calls(key: str, group: Any = None) -> int:
     import torchext
 
     return int(torchext.stats(group).get(key, {}).get("count", 0))
+
+
+def sub_and_off_groups(ws: int) -> tuple[Any, Any]:
+    """Two groups over the same `ws` ranks: a subgroup (buffers of its own) and one created with
+    FASTCOMM_NVLINK=0 (the NVLink path off)."""
+    sub = dist.new_group(list(range(ws)), backend=BACKEND)
+    os.environ["FASTCOMM_NVLINK"] = "0"
+    try:
+        off = dist.new_group(list(range(ws)), backend=BACKEND)
+    finally:
+        del os.environ["FASTCOMM_NVLINK"]
+    return sub, off
 
 
 def replay_pattern(base: torch.Tensor, rank: int, i: int, dt: torch.dtype) -> torch.Tensor:

@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _harness import BACKEND, Checker, RankFailure, gen, is_gloo, run_ranks
-from _nvlink import WORLDS, nvlink_calls, rank_device, replay_pattern
+from _nvlink import WORLDS, nvlink_calls, rank_device, replay_pattern, sub_and_off_groups
 
 pytestmark = [
     pytest.mark.skipif(is_gloo(), reason="fastcomm's NVLink all_reduce"),
@@ -178,12 +178,7 @@ def matrix_fn(rank: int, ws: int) -> dict[str, Any]:
         chk.reduced(b.cpu(), b_in, "SUM", k2)
 
     # A subgroup has buffers of its own; a group created with the path off stays on NCCL.
-    sub = dist.new_group(list(range(ws)), backend=BACKEND)
-    os.environ["FASTCOMM_NVLINK"] = "0"
-    try:
-        off = dist.new_group(list(range(ws)), backend=BACKEND)
-    finally:
-        del os.environ["FASTCOMM_NVLINK"]
+    sub, off = sub_and_off_groups(ws)
     for label, group, want in (("subgroup", sub, ONE), ("path off", off, NCCL)):
         key = f"nvl/{label}"
         inputs = [gen(key, r, (4099,), torch.bfloat16, "SUM") for r in range(ws)]

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from _harness import BACKEND, Checker, RankFailure, gen, is_gloo, run_ranks
-from _nvlink import WORLDS, nvlink_calls, rank_device, replay_pattern
+from _nvlink import WORLDS, nvlink_calls, rank_device, replay_pattern, sub_and_off_groups
 
 pytestmark = [
     pytest.mark.skipif(is_gloo(), reason="fastcomm's NVLink all_gather / reduce_scatter"),
@@ -180,12 +180,7 @@ def matrix_fn(rank: int, ws: int) -> dict[str, Any]:
         )
 
     # A subgroup has buffers of its own; a group with the path off stays on NCCL.
-    sub = dist.new_group(list(range(ws)), backend=BACKEND)
-    os.environ["FASTCOMM_NVLINK"] = "0"
-    try:
-        off = dist.new_group(list(range(ws)), backend=BACKEND)
-    finally:
-        del os.environ["FASTCOMM_NVLINK"]
+    sub, off = sub_and_off_groups(ws)
     for label, group, want in (("subgroup", sub, 1), ("path off", off, 0)):
         parts = [gen(f"nvl-ag/{label}", r, (999,), torch.float32) for r in range(ws)]
         out = torch.empty(ws * 999, device=dev)
