@@ -61,6 +61,12 @@ cudaError_t launch_gemm_mma_sm80(const GemmArgs& args, int num_sms, Tile tile, v
 // The mma.sync launcher's tile choice: true for 128 x 128, false for 64 x 64.
 bool gemm_mma_large_tile(const GemmArgs& args, int num_sms, Tile tile);
 
+// K-major float32 copies for the TF32 kernel (kernels/matmul_tf32_pack.cu):
+// dst[r][k] = src[k][r] rounded to TF32 (to nearest), src[k][r] at
+// src[k * ld_src + r], dst[r][k] at dst[r * ld_dst + k]; `ks` values of K.
+cudaError_t launch_pack_kmajor_tf32(const float* src, int64_t ld_src, float* dst, int64_t ld_dst,
+                                    int64_t rows, int64_t ks, cudaStream_t stream);
+
 // Skinny products (kernels/matmul_skinny.cu): at most kSkinnyMaxM rows of A,
 // float16 / bfloat16, K a multiple of 8, A K-major (sak == 1), B K-major
 // (sbk == 1; the weight of F.linear as it is), row strides multiples of 8

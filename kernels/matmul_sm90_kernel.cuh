@@ -137,6 +137,12 @@ struct KernelOpts {
   // and cast are left to splitk_finish. tma_store is 0 then.
   int splits = 1;
   float* partial = nullptr;
+  // Rows of A a tile loads: BM, or for a product of fewer rows than a tile
+  // (one tile row, m0 = 0) M rounded up to 8. The A box then covers only
+  // those (a 1-row product moved 16 KB of zero fill per K-slice), and an m64
+  // sub-tile with no row below a_rows issues no MMAs: its rows are past M
+  // and never stored, whatever stale shared memory they would multiply.
+  int a_rows = kBM;
 };
 
 // ---- the kernel ------------------------------------------------------------------------
@@ -255,6 +261,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (tid == 0) {
       tma_prefetch_map(&tma_a);
       tma_prefetch_map(&tma_b);
+      // Bytes of A per K-slice: a_rows rows of 128 B (K-major), or the
+      // 64-row boxes that hold them (M-major).
+      const int a_bytes = A_K ? opts.a_rows * kBK * static_cast<int>(sizeof(T))
+                              : (opts.a_rows + 63) / 64 * C::BOX_BYTES;
       int s = 0;
       uint32_t phase = 0;
       for (int unit = first_unit; unit < num_units; unit += unit_stride) {
@@ -264,15 +274,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int kb = kb_lo; kb < kb_hi; ++kb) {
           // First round passes at once.
           mbar_wait(empty_bar(s), phase ^ 1);
-          mbar_arrive_expect_tx(full_bar(s), C::STAGE_BYTES);
+          mbar_arrive_expect_tx(full_bar(s), a_bytes + C::B_BYTES);
           const int k0 = kb * kBK;
           const uint32_t a_dst = sA + s * C::A_BYTES;
           const uint32_t b_dst = sB + s * C::B_BYTES;
           if constexpr (A_K) {
-            tma_load_2d(a_dst, &tma_a, k0, m0, full_bar(s));  // box {64 k, BM m}
+            tma_load_2d(a_dst, &tma_a, k0, m0, full_bar(s));  // box {64 k, a_rows m}
           } else {
 #pragma unroll
             for (int j = 0; j < BM / 64; ++j) {
+              if (64 * j >= opts.a_rows) break;
               tma_load_2d(a_dst + j * C::BOX_BYTES, &tma_a, m0 + 64 * j, k0,
                           full_bar(s));  // box {64 m, 64 k}
             }
@@ -335,6 +346,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // one starting at the cw-th (ping-pong).
     const int first = first_unit + (PINGPONG ? cw * unit_stride : 0);
     const int stride = PINGPONG ? 2 * unit_stride : unit_stride;
+    // The m64 sub-tiles of this warpgroup that hold rows of A
+    // (KernelOpts::a_rows), a prefix of its MSUB: uniform over the warpgroup.
+    const int live_sub = PINGPONG ? (opts.a_rows + 63) / 64 : (64 * cw < opts.a_rows ? 1 : 0);
 
     float acc[MSUB][BN / 2];
     int j = 0;  // tiles this warpgroup has done
@@ -362,30 +376,46 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_wait(order_bar(cw), static_cast<uint32_t>(j & 1) ^ (cw == 0 ? 1u : 0u));
       }
       int prev_s = 0;
-      for (int kb = 0; kb < num_kb_unit; ++kb) {
-        mbar_wait(full_bar(s), phase);
-        // The slice's descriptors, moved by one add per k16 step.
-        DescPair da = desc_advance(a_desc0, static_cast<uint32_t>(s) * C::A_BYTES);
-        DescPair db = desc_advance(b_desc0, static_cast<uint32_t>(s) * C::B_BYTES);
-        wgmma_fence();
+      // The K loop over the first LIVE sub-tiles. Its count is a template
+      // constant so that each loop is straight-line wgmma: a branch around
+      // an MMA makes ptxas split the batch (extra fences and waits in the
+      // hot loop). LIVE = 0 only follows the stages.
+      auto k_loop = [&](auto live) {
+        constexpr int LIVE = decltype(live)::value;
+        for (int kb = 0; kb < num_kb_unit; ++kb) {
+          mbar_wait(full_bar(s), phase);
+          if constexpr (LIVE > 0) {
+            // The slice's descriptors, moved by one add per k16 step.
+            DescPair da = desc_advance(a_desc0, static_cast<uint32_t>(s) * C::A_BYTES);
+            DescPair db = desc_advance(b_desc0, static_cast<uint32_t>(s) * C::B_BYTES);
+            wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kBK * static_cast<int>(sizeof(T)) / 32; ++kk) {
+            for (int kk = 0; kk < kBK * static_cast<int>(sizeof(T)) / 32; ++kk) {
 #pragma unroll
-          for (int mi = 0; mi < MSUB; ++mi) {
-            wgmma_m64<BN, T, A_K ? 0 : 1, B_K ? 0 : 1>(
-                acc[mi], desc_u64(desc_advance(da, mi * 8192u)), desc_u64(db), 1);
+              for (int mi = 0; mi < LIVE; ++mi) {
+                wgmma_m64<BN, T, A_K ? 0 : 1, B_K ? 0 : 1>(
+                    acc[mi], desc_u64(desc_advance(da, mi * 8192u)), desc_u64(db), 1);
+              }
+              da = desc_advance(da, kAStepK);
+              db = desc_advance(db, kBStepK);
+            }
+            wgmma_commit();
+            wgmma_wait<1>();  // the batch of slice kb-1 has retired: free its stage
           }
-          da = desc_advance(da, kAStepK);
-          db = desc_advance(db, kBStepK);
+          if (kb > 0) release(prev_s);
+          prev_s = s;
+          if (++s == STAGES) {
+            s = 0;
+            phase ^= 1;
+          }
         }
-        wgmma_commit();
-        wgmma_wait<1>();  // the batch of slice kb-1 has retired: free its stage
-        if (kb > 0) release(prev_s);
-        prev_s = s;
-        if (++s == STAGES) {
-          s = 0;
-          phase ^= 1;
-        }
+      };
+      if (live_sub >= MSUB) {
+        k_loop(std::integral_constant<int, MSUB>{});
+      } else if (MSUB > 1 && live_sub > 0) {
+        k_loop(std::integral_constant<int, 1>{});
+      } else {
+        k_loop(std::integral_constant<int, 0>{});
       }
       if constexpr (OFFLOAD) {
         // Offload epilogue: the bias loads go out under the last MMAs, as in
@@ -464,12 +494,15 @@ cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stre
   using C = Cfg<T, S, BN, OFFLOAD>;
   constexpr int kBK = C::BK;
   CUtensorMap ma, mb, mc;
-  const bool ok_a = A_K ? make_map(&ma, p.dtype, p.a, p.K, p.M, p.sam, kBK, C::BM)
+  // A product of fewer rows than a tile loads only its rows (KernelOpts::a_rows).
+  const int a_rows = p.M < C::BM ? static_cast<int>((p.M + 7) / 8 * 8) : C::BM;
+  const bool ok_a = A_K ? make_map(&ma, p.dtype, p.a, p.K, p.M, p.sam, kBK, a_rows)
                         : make_map(&ma, p.dtype, p.a, p.M, p.K, p.sak, 64, kBK);
   const bool ok_b = B_K ? make_map(&mb, p.dtype, p.b, p.K, p.N, p.sbn, kBK, BN)
                         : make_map(&mb, p.dtype, p.b, p.N, p.K, p.sbk, 64, kBK);
   if (!ok_a || !ok_b) return cudaErrorInvalidValue;
   KernelOpts opts;
+  opts.a_rows = a_rows;
   opts.raster_n = plan.raster_n ? 1 : 0;
   opts.splits = plan.splits;
   opts.partial = plan.partial;

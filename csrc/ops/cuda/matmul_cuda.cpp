@@ -176,7 +176,15 @@ Operand prepare_tc_operand(const at::Tensor& t, int k_dim, bool k_major_only = f
   const int64_t K = t.size(k_dim), other = t.size(1 - k_dim);
   // buf is [other][K] with leading dimension round_up8(K): K-major.
   at::Tensor buf = at::empty({other, round_up8(K)}, t.options()).narrow(1, 0, K);
-  buf.copy_(k_dim == 1 ? t : t.t());
+  if (k_major_only && t.scalar_type() == at::kFloat && t.stride(1 - k_dim) == 1) {
+    // The TF32 kernel's operand, contiguous along the other dimension: a
+    // transposing copy that rounds each value to TF32.
+    C10_CUDA_CHECK(kc::launch_pack_kmajor_tf32(
+        t.const_data_ptr<float>(), t.stride(k_dim), buf.mutable_data_ptr<float>(), buf.stride(0),
+        other, K, at::cuda::getCurrentCUDAStream(t.device().index()).stream()));
+  } else {
+    buf.copy_(k_dim == 1 ? t : t.t());
+  }
   Operand op;
   const bool ok = try_layout(k_dim == 1 ? buf : buf.t(), k_dim, op);
   TORCH_INTERNAL_ASSERT(ok, "fastcomm: K-major copy of an operand has an unexpected layout");
