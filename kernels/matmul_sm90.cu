@@ -230,6 +230,17 @@ bool make_map(CUtensorMap* map, DType dtype, const void* ptr, int64_t inner, int
   return r == CUDA_SUCCESS;
 }
 
+// The plan's kernel for element type T, then (split K) the pass that adds
+// the splits' sums.
+template <typename T>
+cudaError_t launch_typed(const GemmArgs& p, const Plan& plan, cudaStream_t stream) {
+  const cudaError_t err = plan.sched == Sched::kPingpong
+                              ? launch_sched<T, Sched::kPingpong>(p, plan, stream)
+                              : launch_sched<T, Sched::kCoop>(p, plan, stream);
+  if (err != cudaSuccess || plan.splits == 1) return err;
+  return detail::launch_splitk_finish<T>(p, plan.partial, plan.splits, stream);
+}
+
 }  // namespace sm90
 
 bool gemm_wgmma_supported(const GemmArgs& p) {
@@ -297,25 +308,14 @@ cudaError_t launch_gemm_wgmma_sm90(const GemmArgs& p, int num_sms, const WgmmaOp
     }
     plan.partial = static_cast<float*>(workspace);
   }
-  if (p.dtype == DType::kF32) {
-    const cudaError_t err = plan.sched == sm90::Sched::kPingpong
-                                ? sm90::launch_sched<float, sm90::Sched::kPingpong>(p, plan, stream)
-                                : sm90::launch_sched<float, sm90::Sched::kCoop>(p, plan, stream);
-    if (err != cudaSuccess || plan.splits == 1) return err;
-    return detail::launch_splitk_finish<float>(p, plan.partial, plan.splits, stream);
+  switch (p.dtype) {
+    case DType::kF32:
+      return sm90::launch_typed<float>(p, plan, stream);
+    case DType::kBF16:
+      return sm90::launch_typed<__nv_bfloat16>(p, plan, stream);
+    default:  // kF16: gemm_wgmma_supported admits no other type
+      return sm90::launch_typed<__half>(p, plan, stream);
   }
-  const bool bf16 = p.dtype == DType::kBF16;
-  cudaError_t err;
-  if (plan.sched == sm90::Sched::kPingpong) {
-    err = bf16 ? sm90::launch_sched<__nv_bfloat16, sm90::Sched::kPingpong>(p, plan, stream)
-               : sm90::launch_sched<__half, sm90::Sched::kPingpong>(p, plan, stream);
-  } else {
-    err = bf16 ? sm90::launch_sched<__nv_bfloat16, sm90::Sched::kCoop>(p, plan, stream)
-               : sm90::launch_sched<__half, sm90::Sched::kCoop>(p, plan, stream);
-  }
-  if (err != cudaSuccess || plan.splits == 1) return err;
-  return bf16 ? detail::launch_splitk_finish<__nv_bfloat16>(p, plan.partial, plan.splits, stream)
-              : detail::launch_splitk_finish<__half>(p, plan.partial, plan.splits, stream);
 }
 
 std::string describe_gemm_wgmma_sm90(const GemmArgs& p, int num_sms, const WgmmaOptions& opts) {
