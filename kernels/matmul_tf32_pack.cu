@@ -9,6 +9,7 @@
 // along the source's contiguous dimension and writes along the destination's.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "matmul_api.h"
@@ -32,22 +33,27 @@ __device__ __forceinline__ float round_tf32(float x) {
 }
 
 // src[k][r] = src[k * ld_src + r] (r contiguous), dst[r][k] = dst[r * ld_dst + k].
+// blockIdx.x picks the 32 rows, blockIdx.y the first 32-wide K tile, then
+// every gridDim.y-th (the y dimension of a grid ends at 65535 blocks).
 __global__ void pack_kmajor_tf32(const float* __restrict__ src, int64_t ld_src,
                                  float* __restrict__ dst, int64_t ld_dst, int64_t rows,
                                  int64_t ks) {
   __shared__ float tile[kTile][kTile + 1];
-  const int64_t r0 = int64_t{blockIdx.x} * kTile, k0 = int64_t{blockIdx.y} * kTile;
+  const int64_t r0 = int64_t{blockIdx.x} * kTile;
   const int tx = threadIdx.x, ty = threadIdx.y;
+  for (int64_t k0 = int64_t{blockIdx.y} * kTile; k0 < ks; k0 += int64_t{gridDim.y} * kTile) {
 #pragma unroll
-  for (int i = ty; i < kTile; i += kRowsPerPass) {
-    const int64_t k = k0 + i, r = r0 + tx;
-    if (k < ks && r < rows) tile[i][tx] = round_tf32(src[k * ld_src + r]);
-  }
-  __syncthreads();
+    for (int i = ty; i < kTile; i += kRowsPerPass) {
+      const int64_t k = k0 + i, r = r0 + tx;
+      if (k < ks && r < rows) tile[i][tx] = round_tf32(src[k * ld_src + r]);
+    }
+    __syncthreads();
 #pragma unroll
-  for (int i = ty; i < kTile; i += kRowsPerPass) {
-    const int64_t r = r0 + i, k = k0 + tx;
-    if (r < rows && k < ks) dst[r * ld_dst + k] = tile[tx][i];
+    for (int i = ty; i < kTile; i += kRowsPerPass) {
+      const int64_t r = r0 + i, k = k0 + tx;
+      if (r < rows && k < ks) dst[r * ld_dst + k] = tile[tx][i];
+    }
+    __syncthreads();  // the tile is read before the next K tile overwrites it
   }
 }
 
@@ -56,8 +62,9 @@ __global__ void pack_kmajor_tf32(const float* __restrict__ src, int64_t ld_src,
 cudaError_t launch_pack_kmajor_tf32(const float* src, int64_t ld_src, float* dst, int64_t ld_dst,
                                     int64_t rows, int64_t ks, cudaStream_t stream) {
   if (rows <= 0 || ks <= 0) return cudaSuccess;
-  const int64_t gx = (rows + kTile - 1) / kTile, gy = (ks + kTile - 1) / kTile;
-  if (gx > INT32_MAX || gy > 65535) return cudaErrorInvalidValue;
+  const int64_t gx = (rows + kTile - 1) / kTile;
+  const int64_t gy = std::min<int64_t>((ks + kTile - 1) / kTile, 65535);
+  if (gx > INT32_MAX) return cudaErrorInvalidValue;
   cudaLaunchConfig_t launch{};
   launch.gridDim = dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
   launch.blockDim = dim3(kTile, kRowsPerPass);

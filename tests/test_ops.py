@@ -1229,6 +1229,20 @@ def test_cuda_tf32_wgmma_variants(matmul_settings, fp32_precision, variant):
 
 
 @pytest.mark.cuda(1)
+@pytest.mark.skipif(not _is_sm90, reason="the TF32 packing kernel runs for the sm_90 kernel")
+def test_cuda_tf32_packed_operand_longer_than_a_grid_column(matmul_settings, fp32_precision):
+    """matmul's N-major b is packed K-major in 32-wide K tiles; more K tiles than a grid's
+    y dimension holds (65535) are walked by the same blocks, none left out."""
+    matmul_settings()
+    fp32_precision("high")
+    m, n, k = 8, 24, 65535 * 32 + 1000
+    a = _rand(m, k, dtype=torch.float32, device="cuda")
+    b = _rand(k, n, dtype=torch.float32, device="cuda")
+    assert " tf32 " in torch.ops.fastcomm._kernel_name(a, b)
+    _tf32_check(ops.matmul(a, b), a.double() @ b.double(), _tf32_scale(a, b), k, (m, n, k))
+
+
+@pytest.mark.cuda(1)
 @pytest.mark.skipif(not _is_sm90, reason="the Hopper rows of the dispatch need an sm_90 GPU")
 def test_cuda_tf32_default_dispatch_rule(matmul_settings, fp32_precision):
     """TF32 allowed: float32 takes the half types' Hopper rows (the wave model's cooperative
