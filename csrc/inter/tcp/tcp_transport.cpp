@@ -44,7 +44,9 @@ class TcpMemoryRegion : public MemoryRegion {
 class TcpTransport : public Transport {
  public:
   explicit TcpTransport(const Config& cfg)
-      : sockets_(cfg.tcpSocketsPerPeer > 0 ? cfg.tcpSocketsPerPeer : kTcpSocketsPerHost),
+      // `auto` is resolved by the plans (transportConfig); left unresolved,
+      // it is one rank's share of a host.
+      : sockets_(cfg.tcpSocketsFor(1)),
         threads_(std::max(1, cfg.tcpThreads)),
         bufferBytes_(static_cast<int>(cfg.tcpSocketBufferBytes)),
         notifier_(std::make_shared<Notifier>()) {
