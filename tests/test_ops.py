@@ -957,6 +957,36 @@ def test_cuda_wgmma_split_k(matmul_settings, variant, dtype):
 
 @pytest.mark.cuda(1)
 @pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("variant", ["auto", "coop128_s2", "pingpong_s3"])
+def test_cuda_wgmma_split_k_graph_replays(matmul_settings, variant):
+    """Split K captured in a CUDA graph (the workspace from the graph's pool, the second
+    pass): every replay on fresh inputs equals the eager call bit for bit, with eager
+    products of other shapes and split counts in between reusing the allocator's blocks."""
+    matmul_settings(**WGMMA_SPLIT_VARIANTS[variant])
+    bf = torch.bfloat16
+    x = _rand(16, 4096, dtype=bf, device="cuda")
+    w = _rand(4096, 4096, dtype=bf, device="cuda")
+    b = _rand(4096, dtype=bf, device="cuda")
+    assert " splitk " in torch.ops.fastcomm._kernel_name(x, w.t()), "no split to test"
+    ops.linear(x, w, b, "gelu")  # warm-up outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = ops.linear(x, w, b, "gelu")
+    for r in range(3):
+        x.copy_(_rand(16, 4096, dtype=bf, device="cuda"))
+        g.replay()
+        expect = ops.linear(x, w, b, "gelu")
+        ops.matmul(_rand(40 + r, 1032, dtype=bf, device="cuda"), w[:1032, :1000])
+        _poison_cuda_cache("cuda")
+        torch.cuda.synchronize()
+        assert torch.equal(y, expect), f"replay {r}"
+    ref = _ref_act(x.double() @ w.double().t() + b.double(), "gelu")
+    assert _rel_err(y, ref) < RTOL[bf]
+
+
+@pytest.mark.cuda(1)
+@pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
 def test_cuda_wgmma_split_k_dispatch(matmul_settings):
     """The default dispatch's split K on the decode / prefill grid: small M with N = 4096
     takes the cooperative 128 x 128 kernel with split K; splits=1 turns it off (the same
