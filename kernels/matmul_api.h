@@ -37,7 +37,9 @@ struct GemmArgs {
 };
 
 // Tile-size choice: kAuto lets the launcher's heuristic decide.
-enum class Tile : int { kAuto = 0, kLarge = 1, kSmall = 2 };
+// kNarrow: the Hopper kernel's cooperative 128 x 64 tile; the other kernels
+// take it as kSmall.
+enum class Tile : int { kAuto = 0, kLarge = 1, kSmall = 2, kNarrow = 3 };
 
 // Generic tiled kernel (CUDA cores, any strides, any dtype, any arch).
 cudaError_t launch_gemm_simt(const GemmArgs& args, int num_sms, Tile tile, cudaStream_t stream);
@@ -101,7 +103,8 @@ enum class Raster : int { kAuto = 0, kM = 1, kN = 2 };
 // Choices for one Hopper launch; kAuto / 0 leave them to the heuristic.
 struct WgmmaOptions {
   WgmmaSched sched = WgmmaSched::kAuto;
-  Tile tile = Tile::kAuto;  // cooperative tile: kLarge = 128 x 256, kSmall = 128 x 128
+  // cooperative tile: kLarge = 128 x 256, kSmall = 128 x 128, kNarrow = 128 x 64
+  Tile tile = Tile::kAuto;
   WgmmaEpi epi = WgmmaEpi::kAuto;
   Raster raster = Raster::kAuto;
   int group = 0;  // rows / columns of C per tile group; 0 (auto) = 2048

@@ -132,7 +132,8 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
   // Split K first: where the 128 x 128 tiles leave the SMs idle and the
   // model gains from a split, the cooperative 128 x 128 kernel with split K
   // (unless a schedule or tile is forced).
-  if (o.splits == 0 && o.sched != WgmmaSched::kPingpong && o.tile != Tile::kLarge) {
+  if (o.splits == 0 && o.sched != WgmmaSched::kPingpong &&
+      (o.tile == Tile::kAuto || o.tile == Tile::kSmall)) {
     const int s = auto_splits(p, num_sms, 128);
     if (s > 1) {
       plan.sched = Sched::kCoop;
@@ -158,13 +159,15 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
     if (o.tile == Tile::kAuto) {
       plan.bn = c256 <= c128 ? 256 : 128;
     } else {
-      plan.bn = o.tile == Tile::kLarge ? 256 : 128;
+      plan.bn = o.tile == Tile::kLarge ? 256 : o.tile == Tile::kNarrow ? 64 : 128;
     }
   }
   // TMA stores need a 16-byte aligned C with a leading dimension of a
-  // multiple of 8 elements; otherwise (and for ping-pong, whose epilogue is
-  // hidden anyway) the epilogue stores from registers.
-  plan.tma_store = plan.sched == Sched::kCoop && o.epi != WgmmaEpi::kDirect && tma_store_ok(p);
+  // multiple of 8 elements; otherwise, for ping-pong (whose epilogue is
+  // hidden anyway) and for the 128 x 64 tile (the TMA epilogue alternates
+  // two 64-wide chunks per tile) the epilogue stores from registers.
+  plan.tma_store =
+      plan.sched == Sched::kCoop && plan.bn >= 128 && o.epi != WgmmaEpi::kDirect && tma_store_ok(p);
   // The offload epilogue (activation by warps 1-3 of the producer warpgroup,
   // under the next tile's MMAs) exists for the 128 x 256 tile only; elsewhere
   // EPI=offload falls back as tma does (the TMA epilogue on the 128 x 128

@@ -483,7 +483,7 @@ def test_matmul_settings_override(matmul_settings):
 @pytest.mark.cuda(1)
 @_skip_no_cuda
 @pytest.mark.parametrize("impl", ["auto", "mma", "simt"])
-@pytest.mark.parametrize("tile", ["auto", "large", "small"])
+@pytest.mark.parametrize("tile", ["auto", "large", "small", "narrow"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_kernel_paths(matmul_settings, impl, tile, dtype):
     """Each CUDA path on all operand layouts, odd and multi-tile shapes."""
@@ -629,13 +629,15 @@ def test_cuda_graph_capture():
 
 _is_sm90 = HAS_CUDA and _cuda_cc() == (9, 0)
 
-# Forced variants of the Hopper kernel (set_matmul_config): both schedules, both
+# Forced variants of the Hopper kernel (set_matmul_config): both schedules, the three
 # cooperative tile widths, the three epilogues and both tile orders.
 WGMMA_VARIANTS = {
     "coop256": {"sched": "coop", "tile": "large", "epi": "direct", "raster": "m"},
     "coop256_tma": {"sched": "coop", "tile": "large", "epi": "tma", "raster": "m"},
     "coop256_tma_rn": {"sched": "coop", "tile": "large", "epi": "tma", "raster": "n"},
     "coop128_tma": {"sched": "coop", "tile": "small", "epi": "tma", "raster": "m"},
+    "coop64": {"sched": "coop", "tile": "narrow", "epi": "direct", "raster": "m"},
+    "coop64_rn": {"sched": "coop", "tile": "narrow", "epi": "direct", "raster": "n"},
     "pingpong": {"sched": "pingpong", "raster": "m"},
     "pingpong_rn": {"sched": "pingpong", "raster": "n"},
     "coop256_offload": {"sched": "coop", "tile": "large", "epi": "offload", "raster": "m"},
@@ -678,7 +680,8 @@ def test_cuda_wgmma_kernel(matmul_settings, variant, dtype):
 @pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
 def test_cuda_wgmma_offload_fallback(matmul_settings):
     """epi=offload exists for the cooperative 128x256 tile only: the 128x128 tile falls
-    back to the TMA epilogue (and stays right), ping-pong keeps its direct stores."""
+    back to the TMA epilogue (and stays right), ping-pong keeps its direct stores, and so
+    does the 128x64 tile, which has no TMA epilogue."""
     probe = torch.empty(4096, 4096, device="cuda", dtype=torch.bfloat16)
     offload = {"impl": "wgmma", "epi": "offload", "raster": "m"}
     matmul_settings(**offload, sched="coop", tile="large")
@@ -690,6 +693,12 @@ def test_cuda_wgmma_offload_fallback(matmul_settings):
     matmul_settings(**offload, sched="pingpong")
     name = torch.ops.fastcomm._kernel_name(probe, probe)
     assert name.startswith("wgmma pingpong") and " epi " not in name, name
+    # the 128x64 tile has no TMA epilogue: tma and offload store from registers
+    for epi in ("tma", "offload"):
+        matmul_settings(impl="wgmma", epi=epi, sched="coop", tile="narrow")
+        name = torch.ops.fastcomm._kernel_name(probe, probe)
+        assert name.startswith("wgmma coop 128x64") and " epi direct " in name, name
+    _check_all_layouts("cuda", torch.bfloat16, [(300, 520, 1000)], acts=ACTS)
 
 
 @pytest.mark.cuda(1)
@@ -904,6 +913,7 @@ WGMMA_SPLIT_VARIANTS = {
     "coop128_s2": {"impl": "wgmma", "sched": "coop", "tile": "small", "splits": 2},
     "coop128_s5": {"impl": "wgmma", "sched": "coop", "tile": "small", "splits": 5},
     "coop256_s3": {"impl": "wgmma", "sched": "coop", "tile": "large", "splits": 3},
+    "coop64_s3": {"impl": "wgmma", "sched": "coop", "tile": "narrow", "splits": 3},
     "pingpong_s3": {"impl": "wgmma", "sched": "pingpong", "splits": 3},
     "pingpong_s16": {"impl": "wgmma", "sched": "pingpong", "splits": 16},
 }
@@ -1232,6 +1242,8 @@ TF32_VARIANTS = {
     "pingpong": {"sched": "pingpong"},
     "coop128_s3": {"sched": "coop", "tile": "small", "splits": 3},
     "coop256_s2": {"sched": "coop", "tile": "large", "splits": 2},
+    "coop64": {"sched": "coop", "tile": "narrow"},
+    "coop64_s4": {"sched": "coop", "tile": "narrow", "splits": 4},
     "pingpong_s5": {"sched": "pingpong", "splits": 5},
 }
 

@@ -46,7 +46,10 @@ namespace {
 namespace kc = ::fastcomm::ops::cuda;
 
 kc::Tile to_tile(const std::string& v) {
-  return v == "large" ? kc::Tile::kLarge : v == "small" ? kc::Tile::kSmall : kc::Tile::kAuto;
+  return v == "large"    ? kc::Tile::kLarge
+         : v == "small"  ? kc::Tile::kSmall
+         : v == "narrow" ? kc::Tile::kNarrow
+                         : kc::Tile::kAuto;
 }
 
 kc::WgmmaOptions wgmma_options(const MatmulConfig& c) {
