@@ -30,8 +30,8 @@
 //  * Tiles: 128 x 256 (4 stages of 48 KB), 128 x 128 (6 stages of 32 KB) or,
 //    cooperative only, 128 x 64 (8 stages of 24 KB; for products of few rows,
 //    where 64-wide tiles give the SMs work without a K split; the direct and
-//    split-K epilogues only), BK = one 128-byte swizzle row: 64 elements of a 16-bit type, 32 of
-//    float32. Tile order: groups of 2048 rows (raster by rows) or 2048
+//    split-K epilogues only). BK = one 128-byte swizzle row: 64 elements of
+//    a 16-bit type, 32 of float32. Tile order: groups of 2048 rows (raster by rows) or 2048
 //    columns (raster by columns), the dispatcher picking the one that
 //    re-reads fewer bytes from DRAM.
 //  * float32 (T = float): the tensor cores multiply the operands as TF32
