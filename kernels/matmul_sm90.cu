@@ -241,7 +241,7 @@ cudaError_t launch_typed(const GemmArgs& p, const Plan& plan, cudaStream_t strea
                               ? launch_sched<T, Sched::kPingpong>(p, plan, stream)
                               : launch_sched<T, Sched::kCoop>(p, plan, stream);
   if (err != cudaSuccess || plan.splits == 1) return err;
-  return detail::launch_splitk_finish<T>(p, plan.partial, plan.splits, stream);
+  return detail::launch_splitk_finish<T>(p, plan.partial, plan.splits, stream, /*early=*/true);
 }
 
 }  // namespace sm90

@@ -307,6 +307,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       }
+      // Every load is issued: a kernel launched as our programmatic
+      // dependent (split K's splitk_finish) may be scheduled; it waits for
+      // this grid to complete before it reads the sums.
+      griddep_launch_dependents();
     }
     if constexpr (OFFLOAD) {
       if (tid >= 32) {
