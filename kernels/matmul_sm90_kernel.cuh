@@ -265,6 +265,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (tid == 0) {
       tma_prefetch_map(&tma_a);
       tma_prefetch_map(&tma_b);
+      // Launched as a programmatic dependent (launch_kernel): the setup above
+      // ran under the previous kernel's tail; every global access of the CTA
+      // follows these loads, which wait for that kernel to complete.
+      griddep_wait();
       // Bytes of A per K-slice: a_rows rows of 128 B (K-major), or the
       // 64-row boxes that hold them (M-major).
       const int a_bytes = A_K ? opts.a_rows * kBK * static_cast<int>(sizeof(T))
@@ -568,6 +572,14 @@ cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stre
   launch.blockDim = dim3(kThreads);
   launch.dynamicSmemBytes = C::SMEM_BYTES;
   launch.stream = stream;
+  // Programmatic dependent launch: the CTAs may start (barrier setup, tensor
+  // map prefetch) while the kernel before them on the stream finishes; the
+  // producer waits for it before the first load (griddep_wait).
+  cudaLaunchAttribute pdl{};
+  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl.val.programmaticStreamSerializationAllowed = 1;
+  launch.attrs = &pdl;
+  launch.numAttrs = 1;
   return cudaLaunchKernelEx(&launch, kernel, ma, mb, mc, p, opts);
 }
 

@@ -169,6 +169,14 @@ __device__ __forceinline__ void griddep_launch_dependents() {
 #endif
 }
 
+// Programmatic dependent launch: waits until the grids this one depends on
+// have completed and their memory is visible (at once without such a launch).
+__device__ __forceinline__ void griddep_wait() {
+#if FASTCOMM_SM90A_DEVICE
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ void tma_prefetch_map(const CUtensorMap* map) {
 #if FASTCOMM_SM90A_DEVICE
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
