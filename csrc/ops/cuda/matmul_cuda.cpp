@@ -236,7 +236,7 @@ enum class Path { kSimt, kSkinny, kMma, kWgmma };
 // When a row of kAutoRules applies, besides its bound on M.
 enum class When {
   kSkinnyLayout,  // A and B as the skinny kernel takes them (B K-major)
-  kWgmmaNarrow,   // sm_90: the 128 x 128 tile is no slower by the wave model (wave_128_wins)
+  kWgmmaTile128,  // sm_90: the 128 x 128 tile is no slower by the wave model (wave_128_wins)
   kWgmma,         // sm_90
   kSm80,          // sm_80+, 16-bit types (the mma.sync kernel has no TF32 form)
   kAlways,
@@ -267,7 +267,7 @@ constexpr int64_t kAnyM = INT64_MAX;
 constexpr int64_t kSkinnyAutoMaxM = 1;
 constexpr AutoRule kAutoRules[] = {
     {kSkinnyAutoMaxM, When::kSkinnyLayout, Path::kSkinny, kc::WgmmaSched::kAuto, kc::Tile::kAuto},
-    {kAnyM, When::kWgmmaNarrow, Path::kWgmma, kc::WgmmaSched::kCoop, kc::Tile::kSmall},
+    {kAnyM, When::kWgmmaTile128, Path::kWgmma, kc::WgmmaSched::kCoop, kc::Tile::kSmall},
     {kAnyM, When::kWgmma, Path::kWgmma, kc::WgmmaSched::kCoop, kc::Tile::kLarge},
     {kAnyM, When::kSm80, Path::kMma, kc::WgmmaSched::kAuto, kc::Tile::kAuto},
     {kAnyM, When::kAlways, Path::kSimt, kc::WgmmaSched::kAuto, kc::Tile::kAuto},
@@ -324,7 +324,7 @@ const AutoRule& auto_rule(const kc::GemmArgs& args, const cudaDeviceProp* prop, 
       case When::kSkinnyLayout:
         ok = skinny;
         break;
-      case When::kWgmmaNarrow:
+      case When::kWgmmaTile128:
         ok = wgmma_ok && wave_128_wins(args, prop->multiProcessorCount);
         break;
       case When::kWgmma:
