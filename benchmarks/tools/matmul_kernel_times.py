@@ -6,13 +6,20 @@ vs torch._addmm_activation, 20 calls each under torch.profiler with the GPU kept
 the host; one line per method: every kernel it launched with its mean time, the per-call span
 from the first kernel's start to the last one's end, and fastcomm's kernel name.
 
-    python benchmarks/tools/matmul_kernel_times.py [MxNxK ...]
+The calls rotate over enough input sets to exceed twice the L2 cache, as bench_matmul.py's
+do, so that the operands come from HBM; ``--warm`` uses one set, whose operands then stay in
+L2 between calls (a 4096 x 4096 bf16 weight is 32 MiB of the H100's 50 MiB).
+
+    python benchmarks/tools/matmul_kernel_times.py [--warm] [MxNxK ...]
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
+import math
 import sys
+from collections.abc import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -21,15 +28,15 @@ SHAPES = ["1x4096x4096", "8x4096x4096", "64x4096x4096", "128x4096x4096", "256x40
 CALLS = 20
 
 
-def kernel_times(fn) -> tuple[float, str]:
-    """(span per call in µs, 'kernel xN mean-µs; ...') of CALLS calls of fn."""
-    for _ in range(5):
-        fn()
+def kernel_times(fn: Callable[[int], object]) -> tuple[float, str]:
+    """(span per call in µs, 'kernel xN mean-µs; ...') of CALLS calls fn(0), fn(1), ..."""
+    for i in range(5):
+        fn(i)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         torch.cuda._sleep(2_000_000)  # the launches queue up behind this
-        for _ in range(CALLS):
-            fn()
+        for i in range(CALLS):
+            fn(i)
         torch.cuda.synchronize()
     events = [
         e
@@ -47,31 +54,65 @@ def kernel_times(fn) -> tuple[float, str]:
     return span, parts
 
 
+def input_sets(m: int, n: int, k: int, dt: torch.dtype, warm: bool) -> list[dict]:
+    """One set (warm), or enough that cycling through them exceeds twice the L2 cache."""
+    count = 1
+    if not warm:
+        l2 = torch.cuda.get_device_properties(0).L2_cache_size or (50 << 20)
+        set_bytes = (m * k + 2 * k * n + n) * torch.finfo(dt).bits // 8
+        count = max(1, min(16, math.ceil(2 * l2 / set_bytes)))
+    return [
+        {
+            "a": torch.randn(m, k, device="cuda", dtype=dt),
+            "b": torch.randn(k, n, device="cuda", dtype=dt),
+            "w": torch.randn(n, k, device="cuda", dtype=dt),
+            "bias": torch.randn(n, device="cuda", dtype=dt),
+        }
+        for _ in range(count)
+    ]
+
+
 def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shapes", nargs="*", default=SHAPES, help="MxNxK (bf16)")
+    parser.add_argument("--warm", action="store_true", help="one input set (operands in L2)")
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("matmul_kernel_times: needs a CUDA GPU", file=sys.stderr)
         return 2
     import torchext  # noqa: F401  (registers torch.ops.fastcomm)
 
     dt = torch.bfloat16
-    for shape in argv or SHAPES:
+    ops = torch.ops.fastcomm
+    for shape in args.shapes:
         m, n, k = (int(v) for v in shape.split("x"))
-        a = torch.randn(m, k, device="cuda", dtype=dt)
-        b = torch.randn(k, n, device="cuda", dtype=dt)
-        w = torch.randn(n, k, device="cuda", dtype=dt)
-        bias = torch.randn(n, device="cuda", dtype=dt)
+        sets = input_sets(m, n, k, dt, args.warm)
+
+        def pick(i: int) -> dict:
+            return sets[i % len(sets)]
+
+        s0 = sets[0]
         methods = {
-            "fc_matmul": (lambda: torch.ops.fastcomm.matmul(a, b), (a, b, "none")),
-            "cublas": (lambda: torch.matmul(a, b), None),
-            "fc_linear": (
-                lambda: torch.ops.fastcomm.linear(a, w, bias, "gelu_tanh"),
-                (a, w.t(), "gelu_tanh"),
+            "fc_matmul": (
+                lambda i: ops.matmul(pick(i)["a"], pick(i)["b"]),
+                (s0["a"], s0["b"], "none"),
             ),
-            "addmm_act": (lambda: torch._addmm_activation(bias, a, w.t(), use_gelu=True), None),
+            "cublas": (lambda i: torch.matmul(pick(i)["a"], pick(i)["b"]), None),
+            "fc_linear": (
+                lambda i: ops.linear(pick(i)["a"], pick(i)["w"], pick(i)["bias"], "gelu_tanh"),
+                (s0["a"], s0["w"].t(), "gelu_tanh"),
+            ),
+            "addmm_act": (
+                lambda i: torch._addmm_activation(
+                    pick(i)["bias"], pick(i)["a"], pick(i)["w"].t(), use_gelu=True
+                ),
+                None,
+            ),
         }
+        print(f"{shape}: {len(sets)} input set(s)", flush=True)
         for name, (fn, probe) in methods.items():
             span, parts = kernel_times(fn)
-            kernel = f" [{torch.ops.fastcomm._kernel_name(*probe)}]" if probe else ""
+            kernel = f" [{ops._kernel_name(*probe)}]" if probe else ""
             print(f"{shape} {name:10s} per-call span {span:.1f}us :: {parts}{kernel}", flush=True)
     return 0
 
