@@ -204,7 +204,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         default=[],
         metavar="'NAME=V [NAME=V];...'",
         help="one more launch of fastcomm alone per ';'-separated setting, each a list of "
-        "FASTCOMM_* assignments: the series fastcomm(<setting without the FASTCOMM_ prefix>)",
+        "FASTCOMM_* or NCCL_* assignments (NCCL_* reach the NCCL communicator fastcomm runs "
+        "CUDA collectives on): the series fastcomm(<setting without the FASTCOMM_ prefix>)",
     )
     p.add_argument(
         "--out-dir",
@@ -282,8 +283,13 @@ def _wire_dtypes(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+# Prefixes of the variables a fastcomm variant may set: fastcomm's own, and NCCL's (read by the
+# NCCL communicator fastcomm runs CUDA collectives on, e.g. NCCL_MIN_NCHANNELS).
+VARIANT_PREFIXES = ("FASTCOMM_", "NCCL_")
+
+
 def _fastcomm_envs(text: str) -> list[dict[str, str]]:
-    """'FASTCOMM_A=1 FASTCOMM_B=2;FASTCOMM_A=3' -> [{A: 1, B: 2}, {A: 3}] (full names)."""
+    """'FASTCOMM_A=1 NCCL_B=2;FASTCOMM_A=3' -> [{A: 1, B: 2}, {A: 3}] (full names)."""
     settings = []
     for part in (p.strip() for p in text.split(";")):
         if not part:
@@ -291,9 +297,10 @@ def _fastcomm_envs(text: str) -> list[dict[str, str]]:
         env = {}
         for item in part.split():
             name, eq, value = item.partition("=")
-            if not eq or not name.startswith("FASTCOMM_") or not value:
+            if not eq or not name.startswith(VARIANT_PREFIXES) or not value:
                 raise argparse.ArgumentTypeError(
-                    f"{item!r}: give FASTCOMM_NAME=VALUE assignments, separated by spaces"
+                    f"{item!r}: give FASTCOMM_NAME=VALUE or NCCL_NAME=VALUE assignments, "
+                    "separated by spaces"
                 )
             env[name] = value
         settings.append(env)

@@ -30,7 +30,8 @@ def test_fastcomm_settings_become_launches_of_their_own(tmp_path: Path) -> None:
             "--socket-settings=1x1",
             "--buffsizes=default",
             "--wire-dtype=bf16",
-            "--fastcomm-env=FASTCOMM_TCP_SOCKETS=2 FASTCOMM_CHUNK_BYTES=1M;FASTCOMM_TCP_SOCKETS=4",
+            "--fastcomm-env=FASTCOMM_TCP_SOCKETS=2 FASTCOMM_CHUNK_BYTES=1M;FASTCOMM_TCP_SOCKETS=4;"
+            "NCCL_MIN_NCHANNELS=8",
         ]
     )
     launches = sweep.plan_launches(args, str(tmp_path))
@@ -38,7 +39,9 @@ def test_fastcomm_settings_become_launches_of_their_own(tmp_path: Path) -> None:
     assert [la.series for la in variants] == [
         "fastcomm(TCP_SOCKETS=2 CHUNK_BYTES=1M)",
         "fastcomm(TCP_SOCKETS=4)",
+        "fastcomm(NCCL_MIN_NCHANNELS=8)",
     ]
+    assert sweep.launch_env(variants[2])["NCCL_MIN_NCHANNELS"] == "8"
     assert variants[0].env == {"FASTCOMM_TCP_SOCKETS": "2", "FASTCOMM_CHUNK_BYTES": "1M"}
     assert all(la.backends == ["fastcomm"] for la in variants)
     assert sweep.launch_env(variants[1])["FASTCOMM_TCP_SOCKETS"] == "4"
@@ -48,8 +51,10 @@ def test_fastcomm_settings_become_launches_of_their_own(tmp_path: Path) -> None:
     assert [la.series for la in launches if la.role == "wire"] == ["fastcomm(bf16)"]
 
 
-@pytest.mark.parametrize("bad", ["TCP_SOCKETS=2", "FASTCOMM_TCP_SOCKETS", "FASTCOMM_X="])
-def test_fastcomm_settings_must_be_fastcomm_assignments(bad: str) -> None:
+@pytest.mark.parametrize(
+    "bad", ["TCP_SOCKETS=2", "FASTCOMM_TCP_SOCKETS", "FASTCOMM_X=", "GLOO_SOCKET_IFNAME=lo"]
+)
+def test_fastcomm_settings_must_be_fastcomm_or_nccl_assignments(bad: str) -> None:
     with pytest.raises(SystemExit):
         sweep.parse_args(["--device=cpu", "--nproc-per-node=2", f"--fastcomm-env={bad}"])
 
