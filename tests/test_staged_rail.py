@@ -281,9 +281,13 @@ def _lose_peer(
 ) -> dict[str, Any]:
     """Rank 1 exits (mode "dies") or stays alive without issuing ("sleeps") while the
     others run `ops`: their error and how long it took, then `after(out)`, then how long
-    closing took. Rank 0 (the store's host) leaves last."""
+    closing took. Rank 0 (the store's host) leaves last. Every rank first waits until all
+    have finished the collectives before this call: a rank that exits right after its own
+    part of one could reset a connection whose last bytes a peer has yet to read."""
     victim = 1
     out: dict[str, Any] = {}
+    store.set(f"{tag}/ready/{rank}", "1")
+    store.wait([f"{tag}/ready/{r}" for r in range(ws)], timedelta(seconds=60))
     if rank == victim:
         if mode == "dies":
             os._exit(17)
