@@ -291,6 +291,13 @@ __device__ __forceinline__ void load_bias_pair(const T* bias, int col, bool two,
   b1 = two ? load_as_float(bias + col + 1) : 0.0f;
 }
 
+// Whether C takes store_out_pair's paired stores (its `pair_ok`): an even
+// row stride and a base aligned to a pair (2 x 16 bits or 2 x 32 bits).
+template <typename T>
+__device__ __forceinline__ bool pair_stores_ok(const GemmArgs& p) {
+  return (p.ldc % 2 == 0) && ((reinterpret_cast<uintptr_t>(p.c) & (2 * sizeof(T) - 1)) == 0);
+}
+
 // Activation, cast and store of outputs (row, col) and (row, col + 1) of a
 // 16-bit or float C, the bias already added; `two` says whether col + 1
 // exists, `pair_ok` whether one paired store is aligned.
@@ -367,8 +374,7 @@ __global__ void splitk_finish(const GemmArgs p, const float* __restrict__ partia
     for (int j = 0; j < COLS; ++j) v[j] += load_as_float(bias + col + j);
   }
   if constexpr (COLS == 4) {
-    const bool pair_ok =
-        (p.ldc % 2 == 0) && ((reinterpret_cast<uintptr_t>(p.c) & (2 * sizeof(T) - 1)) == 0);
+    const bool pair_ok = pair_stores_ok<T>(p);
     FASTCOMM_DISPATCH_ACT(p.act,
                           (store_out_pair<T, kAct>(p, row, col, v[0], v[1], true, pair_ok),
                            store_out_pair<T, kAct>(p, row, col + 2, v[2], v[3], true, pair_ok)));

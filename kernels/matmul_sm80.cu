@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, (Cfg::THREADS == 256 ? 2 : 3))
     }
     return;
   }
-  const bool pair_ok = (p.ldc % 2 == 0) && ((reinterpret_cast<uintptr_t>(p.c) & 3) == 0);
+  const bool pair_ok = pair_stores_ok<T>(p);  // 16-bit T: a 4-byte aligned pair
   FASTCOMM_DISPATCH_ACT(p.act,
                         (mma_epilogue<T, kAct, MT, NT>(p, acc, m0 + wm0, n0 + wn0, lane, pair_ok)));
 #endif

@@ -333,8 +333,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int wtid = tid - 128 * wg;  // thread within the warpgroup
     const int lane = tid % 32;
     // Paired stores: 2 x 16 bits or 2 x 32 bits, aligned to their size.
-    const bool pair_ok =
-        (p.ldc % 2 == 0) && ((reinterpret_cast<uintptr_t>(p.c) & (2 * sizeof(T) - 1)) == 0);
+    const bool pair_ok = pair_stores_ok<T>(p);
     const bool bias_paired = (reinterpret_cast<uintptr_t>(p.bias) & 3) == 0;
     // Descriptor geometry (bytes): K-major: rows of 128 B, 8-row groups 1 KB
     // apart, k16 step = 32 B within the swizzled row. M/N-major: 64-element

@@ -6,9 +6,9 @@ vs torch._addmm_activation, 20 calls each under torch.profiler with the GPU kept
 the host; one line per method: every kernel it launched with its mean time, the per-call span
 from the first kernel's start to the last one's end, and fastcomm's kernel name.
 
-The calls rotate over enough input sets to exceed twice the L2 cache, as bench_matmul.py's
-do, so that the operands come from HBM; ``--warm`` uses one set, whose operands then stay in
-L2 between calls (a 4096 x 4096 bf16 weight is 32 MiB of the H100's 50 MiB).
+The calls rotate over bench_matmul.py's input sets (enough to exceed twice the L2 cache), so
+that the operands come from HBM as in the benchmark; ``--warm`` uses one set, whose operands
+then stay in L2 between calls (a 4096 x 4096 bf16 weight is 32 MiB of the H100's 50 MiB).
 
     python benchmarks/tools/matmul_kernel_times.py [--warm] [MxNxK ...]
 """
@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import math
+import os
 import sys
 from collections.abc import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_matmul import make_inputs  # noqa: E402
 
 SHAPES = ["1x4096x4096", "8x4096x4096", "64x4096x4096", "128x4096x4096", "256x4096x4096"]
 CALLS = 20
@@ -54,24 +57,6 @@ def kernel_times(fn: Callable[[int], object]) -> tuple[float, str]:
     return span, parts
 
 
-def input_sets(m: int, n: int, k: int, dt: torch.dtype, warm: bool) -> list[dict]:
-    """One set (warm), or enough that cycling through them exceeds twice the L2 cache."""
-    count = 1
-    if not warm:
-        l2 = torch.cuda.get_device_properties(0).L2_cache_size or (50 << 20)
-        set_bytes = (m * k + 2 * k * n + n) * torch.finfo(dt).bits // 8
-        count = max(1, min(16, math.ceil(2 * l2 / set_bytes)))
-    return [
-        {
-            "a": torch.randn(m, k, device="cuda", dtype=dt),
-            "b": torch.randn(k, n, device="cuda", dtype=dt),
-            "w": torch.randn(n, k, device="cuda", dtype=dt),
-            "bias": torch.randn(n, device="cuda", dtype=dt),
-        }
-        for _ in range(count)
-    ]
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("shapes", nargs="*", default=SHAPES, help="MxNxK (bf16)")
@@ -86,7 +71,8 @@ def main(argv: list[str]) -> int:
     ops = torch.ops.fastcomm
     for shape in args.shapes:
         m, n, k = (int(v) for v in shape.split("x"))
-        sets = input_sets(m, n, k, dt, args.warm)
+        # The benchmark's input sets (x [M, K], w [N, K], b = w^T [K, N], bias); one with --warm.
+        sets = make_inputs(m, n, k, dt, with_b_kn=True)[: 1 if args.warm else None]
 
         def pick(i: int) -> dict:
             return sets[i % len(sets)]
@@ -94,17 +80,17 @@ def main(argv: list[str]) -> int:
         s0 = sets[0]
         methods = {
             "fc_matmul": (
-                lambda i: ops.matmul(pick(i)["a"], pick(i)["b"]),
-                (s0["a"], s0["b"], "none"),
+                lambda i: ops.matmul(pick(i)["x"], pick(i)["b"]),
+                (s0["x"], s0["b"], "none"),
             ),
-            "cublas": (lambda i: torch.matmul(pick(i)["a"], pick(i)["b"]), None),
+            "cublas": (lambda i: torch.matmul(pick(i)["x"], pick(i)["b"]), None),
             "fc_linear": (
-                lambda i: ops.linear(pick(i)["a"], pick(i)["w"], pick(i)["bias"], "gelu_tanh"),
-                (s0["a"], s0["w"].t(), "gelu_tanh"),
+                lambda i: ops.linear(pick(i)["x"], pick(i)["w"], pick(i)["bias"], "gelu_tanh"),
+                (s0["x"], s0["w"].t(), "gelu_tanh"),
             ),
             "addmm_act": (
                 lambda i: torch._addmm_activation(
-                    pick(i)["bias"], pick(i)["a"], pick(i)["w"].t(), use_gelu=True
+                    pick(i)["bias"], pick(i)["x"], pick(i)["w"].t(), use_gelu=True
                 ),
                 None,
             ),
