@@ -115,6 +115,36 @@ int clamp_splits(const GemmArgs& p, int splits) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({splits, num_kb, kMaxSplits})));
 }
 
+// ---- the 128 x 64 tile ------------------------------------------------------------
+//
+// Where the 128 x 128 tiles leave SMs idle and the 128 x 64 tiles fit in one
+// wave (small M with N up to 8448, squares up to 1024), the 128 x 64 tile
+// measured ahead of both a K split of the 128 x 128 tile (no float32 sums,
+// no second pass: those cost a small product a few microseconds) and the
+// 128 x 128 tile on part of the GPU (H100, bf16; docs/matmul.md). Its own K
+// is split only to give each row of tiles enough CTAs to draw the memory's
+// bandwidth, or to keep each CTA's K within what unsplit CTAs streamed at
+// speed; where a split for the latter does not fit in one wave, the default
+// dispatch leaves the tile.
+constexpr int64_t kNarrowMinRowUnits = 64;  // CTAs per row of tiles: fewer split K
+constexpr int64_t kNarrowMinSplitK = 2048;  // no split leaves a CTA less K than this
+constexpr int64_t kNarrowMaxUnitK = 8192;   // nor more K than this
+
+// The K splits of the 128 x 64 tile under its rule; 0 where the rule does
+// not take the tile.
+int narrow_splits(const GemmArgs& p, int num_sms) {
+  const int64_t tm = cdiv(p.M, kTileM), tn = cdiv(p.N, 64), tiles = tm * tn;
+  if (tm * cdiv(p.N, 128) >= num_sms || tiles > num_sms) return 0;
+  auto can_split = [&](int s) {
+    return s <= kMaxSplits && tiles * s <= num_sms && p.K / s >= kNarrowMinSplitK;
+  };
+  int s = 1;
+  while (can_split(s + 1) && (tn * s < kNarrowMinRowUnits || cdiv(p.K, s) > kNarrowMaxUnitK)) {
+    ++s;
+  }
+  return cdiv(p.K, s) > kNarrowMaxUnitK ? 0 : s;
+}
+
 // C can be written by 64 x 64 TMA stores.
 // float32 (TF32) outputs always take the register epilogues: the TMA
 // epilogues stage 16-bit chunks.
@@ -178,7 +208,13 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
   const bool act_math = p.act == Act::kGelu || p.act == Act::kGeluTanh || p.act == Act::kSilu;
   plan.epi_offload = plan.tma_store && plan.bn == 256 &&
                      (o.epi == WgmmaEpi::kOffload || (o.epi == WgmmaEpi::kAuto && act_math));
-  plan.splits = o.splits > 0 ? clamp_splits(p, o.splits) : auto_splits(p, num_sms, plan.bn);
+  if (o.splits > 0) {
+    plan.splits = clamp_splits(p, o.splits);
+  } else if (plan.bn == 64 && narrow_splits(p, num_sms) > 0) {
+    plan.splits = narrow_splits(p, num_sms);
+  } else {
+    plan.splits = auto_splits(p, num_sms, plan.bn);
+  }
   if (plan.splits > 1) {
     // The units store float32 sums from registers; the epilogue is splitk_finish's.
     plan.tma_store = false;
@@ -290,6 +326,10 @@ bool gemm_wgmma_compiled() {
     known[dev] = ok ? 1 : 2;
   }
   return known[dev] == 1;
+}
+
+bool gemm_wgmma_narrow_tile_wins(const GemmArgs& p, int num_sms) {
+  return sm90::narrow_splits(p, num_sms) > 0;
 }
 
 int gemm_wgmma_splits(const GemmArgs& p, int num_sms, const WgmmaOptions& opts) {
