@@ -734,7 +734,7 @@ def test_cuda_default_dispatch(matmul_settings):
     name_small = torch.ops.fastcomm._kernel_name(small, small)
     if _is_sm90:
         assert name_big.startswith("wgmma "), name_big
-        assert name_small.startswith("wgmma coop 128x128"), name_small
+        assert name_small.startswith("wgmma coop 128x64"), name_small  # the 128 x 64 rule
         # the 128x256 tile: the offload epilogue where there is activation math to hide
         assert name_big.startswith("wgmma coop 128x256") and " epi tma " in name_big, name_big
         for act, epi in (("relu", "tma"), ("gelu", "offload"), ("gelu_tanh", "offload"),
@@ -841,7 +841,7 @@ def test_cuda_default_dispatch_rule(matmul_settings):
         torch.empty(1, 4100, device="cuda", dtype=bf),
         torch.empty(4096, 4100, device="cuda", dtype=bf).t(),
     )
-    assert name.startswith("wgmma coop 128x128"), name
+    assert name.startswith("wgmma coop 128x"), name
 
 
 @pytest.mark.cuda(1)
@@ -1135,7 +1135,7 @@ def test_cuda_fp32_precision_selects_kernel(fp32_precision):
         tf32 = setting != "highest"
         if tf32 and _is_sm90:
             assert name().startswith("wgmma coop 128x256 tf32 "), (setting, name())
-            assert name(small).startswith("wgmma coop 128x128 tf32 "), (setting, name(small))
+            assert name(small).startswith("wgmma coop 128x64 tf32 "), (setting, name(small))
         else:
             assert name().startswith("simt "), (setting, name())
     fp32_precision("highest")
@@ -1329,9 +1329,10 @@ def test_cuda_tf32_packed_operand_longer_than_a_grid_column(matmul_settings, fp3
 @pytest.mark.cuda(1)
 @pytest.mark.skipif(not _is_sm90, reason="the Hopper rows of the dispatch need an sm_90 GPU")
 def test_cuda_tf32_default_dispatch_rule(matmul_settings, fp32_precision):
-    """TF32 allowed: float32 takes the half types' Hopper rows (the wave model's cooperative
-    tile, K split where its tiles leave SMs idle) for matmul and linear, never the skinny
-    or mma.sync kernels; "highest" keeps the CUDA-core kernel."""
+    """TF32 allowed: float32 takes the half types' Hopper rows (the 128 x 64 tile where its
+    rule takes the problem, else the wave model's cooperative tile, K split where its tiles
+    leave SMs idle) for matmul and linear, never the skinny or mma.sync kernels; "highest"
+    keeps the CUDA-core kernel."""
     matmul_settings()
     fp32_precision("high")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -1339,6 +1340,11 @@ def test_cuda_tf32_default_dispatch_rule(matmul_settings, fp32_precision):
         a = torch.empty(m, k, device="cuda")
         for b in (torch.empty(k, n, device="cuda"), torch.empty(n, k, device="cuda").t()):
             name = torch.ops.fastcomm._kernel_name(a, b)
+            splits = _narrow_splits(m, n, k, sms)
+            if splits > 0:
+                assert name.startswith("wgmma coop 128x64 tf32 "), (m, n, k, name)
+                assert (" splitk " in name) == (splits > 1), (m, n, k, name)
+                continue
             bn = _wave_tile(m, n, sms)
             assert name.startswith(f"wgmma coop 128x{bn} tf32 "), (m, n, k, name)
             if bn == 128 and _cdiv(m, 128) * _cdiv(n, 128) * 2 <= sms:

@@ -10,7 +10,7 @@
 //     K-major (decode-time linear layers), which streams B once;
 //   * on sm_90, the Hopper kernel (TMA + wgmma, warp-specialised,
 //     persistent; kernels/matmul_sm90*.cu{,h}): cooperative 128 x 64 tile
-//     where its rule takes the problem (16-bit types), else 128 x 128 tile
+//     where its rule takes the problem, else 128 x 128 tile
 //     (K split over CTAs where its tiles leave SMs idle) or 128 x 256 tile,
 //     whichever a wave model finds faster;
 //     float32 runs there as TF32 on K-major operands (copied where they are
@@ -237,7 +237,7 @@ enum class Path { kSimt, kSkinny, kMma, kWgmma };
 // When a row of kAutoRules applies, besides its bound on M.
 enum class When {
   kSkinnyLayout,  // A and B as the skinny kernel takes them (B K-major)
-  kWgmmaTile64,   // sm_90, 16-bit types: the 128 x 64 tile's rule takes the problem
+  kWgmmaTile64,   // sm_90: the 128 x 64 tile's rule takes the problem
   kWgmmaTile128,  // sm_90: the 128 x 128 tile is no slower by the wave model (wave_128_wins)
   kWgmma,         // sm_90
   kSm80,          // sm_80+, 16-bit types (the mma.sync kernel has no TF32 form)
@@ -258,9 +258,8 @@ enum class When {
 //     it beats mma.sync on every small shape measured) or the 128 x 256 tile,
 //     by the wave model below; split counts are the Hopper kernel's
 //     (kernels/matmul_sm90.cu);
-//   * float32 with TF32 allowed takes the same Hopper rows but the 128 x 64
-//     one (the TF32 kernel: same tiles and stage bytes, half the K per stage;
-//     its 128 x 64 tile is not measured against cuBLAS yet) and otherwise the
+//   * float32 with TF32 allowed takes the same Hopper rows (the TF32 kernel:
+//     same tiles and stage bytes, half the K per stage) and otherwise the
 //     CUDA-core kernel.
 struct AutoRule {
   int64_t max_m;
@@ -332,8 +331,7 @@ const AutoRule& auto_rule(const kc::GemmArgs& args, const cudaDeviceProp* prop, 
         ok = skinny;
         break;
       case When::kWgmmaTile64:
-        ok = wgmma_ok && args.dtype != kc::DType::kF32 &&
-             kc::gemm_wgmma_narrow_tile_wins(args, prop->multiProcessorCount);
+        ok = wgmma_ok && kc::gemm_wgmma_narrow_tile_wins(args, prop->multiProcessorCount);
         break;
       case When::kWgmmaTile128:
         ok = wgmma_ok && wave_128_wins(args, prop->multiProcessorCount);
