@@ -37,7 +37,9 @@ struct GemmArgs {
 };
 
 // Tile-size choice: kAuto lets the launcher's heuristic decide.
-enum class Tile : int { kAuto = 0, kLarge = 1, kSmall = 2 };
+// kNarrow: the Hopper kernel's cooperative 128 x 64 tile; the other kernels
+// take it as kSmall.
+enum class Tile : int { kAuto = 0, kLarge = 1, kSmall = 2, kNarrow = 3 };
 
 // Generic tiled kernel (CUDA cores, any strides, any dtype, any arch).
 cudaError_t launch_gemm_simt(const GemmArgs& args, int num_sms, Tile tile, cudaStream_t stream);
@@ -101,17 +103,23 @@ enum class Raster : int { kAuto = 0, kM = 1, kN = 2 };
 // Choices for one Hopper launch; kAuto / 0 leave them to the heuristic.
 struct WgmmaOptions {
   WgmmaSched sched = WgmmaSched::kAuto;
-  Tile tile = Tile::kAuto;  // cooperative tile: kLarge = 128 x 256, kSmall = 128 x 128
+  // cooperative tile: kLarge = 128 x 256, kSmall = 128 x 128, kNarrow = 128 x 64
+  Tile tile = Tile::kAuto;
   WgmmaEpi epi = WgmmaEpi::kAuto;
   Raster raster = Raster::kAuto;
   int group = 0;  // rows / columns of C per tile group; 0 (auto) = 2048
   // K split over CTAs per output tile (float32 sums in a workspace, then an
-  // ordered second pass applies the epilogue): 0 (auto) where the tiles do
-  // not fill the SMs and a bytes-per-SM model gains from it, then on the
-  // cooperative 128 x 128 tile unless a schedule or tile is forced; 1 none;
-  // n > 1 forced (clamped to the K-slices of 64 and to 16).
+  // ordered second pass applies the epilogue): 0 (auto) for the 128 x 64
+  // tile the count of its rule where that takes the problem; otherwise
+  // where the tiles do not fill the SMs and a bytes-per-SM model gains from
+  // it, then on the cooperative 128 x 128 tile unless a schedule or tile is
+  // forced; 1 none; n > 1 forced (clamped to the K-slices of 64 and to 16).
   int splits = 0;
 };
+// Whether the cooperative 128 x 64 tile's rule takes the problem (where the
+// 128 x 128 tiles leave SMs idle and 128 x 64 ones fit in one wave; its K
+// split is then the rule's, unless forced).
+bool gemm_wgmma_narrow_tile_wins(const GemmArgs& args, int num_sms);
 // Split count of the launch these options give (1: none), and the float32
 // workspace it needs (splits x M x N x 4 bytes; 0 without a split).
 int gemm_wgmma_splits(const GemmArgs& args, int num_sms, const WgmmaOptions& opts);

@@ -341,8 +341,16 @@ __device__ __forceinline__ void epilogue_pair(const GemmArgs& p, int row, int co
 // COLS consecutive outputs of a row per thread: 4 where N % 4 == 0 (one
 // 16-byte load per split, paired stores; a pass of one output per thread
 // moved 1.4 TB/s), else 1.
+//
+// On sm_90 it may be launched as a programmatic dependent of the product
+// kernel (launch_splitk_finish's `early`): its blocks are then scheduled
+// while the product's last CTAs still run, and wait here until that grid
+// has completed and its sums are visible. Elsewhere the wait is a no-op.
 template <typename T, int COLS>
 __global__ void splitk_finish(const GemmArgs p, const float* __restrict__ partial, int splits) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
   const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   const int64_t groups = p.N / COLS;  // COLS divides N
   if (i >= p.M * groups) return;
@@ -375,15 +383,25 @@ __global__ void splitk_finish(const GemmArgs p, const float* __restrict__ partia
   }
 }
 
+// early: launch as a programmatic dependent of the kernel before it on the
+// stream (sm_90 and later only), which hides this launch's latency under the
+// product kernel's tail.
 template <typename T>
 cudaError_t launch_splitk_finish(const GemmArgs& p, const float* partial, int splits,
-                                 cudaStream_t stream) {
+                                 cudaStream_t stream, bool early = false) {
   const bool four = p.N % 4 == 0;
   const int64_t threads = p.M * (four ? p.N / 4 : p.N);
   cudaLaunchConfig_t launch{};  // the launch's own status, as launch_kernel's
   launch.gridDim = dim3(static_cast<unsigned>((threads + 255) / 256));
   launch.blockDim = dim3(256);
   launch.stream = stream;
+  cudaLaunchAttribute pdl{};
+  if (early) {
+    pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    pdl.val.programmaticStreamSerializationAllowed = 1;
+    launch.attrs = &pdl;
+    launch.numAttrs = 1;
+  }
   return four ? cudaLaunchKernelEx(&launch, splitk_finish<T, 4>, p, partial, splits)
               : cudaLaunchKernelEx(&launch, splitk_finish<T, 1>, p, partial, splits);
 }

@@ -115,6 +115,36 @@ int clamp_splits(const GemmArgs& p, int splits) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({splits, num_kb, kMaxSplits})));
 }
 
+// ---- the 128 x 64 tile ------------------------------------------------------------
+//
+// Where the 128 x 128 tiles leave SMs idle and the 128 x 64 tiles fit in one
+// wave (small M with N up to 8448, squares up to 1024), the 128 x 64 tile
+// measured ahead of both a K split of the 128 x 128 tile (no float32 sums,
+// no second pass: those cost a small product a few microseconds) and the
+// 128 x 128 tile on part of the GPU (H100, bf16; docs/matmul.md). Its own K
+// is split only to give each row of tiles enough CTAs to draw the memory's
+// bandwidth, or to keep each CTA's K within what unsplit CTAs streamed at
+// speed; where a split for the latter does not fit in one wave, the default
+// dispatch leaves the tile.
+constexpr int64_t kNarrowMinRowUnits = 64;  // CTAs per row of tiles: fewer split K
+constexpr int64_t kNarrowMinSplitK = 2048;  // no split leaves a CTA less K than this
+constexpr int64_t kNarrowMaxUnitK = 8192;   // nor more K than this
+
+// The K splits of the 128 x 64 tile under its rule; 0 where the rule does
+// not take the tile.
+int narrow_splits(const GemmArgs& p, int num_sms) {
+  const int64_t tm = cdiv(p.M, kTileM), tn = cdiv(p.N, 64), tiles = tm * tn;
+  if (tm * cdiv(p.N, 128) >= num_sms || tiles > num_sms) return 0;
+  auto can_split = [&](int s) {
+    return s <= kMaxSplits && tiles * s <= num_sms && p.K / s >= kNarrowMinSplitK;
+  };
+  int s = 1;
+  while (can_split(s + 1) && (tn * s < kNarrowMinRowUnits || cdiv(p.K, s) > kNarrowMaxUnitK)) {
+    ++s;
+  }
+  return cdiv(p.K, s) > kNarrowMaxUnitK ? 0 : s;
+}
+
 // C can be written by 64 x 64 TMA stores.
 // float32 (TF32) outputs always take the register epilogues: the TMA
 // epilogues stage 16-bit chunks.
@@ -132,7 +162,8 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
   // Split K first: where the 128 x 128 tiles leave the SMs idle and the
   // model gains from a split, the cooperative 128 x 128 kernel with split K
   // (unless a schedule or tile is forced).
-  if (o.splits == 0 && o.sched != WgmmaSched::kPingpong && o.tile != Tile::kLarge) {
+  if (o.splits == 0 && o.sched != WgmmaSched::kPingpong &&
+      (o.tile == Tile::kAuto || o.tile == Tile::kSmall)) {
     const int s = auto_splits(p, num_sms, 128);
     if (s > 1) {
       plan.sched = Sched::kCoop;
@@ -158,13 +189,15 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
     if (o.tile == Tile::kAuto) {
       plan.bn = c256 <= c128 ? 256 : 128;
     } else {
-      plan.bn = o.tile == Tile::kLarge ? 256 : 128;
+      plan.bn = o.tile == Tile::kLarge ? 256 : o.tile == Tile::kNarrow ? 64 : 128;
     }
   }
   // TMA stores need a 16-byte aligned C with a leading dimension of a
-  // multiple of 8 elements; otherwise (and for ping-pong, whose epilogue is
-  // hidden anyway) the epilogue stores from registers.
-  plan.tma_store = plan.sched == Sched::kCoop && o.epi != WgmmaEpi::kDirect && tma_store_ok(p);
+  // multiple of 8 elements; otherwise, for ping-pong (whose epilogue is
+  // hidden anyway) and for the 128 x 64 tile (the TMA epilogue alternates
+  // two 64-wide chunks per tile) the epilogue stores from registers.
+  plan.tma_store =
+      plan.sched == Sched::kCoop && plan.bn >= 128 && o.epi != WgmmaEpi::kDirect && tma_store_ok(p);
   // The offload epilogue (activation by warps 1-3 of the producer warpgroup,
   // under the next tile's MMAs) exists for the 128 x 256 tile only; elsewhere
   // EPI=offload falls back as tma does (the TMA epilogue on the 128 x 128
@@ -175,7 +208,13 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
   const bool act_math = p.act == Act::kGelu || p.act == Act::kGeluTanh || p.act == Act::kSilu;
   plan.epi_offload = plan.tma_store && plan.bn == 256 &&
                      (o.epi == WgmmaEpi::kOffload || (o.epi == WgmmaEpi::kAuto && act_math));
-  plan.splits = o.splits > 0 ? clamp_splits(p, o.splits) : auto_splits(p, num_sms, plan.bn);
+  if (o.splits > 0) {
+    plan.splits = clamp_splits(p, o.splits);
+  } else if (plan.bn == 64 && narrow_splits(p, num_sms) > 0) {
+    plan.splits = narrow_splits(p, num_sms);
+  } else {
+    plan.splits = auto_splits(p, num_sms, plan.bn);
+  }
   if (plan.splits > 1) {
     // The units store float32 sums from registers; the epilogue is splitk_finish's.
     plan.tma_store = false;
@@ -238,7 +277,7 @@ cudaError_t launch_typed(const GemmArgs& p, const Plan& plan, cudaStream_t strea
                               ? launch_sched<T, Sched::kPingpong>(p, plan, stream)
                               : launch_sched<T, Sched::kCoop>(p, plan, stream);
   if (err != cudaSuccess || plan.splits == 1) return err;
-  return detail::launch_splitk_finish<T>(p, plan.partial, plan.splits, stream);
+  return detail::launch_splitk_finish<T>(p, plan.partial, plan.splits, stream, /*early=*/true);
 }
 
 }  // namespace sm90
@@ -287,6 +326,10 @@ bool gemm_wgmma_compiled() {
     known[dev] = ok ? 1 : 2;
   }
   return known[dev] == 1;
+}
+
+bool gemm_wgmma_narrow_tile_wins(const GemmArgs& p, int num_sms) {
+  return sm90::narrow_splits(p, num_sms) > 0;
 }
 
 int gemm_wgmma_splits(const GemmArgs& p, int num_sms, const WgmmaOptions& opts) {

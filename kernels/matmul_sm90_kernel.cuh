@@ -27,9 +27,11 @@
 //      tensor cores from one to the other once a warpgroup has issued its
 //      last MMA, so one warpgroup's epilogue (bias, activation, stores) runs
 //      under the other one's main loop instead of stalling the tensor cores.
-//  * Tiles: 128 x 256 (4 stages of 48 KB) or 128 x 128 (6 stages of 32 KB),
-//    BK = one 128-byte swizzle row: 64 elements of a 16-bit type, 32 of
-//    float32. Tile order: groups of 2048 rows (raster by rows) or 2048
+//  * Tiles: 128 x 256 (4 stages of 48 KB), 128 x 128 (6 stages of 32 KB) or,
+//    cooperative only, 128 x 64 (8 stages of 24 KB; for products of few rows,
+//    where 64-wide tiles give the SMs work without a K split; the direct and
+//    split-K epilogues only). BK = one 128-byte swizzle row: 64 elements of
+//    a 16-bit type, 32 of float32. Tile order: groups of 2048 rows (raster by rows) or 2048
 //    columns (raster by columns), the dispatcher picking the one that
 //    re-reads fewer bytes from DRAM.
 //  * float32 (T = float): the tensor cores multiply the operands as TF32
@@ -77,17 +79,19 @@ using namespace detail;
 // whole-tile output buffer instead of 4 stages and 4 chunk buffers.
 template <typename T, Sched S, int BN, bool OFFLOAD = false>
 struct Cfg {
-  static_assert(BN == 256 || BN == 128, "BN must be 128 or 256");
+  static_assert(BN == 256 || BN == 128 || BN == 64, "BN must be 64, 128 or 256");
   static_assert(sizeof(T) == 2 || !OFFLOAD, "the offload epilogue stages 16-bit outputs");
   static_assert(S == Sched::kCoop || BN == 128, "the ping-pong tile is 128 x 128");
+  // The TMA-store epilogue alternates two 64-wide chunk buffers across tiles.
+  static constexpr bool TMA_EPI = S == Sched::kCoop && BN >= 128;
   static_assert(!OFFLOAD || (S == Sched::kCoop && BN == 256),
                 "the offload epilogue exists for the cooperative 128 x 256 kernel only");
   static constexpr bool PINGPONG = S == Sched::kPingpong;
   static constexpr int BM = kBM;
-  // 4 x 48 KB (cooperative 128 x 256), 6 x 32 KB (128 x 128); 3 x 48 KB with
-  // the offload epilogue, whose 64 KB tile buffer takes the fourth stage's
-  // place.
-  static constexpr int STAGES = OFFLOAD ? 3 : BN == 256 ? 4 : 6;
+  // 4 x 48 KB (cooperative 128 x 256), 6 x 32 KB (128 x 128), 8 x 24 KB
+  // (128 x 64); 3 x 48 KB with the offload epilogue, whose 64 KB tile buffer
+  // takes the fourth stage's place.
+  static constexpr int STAGES = OFFLOAD ? 3 : BN == 256 ? 4 : BN == 128 ? 6 : 8;
   static constexpr int BK = kBKFor<T>;                                   // 128 bytes of K
   static constexpr int A_BYTES = BM * BK * static_cast<int>(sizeof(T));  // 16 KB
   static constexpr int B_BYTES = BN * BK * static_cast<int>(sizeof(T));
@@ -98,9 +102,9 @@ struct Cfg {
   // Offload: the whole 128 x 256 output tile, 8 chunks of 64 x 64 (chunk
   // 4 w + c holds rows 64 w.., columns 64 c.. of the tile), so that the
   // consumers can hand a tile over and go on while the epilogue warps finish it.
-  static constexpr int EPI_BYTES = OFFLOAD    ? 8 * kEpiChunkBytes
-                                   : PINGPONG ? 0
-                                              : 2 * 2 * kEpiChunkBytes;
+  static constexpr int EPI_BYTES = OFFLOAD   ? 8 * kEpiChunkBytes
+                                   : TMA_EPI ? 2 * 2 * kEpiChunkBytes
+                                             : 0;
   // + 1 KB slack for the 1024-byte alignment of 128B-swizzled tiles
   // (offload: 1 + 3 x 48 + 64 = 209 KB).
   static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + EPI_BYTES;
@@ -261,6 +265,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (tid == 0) {
       tma_prefetch_map(&tma_a);
       tma_prefetch_map(&tma_b);
+      // Launched as a programmatic dependent (launch_kernel): the setup above
+      // ran under the previous kernel's tail; every global access of the CTA
+      // follows these loads, which wait for that kernel to complete.
+      griddep_wait();
       // Bytes of A per K-slice: a_rows rows of 128 B (K-major), or the
       // 64-row boxes that hold them (M-major).
       const int a_bytes = A_K ? opts.a_rows * kBK * static_cast<int>(sizeof(T))
@@ -303,6 +311,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       }
+      // Every load is issued: a kernel launched as our programmatic
+      // dependent (split K's splitk_finish) may be scheduled; it waits for
+      // this grid to complete before it reads the sums.
+      griddep_launch_dependents();
     }
     if constexpr (OFFLOAD) {
       if (tid >= 32) {
@@ -448,7 +460,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (PINGPONG) {
         // All our MMAs are issued: the other warpgroup may start its tile.
         if (lane == 0) mbar_arrive(order_bar(cw ^ 1));
-      } else if constexpr (!kTF32) {
+      } else if constexpr (!kTF32 && C::TMA_EPI) {
         if (opts.tma_store == 1) {
           // Lean TMA epilogue: the bias loads go out under the last MMAs.
           uint32_t bw[BN / 8];
@@ -512,7 +524,7 @@ cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stre
   if constexpr (OFFLOAD) {
     opts.tma_store = 2;  // the dispatcher picks OFFLOAD only where C takes TMA stores
   } else {
-    opts.tma_store = (S == Sched::kCoop && plan.tma_store) ? 1 : 0;
+    opts.tma_store = (C::TMA_EPI && plan.tma_store) ? 1 : 0;
   }
   if (std::is_same<T, float>::value && opts.tma_store) return cudaErrorInvalidValue;
   if (opts.tma_store) {
@@ -559,6 +571,14 @@ cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stre
   launch.blockDim = dim3(kThreads);
   launch.dynamicSmemBytes = C::SMEM_BYTES;
   launch.stream = stream;
+  // Programmatic dependent launch: the CTAs may start (barrier setup, tensor
+  // map prefetch) while the kernel before them on the stream finishes; the
+  // producer waits for it before the first load (griddep_wait).
+  cudaLaunchAttribute pdl{};
+  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl.val.programmaticStreamSerializationAllowed = 1;
+  launch.attrs = &pdl;
+  launch.numAttrs = 1;
   return cudaLaunchKernelEx(&launch, kernel, ma, mb, mc, p, opts);
 }
 
@@ -592,6 +612,7 @@ cudaError_t launch_sched(const GemmArgs& p, const Plan& plan, cudaStream_t strea
       }
       return launch_layout<T, S, 256>(p, plan, stream);
     }
+    if (plan.bn == 64) return launch_layout<T, S, 64>(p, plan, stream);
     return launch_layout<T, S, 128>(p, plan, stream);
   }
 }

@@ -2,7 +2,7 @@
 // sm_90a only).
 //
 // D[64 x N] (+)= A[64 x k] * B[k x N], A and B read from shared memory via
-// matrix descriptors, float32 accumulators in registers, N = 128 or 256.
+// matrix descriptors, float32 accumulators in registers, N = 64, 128 or 256.
 // One instruction covers 32 bytes of K: k = 16 for float16 / bfloat16 inputs,
 // k = 8 for float32 inputs multiplied as TF32 (the tensor cores read the
 // float32 words and use their TF32 bits). TA / TB are the transpose
@@ -26,7 +26,10 @@ namespace ops {
 namespace cuda {
 namespace sm90 {
 
-// Placeholders of the first 64 and of all 128 accumulator operands.
+// Placeholders of the first 32, the first 64 and all 128 accumulator operands.
+#define FASTCOMM_WGMMA_D32                                                          \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17," \
+  "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 #define FASTCOMM_WGMMA_D64                                                          \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17," \
   "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33," \
@@ -45,6 +48,7 @@ namespace sm90 {
   "+f"(d[i + 0]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
       "+f"(d[i + 6]), "+f"(d[i + 7]), "+f"(d[i + 8]), "+f"(d[i + 9]), "+f"(d[i + 10]),            \
       "+f"(d[i + 11]), "+f"(d[i + 12]), "+f"(d[i + 13]), "+f"(d[i + 14]), "+f"(d[i + 15])
+#define FASTCOMM_WGMMA_ACC32 FASTCOMM_WGMMA_ACC16(0), FASTCOMM_WGMMA_ACC16(16)
 #define FASTCOMM_WGMMA_ACC64                                                   \
   FASTCOMM_WGMMA_ACC16(0), FASTCOMM_WGMMA_ACC16(16), FASTCOMM_WGMMA_ACC16(32), \
       FASTCOMM_WGMMA_ACC16(48)
@@ -75,7 +79,7 @@ namespace sm90 {
 template <int N, typename T, int TA, int TB>
 __device__ __forceinline__ void wgmma_m64(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,
                                           int scale_d) {
-  static_assert(N == 128 || N == 256, "wgmma_m64: N must be 128 or 256");
+  static_assert(N == 64 || N == 128 || N == 256, "wgmma_m64: N must be 64, 128 or 256");
   constexpr bool TF32 = std::is_same<T, float>::value;
   constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
   static_assert(TF32 || BF16 || std::is_same<T, __half>::value, "wgmma_m64: unsupported type");
@@ -85,6 +89,9 @@ __device__ __forceinline__ void wgmma_m64(float (&d)[N / 2], uint64_t desc_a, ui
   if constexpr (N == 256 && TF32) {
     FASTCOMM_WGMMA_ASM("m64n256k8", "tf32", FASTCOMM_WGMMA_D128, FASTCOMM_WGMMA_ACC128, "%130",
                        "%128, %129, p, 1, 1");
+  } else if constexpr (N == 64 && TF32) {
+    FASTCOMM_WGMMA_ASM("m64n64k8", "tf32", FASTCOMM_WGMMA_D32, FASTCOMM_WGMMA_ACC32, "%34",
+                       "%32, %33, p, 1, 1");
   } else if constexpr (TF32) {
     FASTCOMM_WGMMA_ASM("m64n128k8", "tf32", FASTCOMM_WGMMA_D64, FASTCOMM_WGMMA_ACC64, "%66",
                        "%64, %65, p, 1, 1");
@@ -94,6 +101,12 @@ __device__ __forceinline__ void wgmma_m64(float (&d)[N / 2], uint64_t desc_a, ui
   } else if constexpr (N == 256) {
     FASTCOMM_WGMMA_ASM("m64n256k16", "f16", FASTCOMM_WGMMA_D128, FASTCOMM_WGMMA_ACC128, "%130",
                        "%128, %129, p, 1, 1, %131, %132");
+  } else if constexpr (N == 64 && BF16) {
+    FASTCOMM_WGMMA_ASM("m64n64k16", "bf16", FASTCOMM_WGMMA_D32, FASTCOMM_WGMMA_ACC32, "%34",
+                       "%32, %33, p, 1, 1, %35, %36");
+  } else if constexpr (N == 64) {
+    FASTCOMM_WGMMA_ASM("m64n64k16", "f16", FASTCOMM_WGMMA_D32, FASTCOMM_WGMMA_ACC32, "%34",
+                       "%32, %33, p, 1, 1, %35, %36");
   } else if constexpr (BF16) {
     FASTCOMM_WGMMA_ASM("m64n128k16", "bf16", FASTCOMM_WGMMA_D64, FASTCOMM_WGMMA_ACC64, "%66",
                        "%64, %65, p, 1, 1, %67, %68");
@@ -107,9 +120,11 @@ __device__ __forceinline__ void wgmma_m64(float (&d)[N / 2], uint64_t desc_a, ui
 #undef FASTCOMM_WGMMA_ASM
 #undef FASTCOMM_WGMMA_ACC128
 #undef FASTCOMM_WGMMA_ACC64
+#undef FASTCOMM_WGMMA_ACC32
 #undef FASTCOMM_WGMMA_ACC16
 #undef FASTCOMM_WGMMA_D128
 #undef FASTCOMM_WGMMA_D64
+#undef FASTCOMM_WGMMA_D32
 
 }  // namespace sm90
 }  // namespace cuda

@@ -483,7 +483,7 @@ def test_matmul_settings_override(matmul_settings):
 @pytest.mark.cuda(1)
 @_skip_no_cuda
 @pytest.mark.parametrize("impl", ["auto", "mma", "simt"])
-@pytest.mark.parametrize("tile", ["auto", "large", "small"])
+@pytest.mark.parametrize("tile", ["auto", "large", "small", "narrow"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_kernel_paths(matmul_settings, impl, tile, dtype):
     """Each CUDA path on all operand layouts, odd and multi-tile shapes."""
@@ -517,10 +517,12 @@ def test_cuda_small_m(matmul_settings, dtype):
     shapes = [(m, n, k) for m in SMALL_M for n, k in ((1000, 1032), (257, 4104), (4099, 520))]
     _check_all_layouts("cuda", dtype, shapes, acts=("none", "gelu_tanh"))
     probe_a = torch.empty(16, 4096, device="cuda", dtype=dtype)
-    probe_b = torch.empty(4096, 4096, device="cuda", dtype=dtype)
+    probe_b = torch.empty(4096, 11008, device="cuda", dtype=dtype)
     name = torch.ops.fastcomm._kernel_name(probe_a, probe_b)
     if _cuda_cc() == (9, 0):
         assert name.startswith("wgmma coop 128x128 splitk "), name
+        name = torch.ops.fastcomm._kernel_name(probe_a, probe_b[:, :4096])
+        assert name.startswith("wgmma coop 128x64") and " splitk " not in name, name
     elif _cuda_cc()[0] >= 8:
         assert name.startswith("mma 64x64 splitk "), name
 
@@ -629,13 +631,15 @@ def test_cuda_graph_capture():
 
 _is_sm90 = HAS_CUDA and _cuda_cc() == (9, 0)
 
-# Forced variants of the Hopper kernel (set_matmul_config): both schedules, both
+# Forced variants of the Hopper kernel (set_matmul_config): both schedules, the three
 # cooperative tile widths, the three epilogues and both tile orders.
 WGMMA_VARIANTS = {
     "coop256": {"sched": "coop", "tile": "large", "epi": "direct", "raster": "m"},
     "coop256_tma": {"sched": "coop", "tile": "large", "epi": "tma", "raster": "m"},
     "coop256_tma_rn": {"sched": "coop", "tile": "large", "epi": "tma", "raster": "n"},
     "coop128_tma": {"sched": "coop", "tile": "small", "epi": "tma", "raster": "m"},
+    "coop64": {"sched": "coop", "tile": "narrow", "epi": "direct", "raster": "m"},
+    "coop64_rn": {"sched": "coop", "tile": "narrow", "epi": "direct", "raster": "n"},
     "pingpong": {"sched": "pingpong", "raster": "m"},
     "pingpong_rn": {"sched": "pingpong", "raster": "n"},
     "coop256_offload": {"sched": "coop", "tile": "large", "epi": "offload", "raster": "m"},
@@ -678,7 +682,8 @@ def test_cuda_wgmma_kernel(matmul_settings, variant, dtype):
 @pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
 def test_cuda_wgmma_offload_fallback(matmul_settings):
     """epi=offload exists for the cooperative 128x256 tile only: the 128x128 tile falls
-    back to the TMA epilogue (and stays right), ping-pong keeps its direct stores."""
+    back to the TMA epilogue (and stays right), ping-pong keeps its direct stores, and so
+    does the 128x64 tile, which has no TMA epilogue."""
     probe = torch.empty(4096, 4096, device="cuda", dtype=torch.bfloat16)
     offload = {"impl": "wgmma", "epi": "offload", "raster": "m"}
     matmul_settings(**offload, sched="coop", tile="large")
@@ -690,6 +695,12 @@ def test_cuda_wgmma_offload_fallback(matmul_settings):
     matmul_settings(**offload, sched="pingpong")
     name = torch.ops.fastcomm._kernel_name(probe, probe)
     assert name.startswith("wgmma pingpong") and " epi " not in name, name
+    # the 128x64 tile has no TMA epilogue: tma and offload store from registers
+    for epi in ("tma", "offload"):
+        matmul_settings(impl="wgmma", epi=epi, sched="coop", tile="narrow")
+        name = torch.ops.fastcomm._kernel_name(probe, probe)
+        assert name.startswith("wgmma coop 128x64") and " epi direct " in name, name
+    _check_all_layouts("cuda", torch.bfloat16, [(300, 520, 1000)], acts=ACTS)
 
 
 @pytest.mark.cuda(1)
@@ -723,7 +734,7 @@ def test_cuda_default_dispatch(matmul_settings):
     name_small = torch.ops.fastcomm._kernel_name(small, small)
     if _is_sm90:
         assert name_big.startswith("wgmma "), name_big
-        assert name_small.startswith("wgmma coop 128x128"), name_small
+        assert name_small.startswith("wgmma coop 128x64"), name_small  # the 128 x 64 rule
         # the 128x256 tile: the offload epilogue where there is activation math to hide
         assert name_big.startswith("wgmma coop 128x256") and " epi tma " in name_big, name_big
         for act, epi in (("relu", "tma"), ("gelu", "offload"), ("gelu_tanh", "offload"),
@@ -768,13 +779,37 @@ WAVE_TILES_132 = {
 }  # fmt: skip
 
 
+def _narrow_splits(m: int, n: int, k: int, sms: int) -> int:
+    """The K splits the 128 x 64 tile's rule gives on sm_90 (0: the rule does not take the
+    problem): 128 x 128 tiles leave SMs idle and 128 x 64 ones fit in one wave; K split while a
+    row of tiles has fewer than 64 CTAs or a CTA more than 8192 of K (each split keeping the
+    wave and at least 2048 of K per CTA); not taken where a CTA's K stays above 8192."""
+    tm, tn = _cdiv(m, 128), _cdiv(n, 64)
+    if tm * _cdiv(n, 128) >= sms or tm * tn > sms:
+        return 0
+    s = 1
+    while (s < 16 and tm * tn * (s + 1) <= sms and k // (s + 1) >= 2048
+           and (tn * s < 64 or _cdiv(k, s) > 8192)):  # fmt: skip
+        s += 1
+    return 0 if _cdiv(k, s) > 8192 else s
+
+
+# (M, N, K) -> the 128 x 64 tile's split count on 132 SMs (0: the 128 x 128 tile with split K).
+NARROW_SPLITS_132 = {
+    (16, 4096, 4096): 1, (128, 4096, 4096): 1, (256, 4096, 4096): 1, (64, 4096, 8192): 1,
+    (16, 4096, 11008): 2, (128, 4096, 11008): 2, (16, 2048, 4096): 2, (256, 2048, 8192): 2,
+    (16, 8192, 4096): 1, (256, 4096, 11008): 0, (16, 11008, 4096): 0, (8, 14336, 4096): 0,
+}  # fmt: skip
+
+
 @pytest.mark.cuda(1)
 @pytest.mark.skipif(not _is_sm90, reason="the Hopper rows of the dispatch need an sm_90 GPU")
 def test_cuda_default_dispatch_rule(matmul_settings):
     """The default dispatch on sm_90, for matmul (b N-major) and linear (weight K-major):
     the skinny kernel only at M = 1 with B K-major; everything else the Hopper kernel's
-    cooperative 128 x 128 tile (K split where its tiles leave SMs idle) or 128 x 256 tile,
-    by the wave model; never mma.sync."""
+    cooperative 128 x 64 tile where its rule takes the problem, else its 128 x 128 tile (K
+    split where its tiles leave SMs idle) or 128 x 256 tile, by the wave model; never
+    mma.sync."""
     matmul_settings()
     bf = torch.bfloat16
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -792,6 +827,11 @@ def test_cuda_default_dispatch_rule(matmul_settings):
             if m == 1 and k_major:
                 assert name.startswith("skinny k-major "), (m, n, k, name)
                 continue
+            splits = _narrow_splits(m, n, k, sms)
+            if splits > 0:
+                assert name.startswith("wgmma coop 128x64"), (m, n, k, k_major, name)
+                assert (" splitk " in name) == (splits > 1), (m, n, k, k_major, name)
+                continue
             bn = _wave_tile(m, n, sms)
             assert name.startswith(f"wgmma coop 128x{bn}"), (m, n, k, k_major, name)
             if bn == 128 and k == 4096 and _cdiv(m, 128) * _cdiv(n, 128) * 2 <= sms:
@@ -801,7 +841,7 @@ def test_cuda_default_dispatch_rule(matmul_settings):
         torch.empty(1, 4100, device="cuda", dtype=bf),
         torch.empty(4096, 4100, device="cuda", dtype=bf).t(),
     )
-    assert name.startswith("wgmma coop 128x128"), name
+    assert name.startswith("wgmma coop 128x"), name
 
 
 @pytest.mark.cuda(1)
@@ -904,6 +944,7 @@ WGMMA_SPLIT_VARIANTS = {
     "coop128_s2": {"impl": "wgmma", "sched": "coop", "tile": "small", "splits": 2},
     "coop128_s5": {"impl": "wgmma", "sched": "coop", "tile": "small", "splits": 5},
     "coop256_s3": {"impl": "wgmma", "sched": "coop", "tile": "large", "splits": 3},
+    "coop64_s3": {"impl": "wgmma", "sched": "coop", "tile": "narrow", "splits": 3},
     "pingpong_s3": {"impl": "wgmma", "sched": "pingpong", "splits": 3},
     "pingpong_s16": {"impl": "wgmma", "sched": "pingpong", "splits": 16},
 }
@@ -929,8 +970,8 @@ def test_cuda_wgmma_split_k(matmul_settings, variant, dtype):
     shorter than the split count clamps it, and the result is bitwise reproducible."""
     settings = WGMMA_SPLIT_VARIANTS[variant]
     matmul_settings(**settings)
-    probe_a = torch.empty(128, 4096, device="cuda", dtype=dtype)
-    probe_b = torch.empty(4096, 4096, device="cuda", dtype=dtype)
+    probe_a = torch.empty(16, 4096, device="cuda", dtype=dtype)
+    probe_b = torch.empty(4096, 11008, device="cuda", dtype=dtype)
     name = torch.ops.fastcomm._kernel_name(probe_a, probe_b)
     if "splits" in settings:
         assert name.startswith(f"wgmma {settings['sched']}"), name
@@ -957,7 +998,7 @@ def test_cuda_wgmma_split_k(matmul_settings, variant, dtype):
 
 @pytest.mark.cuda(1)
 @pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
-@pytest.mark.parametrize("variant", ["auto", "coop128_s2", "pingpong_s3"])
+@pytest.mark.parametrize("variant", ["auto", "coop128_s2", "coop64_s3", "pingpong_s3"])
 def test_cuda_wgmma_split_k_graph_replays(matmul_settings, variant):
     """Split K captured in a CUDA graph (the workspace from the graph's pool, the second
     pass): every replay on fresh inputs equals the eager call bit for bit, with eager
@@ -965,8 +1006,8 @@ def test_cuda_wgmma_split_k_graph_replays(matmul_settings, variant):
     matmul_settings(**WGMMA_SPLIT_VARIANTS[variant])
     bf = torch.bfloat16
     x = _rand(16, 4096, dtype=bf, device="cuda")
-    w = _rand(4096, 4096, dtype=bf, device="cuda")
-    b = _rand(4096, dtype=bf, device="cuda")
+    w = _rand(11008, 4096, dtype=bf, device="cuda")
+    b = _rand(11008, dtype=bf, device="cuda")
     assert " splitk " in torch.ops.fastcomm._kernel_name(x, w.t()), "no split to test"
     ops.linear(x, w, b, "gelu")  # warm-up outside the capture
     torch.cuda.synchronize()
@@ -988,25 +1029,36 @@ def test_cuda_wgmma_split_k_graph_replays(matmul_settings, variant):
 @pytest.mark.cuda(1)
 @pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
 def test_cuda_wgmma_split_k_dispatch(matmul_settings):
-    """The default dispatch's split K on the decode / prefill grid: small M with N = 4096
-    takes the cooperative 128 x 128 kernel with split K; splits=1 turns it off (the same
-    tile, unsplit); M >= 1024 never splits."""
+    """The default dispatch's tile and split K on the decode / prefill grid (132 SMs: H100
+    SXM, H200): the 128 x 64 tile where its rule takes the problem, with its own split count;
+    elsewhere at small M the cooperative 128 x 128 kernel with split K; splits=1 turns a
+    split off (the same tile, unsplit); M >= 1024 never splits."""
     bf = torch.bfloat16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     matmul_settings()
-    for m, n, k in ((16, 4096, 4096), (128, 4096, 4096), (128, 4096, 11008), (256, 4096, 4096)):
+    for (m, n, k), splits in NARROW_SPLITS_132.items():
+        assert _narrow_splits(m, n, k, 132) == splits, (m, n, k)
+        if sms != 132:
+            continue
         a = torch.empty(m, k, device="cuda", dtype=bf)
-        b = torch.empty(k, n, device="cuda", dtype=bf)
-        name = torch.ops.fastcomm._kernel_name(a, b)
-        assert name.startswith("wgmma coop 128x128 splitk "), (m, n, k, name)
+        name = torch.ops.fastcomm._kernel_name(a, torch.empty(k, n, device="cuda", dtype=bf))
+        if splits == 0:
+            assert name.startswith("wgmma coop 128x128"), (m, n, k, name)
+        elif splits == 1:
+            assert name.startswith("wgmma coop 128x64") and " splitk " not in name, (m, n, k, name)
+        else:
+            assert name.startswith("wgmma coop 128x64 splitk " + str(splits)), (m, n, k, name)
     for m, n, k in ((1024, 4096, 4096), (2048, 14336, 4096)):
         a = torch.empty(m, k, device="cuda", dtype=bf)
         b = torch.empty(k, n, device="cuda", dtype=bf)
         name = torch.ops.fastcomm._kernel_name(a, b)
         assert " splitk " not in name, (m, n, k, name)
     matmul_settings(splits=1)
-    a = torch.empty(128, 4096, device="cuda", dtype=bf)
-    name = torch.ops.fastcomm._kernel_name(a, torch.empty(4096, 4096, device="cuda", dtype=bf))
+    a = torch.empty(16, 4096, device="cuda", dtype=bf)
+    name = torch.ops.fastcomm._kernel_name(a, torch.empty(4096, 11008, device="cuda", dtype=bf))
     assert name.startswith("wgmma coop 128x128") and " splitk " not in name, name
+    name = torch.ops.fastcomm._kernel_name(a, torch.empty(4096, 2048, device="cuda", dtype=bf))
+    assert name.startswith("wgmma coop 128x64") and " splitk " not in name, name
 
 
 # ------------------------------------------------ float32 and torch's matmul precision
@@ -1083,7 +1135,7 @@ def test_cuda_fp32_precision_selects_kernel(fp32_precision):
         tf32 = setting != "highest"
         if tf32 and _is_sm90:
             assert name().startswith("wgmma coop 128x256 tf32 "), (setting, name())
-            assert name(small).startswith("wgmma coop 128x128 tf32 "), (setting, name(small))
+            assert name(small).startswith("wgmma coop 128x64 tf32 "), (setting, name(small))
         else:
             assert name().startswith("simt "), (setting, name())
     fp32_precision("highest")
@@ -1232,6 +1284,8 @@ TF32_VARIANTS = {
     "pingpong": {"sched": "pingpong"},
     "coop128_s3": {"sched": "coop", "tile": "small", "splits": 3},
     "coop256_s2": {"sched": "coop", "tile": "large", "splits": 2},
+    "coop64": {"sched": "coop", "tile": "narrow"},
+    "coop64_s4": {"sched": "coop", "tile": "narrow", "splits": 4},
     "pingpong_s5": {"sched": "pingpong", "splits": 5},
 }
 
@@ -1275,9 +1329,10 @@ def test_cuda_tf32_packed_operand_longer_than_a_grid_column(matmul_settings, fp3
 @pytest.mark.cuda(1)
 @pytest.mark.skipif(not _is_sm90, reason="the Hopper rows of the dispatch need an sm_90 GPU")
 def test_cuda_tf32_default_dispatch_rule(matmul_settings, fp32_precision):
-    """TF32 allowed: float32 takes the half types' Hopper rows (the wave model's cooperative
-    tile, K split where its tiles leave SMs idle) for matmul and linear, never the skinny
-    or mma.sync kernels; "highest" keeps the CUDA-core kernel."""
+    """TF32 allowed: float32 takes the half types' Hopper rows (the 128 x 64 tile where its
+    rule takes the problem, else the wave model's cooperative tile, K split where its tiles
+    leave SMs idle) for matmul and linear, never the skinny or mma.sync kernels; "highest"
+    keeps the CUDA-core kernel."""
     matmul_settings()
     fp32_precision("high")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -1285,6 +1340,11 @@ def test_cuda_tf32_default_dispatch_rule(matmul_settings, fp32_precision):
         a = torch.empty(m, k, device="cuda")
         for b in (torch.empty(k, n, device="cuda"), torch.empty(n, k, device="cuda").t()):
             name = torch.ops.fastcomm._kernel_name(a, b)
+            splits = _narrow_splits(m, n, k, sms)
+            if splits > 0:
+                assert name.startswith("wgmma coop 128x64 tf32 "), (m, n, k, name)
+                assert (" splitk " in name) == (splits > 1), (m, n, k, name)
+                continue
             bn = _wave_tile(m, n, sms)
             assert name.startswith(f"wgmma coop 128x{bn} tf32 "), (m, n, k, name)
             if bn == 128 and _cdiv(m, 128) * _cdiv(n, 128) * 2 <= sms:

@@ -137,9 +137,9 @@ struct MatmulConfig {
   // FASTCOMM_MATMUL_IMPL: auto | skinny | wgmma | mma | simt. Forcing skinny,
   // wgmma or mma raises where that kernel cannot run instead of falling back.
   std::string impl = "auto";
-  // FASTCOMM_MATMUL_TILE: auto | large | small (CUDA cores and mma.sync:
-  // 128x128 / 64x64; Hopper: the cooperative 128x256 / 128x128 tile, which
-  // implies sched=coop).
+  // FASTCOMM_MATMUL_TILE: auto | large | small | narrow (CUDA cores and
+  // mma.sync: 128x128 / 64x64 / 64x64; Hopper: the cooperative 128x256 /
+  // 128x128 / 128x64 tile, which implies sched=coop).
   std::string tile = "auto";
   // FASTCOMM_MATMUL_SCHED: auto | coop | pingpong (Hopper consumer schedule).
   std::string sched = "auto";

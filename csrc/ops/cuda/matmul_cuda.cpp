@@ -9,7 +9,8 @@
 //   * the skinny kernel (kernels/matmul_skinny.cu) for one row of A with B
 //     K-major (decode-time linear layers), which streams B once;
 //   * on sm_90, the Hopper kernel (TMA + wgmma, warp-specialised,
-//     persistent; kernels/matmul_sm90*.cu{,h}), cooperative 128 x 128 tile
+//     persistent; kernels/matmul_sm90*.cu{,h}): cooperative 128 x 64 tile
+//     where its rule takes the problem, else 128 x 128 tile
 //     (K split over CTAs where its tiles leave SMs idle) or 128 x 256 tile,
 //     whichever a wave model finds faster;
 //     float32 runs there as TF32 on K-major operands (copied where they are
@@ -46,7 +47,10 @@ namespace {
 namespace kc = ::fastcomm::ops::cuda;
 
 kc::Tile to_tile(const std::string& v) {
-  return v == "large" ? kc::Tile::kLarge : v == "small" ? kc::Tile::kSmall : kc::Tile::kAuto;
+  return v == "large"    ? kc::Tile::kLarge
+         : v == "small"  ? kc::Tile::kSmall
+         : v == "narrow" ? kc::Tile::kNarrow
+                         : kc::Tile::kAuto;
 }
 
 kc::WgmmaOptions wgmma_options(const MatmulConfig& c) {
@@ -233,7 +237,8 @@ enum class Path { kSimt, kSkinny, kMma, kWgmma };
 // When a row of kAutoRules applies, besides its bound on M.
 enum class When {
   kSkinnyLayout,  // A and B as the skinny kernel takes them (B K-major)
-  kWgmmaNarrow,   // sm_90: the 128 x 128 tile is no slower by the wave model (wave_128_wins)
+  kWgmmaTile64,   // sm_90: the 128 x 64 tile's rule takes the problem
+  kWgmmaTile128,  // sm_90: the 128 x 128 tile is no slower by the wave model (wave_128_wins)
   kWgmma,         // sm_90
   kSm80,          // sm_80+, 16-bit types (the mma.sync kernel has no TF32 form)
   kAlways,
@@ -245,10 +250,13 @@ enum class When {
 //   * skinny only at M == 1 with B K-major: there it streams the weight at
 //     the memory's rate; with B N-major, and with 8 rows of A, the split-K
 //     Hopper kernel is faster;
-//   * on sm_90 every other problem takes the Hopper kernel, small ones too
-//     (its 128 x 128 tile, K split where the tiles leave SMs idle, beats
-//     mma.sync on every small shape measured, up to 1024^3), on the tile of
-//     the wave model below; the split count is the Hopper split-K model's
+//   * on sm_90 every other problem takes the Hopper kernel, small ones too:
+//     its 128 x 64 tile where that tile's rule takes the problem (128 x 128
+//     tiles leave SMs idle, 128 x 64 ones fit in one wave: small M on N up
+//     to 8448, squares up to 1024), ahead of a K split of the 128 x 128 tile;
+//     otherwise the 128 x 128 tile (K split where its tiles leave SMs idle;
+//     it beats mma.sync on every small shape measured) or the 128 x 256 tile,
+//     by the wave model below; split counts are the Hopper kernel's
 //     (kernels/matmul_sm90.cu);
 //   * float32 with TF32 allowed takes the same Hopper rows (the TF32 kernel:
 //     same tiles and stage bytes, half the K per stage) and otherwise the
@@ -264,7 +272,8 @@ constexpr int64_t kAnyM = INT64_MAX;
 constexpr int64_t kSkinnyAutoMaxM = 1;
 constexpr AutoRule kAutoRules[] = {
     {kSkinnyAutoMaxM, When::kSkinnyLayout, Path::kSkinny, kc::WgmmaSched::kAuto, kc::Tile::kAuto},
-    {kAnyM, When::kWgmmaNarrow, Path::kWgmma, kc::WgmmaSched::kCoop, kc::Tile::kSmall},
+    {kAnyM, When::kWgmmaTile64, Path::kWgmma, kc::WgmmaSched::kCoop, kc::Tile::kNarrow},
+    {kAnyM, When::kWgmmaTile128, Path::kWgmma, kc::WgmmaSched::kCoop, kc::Tile::kSmall},
     {kAnyM, When::kWgmma, Path::kWgmma, kc::WgmmaSched::kCoop, kc::Tile::kLarge},
     {kAnyM, When::kSm80, Path::kMma, kc::WgmmaSched::kAuto, kc::Tile::kAuto},
     {kAnyM, When::kAlways, Path::kSimt, kc::WgmmaSched::kAuto, kc::Tile::kAuto},
@@ -321,7 +330,10 @@ const AutoRule& auto_rule(const kc::GemmArgs& args, const cudaDeviceProp* prop, 
       case When::kSkinnyLayout:
         ok = skinny;
         break;
-      case When::kWgmmaNarrow:
+      case When::kWgmmaTile64:
+        ok = wgmma_ok && kc::gemm_wgmma_narrow_tile_wins(args, prop->multiProcessorCount);
+        break;
+      case When::kWgmmaTile128:
         ok = wgmma_ok && wave_128_wins(args, prop->multiProcessorCount);
         break;
       case When::kWgmma:
