@@ -20,8 +20,9 @@ needs the testing module, FASTCOMM_BUILD_TESTING=1): ``auto`` (the default
 dispatch), ``skinny`` (B K-major, at most 8 rows of A), ``mma`` (mma.sync), ``simt``,
 ``wgmma`` (the Hopper kernel with its own heuristic), ``split_coop128`` /
 ``split_pingpong`` / ``split_coop256`` (the Hopper kernel with K split over CTAs where its
-model gains), ``coop64`` / ``coop64_s1`` (the cooperative 128x64 tile, with its rule's
-split count, or the bytes model's where the rule does not take the shape / unsplit), and the Hopper variants ``coop`` (cooperative 128x256,
+model gains), ``coop64`` / ``coop64_s1`` / ``coop64_s2`` (the cooperative 128x64 tile, with its
+rule's split count, or the bytes model's where the rule does not take the shape / unsplit /
+2 splits), and the Hopper variants ``coop`` (cooperative 128x256,
 epilogue from registers), ``coop_tma`` (same, epilogue through shared memory +
 TMA stores), ``coop128`` (cooperative 128x128, TMA stores), ``pingpong`` (two
 128x128 tiles in ping-pong) and ``coop_off`` (the offload epilogue: activation
@@ -244,9 +245,10 @@ class Variant:
         "split_coop128": {**_HOPPER, "sched": "coop", "tile": "small"},
         "split_pingpong": {**_HOPPER, "sched": "pingpong"},
         # The cooperative 128x64 tile (the default's where its rule takes the shape): with
-        # the split count the default would give it, and unsplit.
+        # the split count the default would give it, unsplit, and with 2 splits.
         "coop64": {**_HOPPER, "sched": "coop", "tile": "narrow"},
         "coop64_s1": {**_HOPPER, "sched": "coop", "tile": "narrow", "splits": 1},
+        "coop64_s2": {**_HOPPER, "sched": "coop", "tile": "narrow", "splits": 2},
         "split_coop256": {**_HOPPER, "sched": "coop", "tile": "large"},
     }
     SETS: ClassVar[dict[str, list[str]]] = {
@@ -257,7 +259,7 @@ class Variant:
         # Small M: the default beside each split-K kernel, mma.sync and the skinny kernel.
         "splitk": ["auto", "split_coop128", "split_coop256", "split_pingpong", "mma", "skinny"],
         # Small M: the default beside the 128x64 tile.
-        "narrow": ["auto", "coop64", "coop64_s1"],
+        "narrow": ["auto", "coop64", "coop64_s1", "coop64_s2"],
     }
 
     def __init__(self, name: str):
