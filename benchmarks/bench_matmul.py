@@ -20,17 +20,17 @@ needs the testing module, FASTCOMM_BUILD_TESTING=1): ``auto`` (the default
 dispatch), ``skinny`` (B K-major, at most 8 rows of A), ``mma`` (mma.sync), ``simt``,
 ``wgmma`` (the Hopper kernel with its own heuristic), ``split_coop128`` /
 ``split_pingpong`` / ``split_coop256`` (the Hopper kernel with K split over CTAs where its
-model gains), ``coop64`` / ``coop64_s1`` / ``coop64_s2`` (the cooperative 128x64 tile, with its
-rule's split count, or the bytes model's where the rule does not take the shape / unsplit /
-2 splits), and the Hopper variants ``coop`` (cooperative 128x256,
+model gains), ``coop64`` / ``coop64_s1`` / ``coop64_s2`` (the cooperative 128x64 tile:
+with its rule's split count, or the bytes model's where the rule does not take the shape;
+unsplit; 2 splits), and the Hopper variants ``coop`` (cooperative 128x256,
 epilogue from registers), ``coop_tma`` (same, epilogue through shared memory +
 TMA stores), ``coop128`` (cooperative 128x128, TMA stores), ``pingpong`` (two
 128x128 tiles in ping-pong) and ``coop_off`` (the offload epilogue: activation
 and stores by the producer warpgroup's idle warps, under the next tile's
 MMAs). ``--variants hopper`` names every Hopper kernel shape, ``--variants
-fused`` the epilogues, ``--variants narrow`` the default beside the 128x64 tile. The kernel a variant actually ran is recorded
-(``torch.ops.fastcomm._kernel_name``), and a summary matrix (ratio to the
-baseline, per shape and variant) is printed last.
+fused`` the epilogues, ``--variants narrow`` the default beside the 128x64 tile.
+The kernel a variant actually ran is recorded (``torch.ops.fastcomm._kernel_name``),
+and a summary matrix (ratio to the baseline, per shape and variant) is printed last.
 
 Timing: CUDA events around every call, median of ``--reps`` calls after a
 warm-up, with the GPU kept busy ahead of the host (GPU time, not launch time), inputs rotated over enough copies to exceed twice the L2 cache,

@@ -291,6 +291,33 @@ __device__ __forceinline__ void load_bias_pair(const T* bias, int col, bool two,
   b1 = two ? load_as_float(bias + col + 1) : 0.0f;
 }
 
+// Programmatic dependent launch (sm_90 and later; no-ops elsewhere): a
+// kernel launched with programmatic_dependent_launch() may start its blocks
+// before the kernel ahead of it on the stream has finished, once that kernel
+// calls griddep_launch_dependents() (or exits); griddep_wait() then waits
+// until the grids it depends on have completed and their memory is visible
+// (at once where it was launched without the attribute).
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// The launch attribute that makes a kernel a programmatic dependent of the
+// one before it on the stream (set launch.attrs to it, numAttrs to 1).
+inline cudaLaunchAttribute programmatic_dependent_launch() {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  return attr;
+}
+
 // Whether C takes store_out_pair's paired stores (its `pair_ok`): an even
 // row stride and a base aligned to a pair (2 x 16 bits or 2 x 32 bits).
 template <typename T>
@@ -344,13 +371,11 @@ __device__ __forceinline__ void epilogue_pair(const GemmArgs& p, int row, int co
 //
 // On sm_90 it may be launched as a programmatic dependent of the product
 // kernel (launch_splitk_finish's `early`): its blocks are then scheduled
-// while the product's last CTAs still run, and wait here until that grid
-// has completed and its sums are visible. Elsewhere the wait is a no-op.
+// while the product's last CTAs still run, and wait in griddep_wait until
+// that grid has completed and its sums are visible.
 template <typename T, int COLS>
 __global__ void splitk_finish(const GemmArgs p, const float* __restrict__ partial, int splits) {
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
+  griddep_wait();
   const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   const int64_t groups = p.N / COLS;  // COLS divides N
   if (i >= p.M * groups) return;
@@ -395,10 +420,8 @@ cudaError_t launch_splitk_finish(const GemmArgs& p, const float* partial, int sp
   launch.gridDim = dim3(static_cast<unsigned>((threads + 255) / 256));
   launch.blockDim = dim3(256);
   launch.stream = stream;
-  cudaLaunchAttribute pdl{};
+  cudaLaunchAttribute pdl = programmatic_dependent_launch();
   if (early) {
-    pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    pdl.val.programmaticStreamSerializationAllowed = 1;
     launch.attrs = &pdl;
     launch.numAttrs = 1;
   }

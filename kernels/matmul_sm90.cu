@@ -208,10 +208,11 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
   const bool act_math = p.act == Act::kGelu || p.act == Act::kGeluTanh || p.act == Act::kSilu;
   plan.epi_offload = plan.tma_store && plan.bn == 256 &&
                      (o.epi == WgmmaEpi::kOffload || (o.epi == WgmmaEpi::kAuto && act_math));
+  const int narrow = plan.bn == 64 && o.splits == 0 ? narrow_splits(p, num_sms) : 0;
   if (o.splits > 0) {
     plan.splits = clamp_splits(p, o.splits);
-  } else if (plan.bn == 64 && narrow_splits(p, num_sms) > 0) {
-    plan.splits = narrow_splits(p, num_sms);
+  } else if (narrow > 0) {
+    plan.splits = narrow;
   } else {
     plan.splits = auto_splits(p, num_sms, plan.bn);
   }

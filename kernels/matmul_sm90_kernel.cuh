@@ -574,9 +574,7 @@ cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stre
   // Programmatic dependent launch: the CTAs may start (barrier setup, tensor
   // map prefetch) while the kernel before them on the stream finishes; the
   // producer waits for it before the first load (griddep_wait).
-  cudaLaunchAttribute pdl{};
-  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  pdl.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute pdl = programmatic_dependent_launch();
   launch.attrs = &pdl;
   launch.numAttrs = 1;
   return cudaLaunchKernelEx(&launch, kernel, ma, mb, mc, p, opts);

@@ -1,6 +1,7 @@
 // PTX wrappers of the Hopper (sm_90a) GEMM: mbarriers, TMA loads and stores,
-// bulk groups, named barriers, shared-memory vector access, programmatic
-// dependent launch, wgmma fences and descriptors, register reallocation.
+// bulk groups, named barriers, shared-memory vector access, wgmma fences
+// and descriptors, register reallocation (programmatic dependent launch:
+// matmul_device.cuh).
 // Device code only, for matmul_sm90_epilogue.cuh and matmul_sm90_kernel.cuh.
 #pragma once
 
@@ -157,23 +158,6 @@ __device__ __forceinline__ void st_shared_v4(uint32_t addr, const uint32_t (&v)[
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v[0]), "r"(v[1]),
                "r"(v[2]), "r"(v[3])
                : "memory");
-#endif
-}
-
-// Programmatic dependent launch: lets the kernel launched after this one
-// with programmatic stream serialization start its blocks (they wait for this
-// grid's completion in griddepcontrol.wait).
-__device__ __forceinline__ void griddep_launch_dependents() {
-#if FASTCOMM_SM90A_DEVICE
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
-// Programmatic dependent launch: waits until the grids this one depends on
-// have completed and their memory is visible (at once without such a launch).
-__device__ __forceinline__ void griddep_wait() {
-#if FASTCOMM_SM90A_DEVICE
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
 
