@@ -15,6 +15,11 @@ namespace {
 // each unit once, needs to keep enough stores in flight.
 constexpr int kOneShotMaxBlocks = kMaxBlocks / 2;
 constexpr int kTwoShotMaxBlocks = kMaxBlocks;
+// Two-shot's block shape (measured on 2 and 4 H200s): narrow blocks on more
+// SMs move a partition of 256 KiB-4 MiB faster than wide blocks on fewer,
+// while a thread that walks more than 4 units of a partition falls behind.
+constexpr int kTwoShotMinThreads = 128;
+constexpr int kTwoShotUnitsPerThread = 4;
 // Spins between looks at the host control block: reading mapped host memory
 // costs a PCIe round trip, which a wait that is about to succeed must not pay.
 constexpr uint32_t kPollEvery = 1024;
@@ -245,17 +250,19 @@ __device__ __forceinline__ Share shareOf(const Args& a, int unitElems) {
                int64_t{blockIdx.x} * blockDim.x + threadIdx.x, int64_t{gridDim.x} * blockDim.x};
 }
 
-// Reduces unit u of this rank's input and of the peers' slots, in rank order.
+// Reduces unit u of this rank's input with unit `at` of the peers' slots,
+// in rank order.
 template <Elem E, Op O, int W>
 __device__ __forceinline__ uint4 reduceUnit(const Args& a, int world, uint64_t epoch,
-                                            const typename Acc<E>::Raw* in, bool inVec, int64_t u) {
+                                            const typename Acc<E>::Raw* in, bool inVec, int64_t u,
+                                            int64_t at) {
   constexpr int kR = W > 0 ? W : kMaxRanks;
   void* mine = a.bufs[a.rank];
   uint4 v[kR];
 #pragma unroll
   for (int r = 0; r < kR; ++r) {
     if (W == 0 && r >= world) continue;
-    v[r] = r == a.rank ? loadUnit(in, u, a.n, inVec) : slotOf(mine, epoch, a, world, r, a.rank)[u];
+    v[r] = r == a.rank ? loadUnit(in, u, a.n, inVec) : slotOf(mine, epoch, a, world, r, a.rank)[at];
   }
   Acc<E> acc;
   acc.set(v[0]);
@@ -263,6 +270,22 @@ __device__ __forceinline__ uint4 reduceUnit(const Args& a, int world, uint64_t e
   for (int r = 1; r < kR; ++r)
     if (W > 0 || r < world) acc.template add<O>(v[r]);
   return acc.get(a.divisor);
+}
+
+// One unit per peer q: load(q, v) fetches it (false: q has none), store(q,
+// v) writes it. Every load is issued before the first store: the compiler
+// cannot tell a store from a later load's source, so a loop of load-store
+// pairs would wait out each load's latency in turn.
+template <int W, typename Load, typename Store>
+__device__ __forceinline__ void forEachPeer(int world, int rank, Load load, Store store) {
+  constexpr int kR = W > 0 ? W : kMaxRanks;
+  uint4 v[kR];
+  bool has[kR];
+#pragma unroll
+  for (int q = 0; q < kR; ++q) has[q] = (W > 0 || q < world) && q != rank && load(q, v[q]);
+#pragma unroll
+  for (int q = 0; q < kR; ++q)
+    if (has[q]) store(q, v[q]);
 }
 
 // W > 0: the world size as a constant; 0: a.world (at most kMaxRanks).
@@ -281,57 +304,63 @@ __global__ void __launch_bounds__(kThreads) oneShot(Args a) {
   if (barrier(a, kArrivePadOffset, epoch, world)) {
     for (int64_t u = first; u < units; u += stride)
       storeUnit(static_cast<Raw*>(a.out), u, a.n, outVec,
-                reduceUnit<E, O, W>(a, world, epoch, in, inVec, u));
+                reduceUnit<E, O, W>(a, world, epoch, in, inVec, u, u));
   }
   finish(a, epoch);
 }
 
 // Partition q holds units [q * part, min(units, (q + 1) * part)); a block
-// handles the same offsets i inside every partition.
+// handles the same offsets i inside every partition. A peer's slot holds, at
+// [0, part), its partition of this rank's input and, at [part, 2 part), its
+// reduced partition.
 template <Elem E, Op O, int W>
 __global__ void __launch_bounds__(kThreads) twoShot(Args a) {
   using Raw = typename Acc<E>::Raw;
   constexpr int V = Acc<E>::V;
-  const auto [world, epoch, units, first, stride] = shareOf<W>(a, V);
+  // Named copies: lambdas capture no structured bindings in C++17.
+  const Share sh = shareOf<W>(a, V);
+  const int world = sh.world;
+  const uint64_t epoch = sh.epoch;
+  const int64_t units = sh.units, first = sh.first, stride = sh.stride;
   const int64_t part = (units + world - 1) / world;
   const Raw* in = static_cast<const Raw*>(a.in);
   Raw* out = static_cast<Raw*>(a.out);
   const bool inVec = aligned(a.in), outVec = aligned(a.out);
-  const int64_t total = units;  // a plain copy: lambdas capture no structured bindings in C++17
-  auto lengthOf = [part, total](int q) {
-    const int64_t lo = q * part;
-    const int64_t hi = lo + part < total ? lo + part : total;
-    return hi > lo ? hi - lo : int64_t{0};
-  };
+  auto has = [part, units](int q, int64_t i) { return q * part + i < units; };
   // Partition q of the input to rank q.
-  for (int q = 0; q < world; ++q) {
-    if (q == a.rank) continue;
-    uint4* theirs = slotOf(a.bufs[q], epoch, a, world, a.rank, q);
-    const int64_t base = q * part, len = lengthOf(q);
-    for (int64_t i = first; i < len; i += stride)
-      theirs[base + i] = loadUnit(in, base + i, a.n, inVec);
+  for (int64_t i = first; i < part; i += stride) {
+    forEachPeer<W>(
+        world, a.rank,
+        [&](int q, uint4& v) {
+          if (!has(q, i)) return false;
+          v = loadUnit(in, q * part + i, a.n, inVec);
+          return true;
+        },
+        [&](int q, const uint4& v) { slotOf(a.bufs[q], epoch, a, world, a.rank, q)[i] = v; });
   }
   bool ok = barrier(a, kArrivePadOffset, epoch, world);
   if (ok) {
-    // This rank's partition, reduced, to the output and to every peer (into
-    // this rank's slot there, at the partition's own units, which the
-    // first phase left free).
-    const int64_t base = a.rank * part, len = lengthOf(a.rank);
-    for (int64_t i = first; i < len; i += stride) {
-      const uint4 res = reduceUnit<E, O, W>(a, world, epoch, in, inVec, base + i);
+    // This rank's partition, reduced, to the output and to every peer.
+    const int64_t base = a.rank * part;
+    for (int64_t i = first; i < part && has(a.rank, i); i += stride) {
+      const uint4 res = reduceUnit<E, O, W>(a, world, epoch, in, inVec, base + i, i);
       storeUnit(out, base + i, a.n, outVec, res);
       for (int q = 0; q < world; ++q)
-        if (q != a.rank) slotOf(a.bufs[q], epoch, a, world, a.rank, q)[base + i] = res;
+        if (q != a.rank) slotOf(a.bufs[q], epoch, a, world, a.rank, q)[part + i] = res;
     }
     ok = barrier(a, kReducedPadOffset, epoch, world);
   }
   if (ok) {
-    for (int q = 0; q < world; ++q) {
-      if (q == a.rank) continue;
-      const uint4* reduced = slotOf(a.bufs[a.rank], epoch, a, world, q, a.rank);
-      const int64_t base = q * part, len = lengthOf(q);
-      for (int64_t i = first; i < len; i += stride)
-        storeUnit(out, base + i, a.n, outVec, reduced[base + i]);
+    // The peers' reduced partitions from this rank's slots to the output.
+    for (int64_t i = first; i < part; i += stride) {
+      forEachPeer<W>(
+          world, a.rank,
+          [&](int q, uint4& v) {
+            if (!has(q, i)) return false;
+            v = slotOf(a.bufs[a.rank], epoch, a, world, q, a.rank)[part + i];
+            return true;
+          },
+          [&](int q, const uint4& v) { storeUnit(out, q * part + i, a.n, outVec, v); });
     }
   }
   finish(a, epoch);
@@ -356,7 +385,7 @@ __global__ void __launch_bounds__(kThreads) reduceScatter(Args a) {
     const bool ownVec = aligned(own), outVec = aligned(a.out);
     for (int64_t u = first; u < units; u += stride)
       storeUnit(static_cast<Raw*>(a.out), u, a.n, outVec,
-                reduceUnit<E, O, W>(a, world, epoch, own, ownVec, u));
+                reduceUnit<E, O, W>(a, world, epoch, own, ownVec, u, u));
   }
   finish(a, epoch);
 }
@@ -403,14 +432,14 @@ constexpr int esizeOf() {
 
 template <Elem E, Op O, int W>
 void launchWorld(Algo algo, const Args& a, cudaStream_t s) {
-  const int blocks = blocksFor(algo, a.n, esizeOf<E>(), a.world);
+  const Grid g = gridFor(algo, a.n, esizeOf<E>(), a.world);
   switch (algo) {
     case Algo::OneShot:
-      return oneShot<E, O, W><<<blocks, kThreads, 0, s>>>(a);
+      return oneShot<E, O, W><<<g.blocks, g.threads, 0, s>>>(a);
     case Algo::TwoShot:
-      return twoShot<E, O, W><<<blocks, kThreads, 0, s>>>(a);
+      return twoShot<E, O, W><<<g.blocks, g.threads, 0, s>>>(a);
     case Algo::ReduceScatter:
-      return reduceScatter<E, O, W><<<blocks, kThreads, 0, s>>>(a);
+      return reduceScatter<E, O, W><<<g.blocks, g.threads, 0, s>>>(a);
   }
 }
 
@@ -473,14 +502,26 @@ void checkArgs(const Args& args) {
 
 }  // namespace
 
-int blocksFor(Algo algo, int64_t n, int esize, int world) {
+Grid gridFor(Algo algo, int64_t n, int esize, int world) {
   const int64_t units = (n * esize + kUnitBytes - 1) / kUnitBytes;
-  // One-shot, all_gather and reduce_scatter send each unit to every peer
-  // (or their own chunk of it) with no second phase.
-  const int64_t work = algo == Algo::TwoShot ? (units + world - 1) / world : units;
-  const int64_t cap = algo == Algo::TwoShot ? kTwoShotMaxBlocks : kOneShotMaxBlocks;
-  const int64_t blocks = (work + kThreads - 1) / kThreads;
-  return static_cast<int>(blocks < 1 ? 1 : (blocks > cap ? cap : blocks));
+  auto clamp = [](int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); };
+  if (algo != Algo::TwoShot) {
+    // One-shot, all_gather and reduce_scatter send each unit to every peer
+    // (or their own chunk of it) with no second phase.
+    const int64_t blocks = (units + kThreads - 1) / kThreads;
+    return {static_cast<int>(clamp(blocks, 1, kOneShotMaxBlocks)), kThreads};
+  }
+  // Two-shot spreads a partition over as many SMs as it has blocks before
+  // it widens them: blocks of kTwoShotMinThreads until every block is in use,
+  // then wider blocks so that no thread walks more than kTwoShotUnitsPerThread
+  // units of a partition.
+  const int64_t part = (units + world - 1) / world;
+  const int64_t perWidth = int64_t{kTwoShotMaxBlocks} * kTwoShotUnitsPerThread * kTwoShotMinThreads;
+  const int64_t threads =
+      clamp((part + perWidth - 1) / perWidth, 1, kThreads / kTwoShotMinThreads) *
+      kTwoShotMinThreads;
+  const int64_t blocks = (part + threads - 1) / threads;
+  return {static_cast<int>(clamp(blocks, 1, kTwoShotMaxBlocks)), static_cast<int>(threads)};
 }
 
 void reduce(Elem elem, Op op, Algo algo, const Args& args, cudaStream_t stream) {
@@ -501,7 +542,8 @@ void reduce(Elem elem, Op op, Algo algo, const Args& args, cudaStream_t stream) 
 
 void allgather(const Args& args, cudaStream_t stream) {
   checkArgs(args);
-  allGather<<<blocksFor(Algo::OneShot, args.n, 1, args.world), kThreads, 0, stream>>>(args);
+  const Grid g = gridFor(Algo::OneShot, args.n, 1, args.world);
+  allGather<<<g.blocks, g.threads, 0, stream>>>(args);
   check(cudaGetLastError(), "kernel launch");
 }
 

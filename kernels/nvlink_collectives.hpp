@@ -14,7 +14,8 @@
 // - two-shot: pushes only partition q of the input to rank q, reduces this
 //   rank's partition (1/world of the elements), stores the result into the
 //   output and into every peer's slot, signals again, and copies the peers'
-//   reduced partitions from its own slots into the output;
+//   reduced partitions from its own slots into the output (a thread loads
+//   its unit of every peer before it stores any);
 // - all_gather: copies its own input and the peers' slots into the output;
 // - reduce_scatter: pushes chunk q of the input to rank q and reduces its own
 //   chunk and the peers' slots into the output.
@@ -66,11 +67,18 @@ constexpr int64_t kProbeOffset = kStateOffset + 256;
 constexpr int64_t kDataOffset = 65536;
 static_assert(kProbeOffset + kMaxRanks * 8 <= kDataOffset, "buffer header overlaps its data");
 
-// Bytes of one registered buffer of a group of `world` ranks whose
-// all_reduces are at most `slotBytes` (a multiple of kUnitBytes): two sets of
-// world - 1 slots.
+// Bytes of one registered buffer of a group of `world` ranks with slots of
+// `slotBytes` (a multiple of kUnitBytes): two sets of world - 1 slots.
 inline int64_t bufferBytes(int world, int64_t slotBytes) {
   return kDataOffset + 2 * int64_t{world - 1} * slotBytes;
+}
+
+// The largest all_reduce of each kernel in slots of `slotBytes`: one-shot
+// keeps a peer's whole input in its slot, two-shot a peer's share of this
+// rank's partition beside that peer's reduced partition.
+inline int64_t oneShotMaxBytes(int64_t slotBytes) { return slotBytes; }
+inline int64_t twoShotMaxBytes(int world, int64_t slotBytes) {
+  return int64_t{world} * (slotBytes / (2 * kUnitBytes)) * kUnitBytes;
 }
 
 enum class Elem : int { F32, F16, BF16 };
@@ -110,7 +118,7 @@ struct Args {
   const void* in;
   void* out;
   int64_t n;
-  int64_t slotBytes;  // bytes of each slot (>= n elements)
+  int64_t slotBytes;  // bytes of each slot (oneShotMaxBytes / twoShotMaxBytes >= n elements)
   int rank;
   int world;      // 2..kMaxRanks
   float divisor;  // > 0: the sum is divided by it (AVG)
@@ -121,9 +129,13 @@ struct Args {
   int collective;  // Collective, reported on a timeout
 };
 
-// Blocks the kernel of `algo` runs for `n` elements of `esize` bytes over
+// The grid the kernel of `algo` runs for `n` elements of `esize` bytes over
 // `world` ranks (a function of these alone: every rank launches the same grid).
-int blocksFor(Algo algo, int64_t n, int esize, int world);
+struct Grid {
+  int blocks;
+  int threads;
+};
+Grid gridFor(Algo algo, int64_t n, int esize, int world);
 
 // Issues the all_reduce (OneShot, TwoShot) or reduce_scatter on `stream`.
 // Throws std::runtime_error when the launch fails.

@@ -15,9 +15,10 @@ namespace fastcomm {
 
 enum class NvlinkAlgo : int { None, OneShot, TwoShot };
 
-// The largest all_reduce the kernels take in a group of `world` ranks: the
-// bytes of each peer's slot in a registered buffer, which holds two sets of
-// world - 1 slots.
+// The bytes of each peer's slot in a registered buffer of a group of `world`
+// ranks (two sets of world - 1 slots): what bounds each kernel's messages
+// (nvlk::oneShotMaxBytes, nvlk::twoShotMaxBytes, all_gather and
+// reduce_scatter parts of at most a slot).
 int64_t nvlinkSlotBytes(int world);
 
 // Up to oneShotBytes: one-shot (every rank sends its input to every peer,

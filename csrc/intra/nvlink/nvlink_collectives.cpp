@@ -146,9 +146,12 @@ nvlk::Args NvlinkCollectives::args(nvlk::Collective collective, const at::Tensor
 void NvlinkCollectives::allreduce(const at::Tensor& in, const at::Tensor& out, RedOp op,
                                   NvlinkAlgo algo, cudaStream_t stream, uint64_t seq,
                                   bool captured) {
+  const int64_t slot = nvlinkSlotBytes(size_);
+  const int64_t maxBytes = algo == NvlinkAlgo::OneShot ? nvlk::oneShotMaxBytes(slot)
+                                                       : nvlk::twoShotMaxBytes(size_, slot);
   TORCH_CHECK(algo != NvlinkAlgo::None && in.numel() == out.numel() &&
                   in.scalar_type() == out.scalar_type() &&
-                  in.numel() * static_cast<int64_t>(in.element_size()) <= nvlinkSlotBytes(size_),
+                  in.numel() * static_cast<int64_t>(in.element_size()) <= maxBytes,
               "fastcomm: internal: NVLink all_reduce of ", in.numel(), " elements");
   try {
     nvlk::reduce(elemOf(in.scalar_type()), opOf(op),
