@@ -134,23 +134,27 @@ def test_window_follows_rank_zero() -> None:
     run_ranks(4, matrix_fn, numels, env=env, timeout_s=600)
 
 
-# Element counts just above the default threshold (1 MiB) of the staged path.
-JUST_ABOVE_THRESHOLD = {
-    "float32": (1 << 18) + 5,
-    "float64": (1 << 17) + 3,
-    "float16": (1 << 19) + 7,
-    "bfloat16": (1 << 19) + 7,
-    "int8": (1 << 20) + 9,
-    "uint8": (1 << 20) + 9,
-    "int32": (1 << 18) + 5,
-    "int64": (1 << 17) + 3,
-}
+def just_above_threshold() -> dict[str, int]:
+    """Element counts just above the staged path's default threshold (FASTCOMM_CUDA_HIER_MIN_BYTES
+    in the configuration record), odd and different for each element size."""
+    import torchext._testing as testing
+
+    default = next(
+        s["default"]
+        for s in testing.config_settings()
+        if s["variable"] == "FASTCOMM_CUDA_HIER_MIN_BYTES"
+    )
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(default[-1], 1)
+    threshold = int(default.rstrip("KMG")) * scale
+    extra = {8: 3, 4: 5, 2: 7, 1: 9}  # by element size
+    sizes = {name: getattr(torch, name).itemsize for name in DTYPES}
+    return {name: threshold // esize + extra[esize] for name, esize in sizes.items()}
 
 
 def test_every_dtype_and_op_default_settings() -> None:
-    """The default threshold (1 MiB) and chunk (4 MiB): sizes just above the threshold."""
+    """The default threshold and chunk: sizes just above the threshold."""
     env = nodes_env([0, 0, 1, 1], FASTCOMM_TIMELINE="1")
-    run_ranks(4, matrix_fn, JUST_ABOVE_THRESHOLD, env=env, timeout_s=600)
+    run_ranks(4, matrix_fn, just_above_threshold(), env=env, timeout_s=600)
 
 
 def layouts_fn(rank: int, ws: int) -> dict[str, Any]:
@@ -521,7 +525,7 @@ def test_three_streams(nodes: list[int]) -> None:
         FASTCOMM_CUDA_CHUNK_BYTES="64K",
     )
     # above the default threshold: capture_fn needs small ones on the flat path
-    run_ranks(len(nodes), three_streams_fn, JUST_ABOVE_THRESHOLD, env=env, timeout_s=600)
+    run_ranks(len(nodes), three_streams_fn, just_above_threshold(), env=env, timeout_s=600)
 
 
 # ----------------------------------------------------------------------------- failures
