@@ -118,7 +118,7 @@ struct Args {
   const void* in;
   void* out;
   int64_t n;
-  int64_t slotBytes;  // bytes of each slot (oneShotMaxBytes / twoShotMaxBytes >= n elements)
+  int64_t slotBytes;  // bytes of each slot (n fits it: oneShotMaxBytes, twoShotMaxBytes)
   int rank;
   int world;      // 2..kMaxRanks
   float divisor;  // > 0: the sum is divided by it (AVG)
