@@ -29,6 +29,8 @@
 #   matmulbench  bf16 matmul / linear+gelu on the main shapes vs cuBLAS     -> matmul.{log,json}
 #   killed       a peer killed during the staged all_reduce, stacks of hung ranks -> killed.log
 #   capture      CUDA-graph capture across simulated nodes (4 GPUs as 2 x 2) -> capture.log
+#   hier         the multi-node CUDA tests on simulated nodes (test_cuda_hier.py, test_cuda_inter_host.py:
+#                2 x 2 and 2 x 1 layouts) in three parts, each under its own limit -> hier.log
 #   hooks        DDP communication hooks and CUDA graphs                     -> hooks.log
 #   ddpbench     DDP step time: eager NCCL / eager fastcomm / captured fastcomm -> ddp_<n>gpu.{json,md}
 #   suite        PyTorch's DistributedTest on CUDA (SUITE_SHARD=i/n, SUITE_JOBS; expecttest from
@@ -232,6 +234,17 @@ for stage in "${stages[@]}"; do
       wait "$tpid" || status=1
       tail -n 15 "$OUT/killed.log" | tee -a "$LOG"
       ;;
+    hier)
+      say "multi-node CUDA tests on simulated nodes ($NGPU GPUs)"
+      : > "$OUT/hier.log"
+      timeout 300 "$PY" -m pytest -q -rfEs -m cuda tests/test_cuda_hier.py -k "not staging_modes" \
+        >> "$OUT/hier.log" 2>&1 || status=1
+      timeout 200 "$PY" -m pytest -q -rfEs -m cuda tests/test_cuda_hier.py -k staging_modes \
+        >> "$OUT/hier.log" 2>&1 || status=1
+      timeout 200 "$PY" -m pytest -q -rfEs -m cuda tests/test_cuda_inter_host.py \
+        >> "$OUT/hier.log" 2>&1 || status=1
+      grep -E "passed|failed|error|FAILED" "$OUT/hier.log" | tee -a "$LOG"
+      ;;
     capture)
       say "CUDA-graph capture across simulated nodes (4 GPUs as 2 x 2)"
       {
@@ -266,7 +279,7 @@ for stage in "${stages[@]}"; do
       [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
       ;;
     *)
-      echo "unknown stage $stage (build carried tests ops bench sweep netbed nvlink nvlinkparts matmulbench killed capture hooks ddpbench suite)" >&2
+      echo "unknown stage $stage (build carried tests ops bench sweep netbed nvlink nvlinkparts matmulbench killed capture hier hooks ddpbench suite)" >&2
       exit 2
       ;;
   esac

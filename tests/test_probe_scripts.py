@@ -29,7 +29,8 @@ def test_runner_documents_every_stage_it_handles():
     assert handled == documented, (handled, documented)
     expected = {"build", "carried", "tests", "ops", "bench", "sweep", "matmulbench", "killed"}
     assert (
-        expected | {"capture", "hooks", "ddpbench", "suite", "netbed", "nvlink", "nvlinkparts"}
+        expected
+        | {"capture", "hier", "hooks", "ddpbench", "suite", "netbed", "nvlink", "nvlinkparts"}
         == handled
     )
 
