@@ -3,6 +3,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -504,12 +505,11 @@ void checkArgs(const Args& args) {
 
 Grid gridFor(Algo algo, int64_t n, int esize, int world) {
   const int64_t units = (n * esize + kUnitBytes - 1) / kUnitBytes;
-  auto clamp = [](int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); };
   if (algo != Algo::TwoShot) {
     // One-shot, all_gather and reduce_scatter send each unit to every peer
     // (or their own chunk of it) with no second phase.
     const int64_t blocks = (units + kThreads - 1) / kThreads;
-    return {static_cast<int>(clamp(blocks, 1, kOneShotMaxBlocks)), kThreads};
+    return {static_cast<int>(std::clamp<int64_t>(blocks, 1, kOneShotMaxBlocks)), kThreads};
   }
   // Two-shot spreads a partition over as many SMs as it has blocks before
   // it widens them: blocks of kTwoShotMinThreads until every block is in use,
@@ -518,10 +518,11 @@ Grid gridFor(Algo algo, int64_t n, int esize, int world) {
   const int64_t part = (units + world - 1) / world;
   const int64_t perWidth = int64_t{kTwoShotMaxBlocks} * kTwoShotUnitsPerThread * kTwoShotMinThreads;
   const int64_t threads =
-      clamp((part + perWidth - 1) / perWidth, 1, kThreads / kTwoShotMinThreads) *
+      std::clamp<int64_t>((part + perWidth - 1) / perWidth, 1, kThreads / kTwoShotMinThreads) *
       kTwoShotMinThreads;
   const int64_t blocks = (part + threads - 1) / threads;
-  return {static_cast<int>(clamp(blocks, 1, kTwoShotMaxBlocks)), static_cast<int>(threads)};
+  return {static_cast<int>(std::clamp<int64_t>(blocks, 1, kTwoShotMaxBlocks)),
+          static_cast<int>(threads)};
 }
 
 void reduce(Elem elem, Op op, Algo algo, const Args& args, cudaStream_t stream) {
