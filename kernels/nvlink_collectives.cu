@@ -21,6 +21,8 @@ constexpr int kTwoShotMaxBlocks = kMaxBlocks;
 // while a thread that walks more than 4 units of a partition falls behind.
 constexpr int kTwoShotMinThreads = 128;
 constexpr int kTwoShotUnitsPerThread = 4;
+// The low-latency one-shot: a thread per unit, in narrow blocks.
+constexpr int kLowLatencyThreads = 128;
 // Spins between looks at the host control block: reading mapped host memory
 // costs a PCIe round trip, which a wait that is about to succeed must not pay.
 constexpr uint32_t kPollEvery = 1024;
@@ -177,6 +179,40 @@ __device__ __forceinline__ uint4* slotOf(void* buf, uint64_t epoch, const Args& 
                                   (set + index) * a.slotBytes);
 }
 
+// Rank `from`'s low-latency slot in rank `to`'s buffer, as 16-byte lines:
+// unit u of the message is lines 2u and 2u + 1.
+__device__ __forceinline__ uint4* lowLatencySlotOf(void* buf, uint64_t epoch, const Args& a,
+                                                   int world, int from, int to) {
+  const int index = (from - to + world) % world - 1;
+  const int64_t set = (epoch & 1) != 0 ? int64_t{world - 1} : 0;
+  return reinterpret_cast<uint4*>(static_cast<char*>(buf) + kDataOffset +
+                                  2 * int64_t{world - 1} * a.slotBytes +
+                                  (set + index) * kLowLatencySlotBytes);
+}
+
+// The flag of call `epoch` in a low-latency line: never 0, so zeroed memory
+// holds no call's data; it repeats after 2^32 - 1 calls.
+__device__ __forceinline__ uint32_t lowLatencyFlag(uint64_t epoch) {
+  return static_cast<uint32_t>(epoch % 0xffffffffULL) + 1;
+}
+
+// One line: two 8-byte words, each 4 bytes of data and the flag, stored and
+// loaded as one 16-byte access (each 8-byte half arrives whole).
+__device__ __forceinline__ void storeLine(uint4* p, uint32_t d0, uint32_t d1, uint32_t flag) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(d0), "r"(flag),
+               "r"(d1), "r"(flag)
+               : "memory");
+}
+
+__device__ __forceinline__ uint4 loadLine(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
 // Waits until *slot >= target. False when it gave up: the host aborted the
 // group, another wait already reported a timeout, or this one timed out (and
 // reports it).
@@ -187,6 +223,29 @@ __device__ bool waitFor(const uint64_t* slot, uint64_t target, const Args& a, in
   for (uint32_t spins = 1;; ++spins) {
     if (loadAcquire(slot) >= target) return true;
     if (spins % kPollEvery == 0) {
+      if (ctl->abort != 0 || ctl->report != 0) return false;
+      if (globalTimer() - start > a.timeoutNs) {
+        ctl->report = encodeReport(a.seq, a.captured != 0, a.collective, peer);
+        __threadfence_system();
+        return false;
+      }
+    }
+  }
+}
+
+// Waits until both lines of a unit carry `flag` and returns the unit. False
+// when it gave up, as waitFor.
+__device__ bool waitUnit(const uint4* lines, uint32_t flag, const Args& a, int peer, uint4& unit) {
+  volatile HostCtl* ctl = a.ctl;
+  uint64_t start = 0;
+  for (uint32_t spins = 0;; ++spins) {
+    const uint4 lo = loadLine(lines), hi = loadLine(lines + 1);
+    if (lo.y == flag && lo.w == flag && hi.y == flag && hi.w == flag) {
+      unit = make_uint4(lo.x, lo.z, hi.x, hi.z);
+      return true;
+    }
+    if (spins == 0) start = globalTimer();
+    if (spins % kPollEvery == kPollEvery - 1) {
       if (ctl->abort != 0 || ctl->report != 0) return false;
       if (globalTimer() - start > a.timeoutNs) {
         ctl->report = encodeReport(a.seq, a.captured != 0, a.collective, peer);
@@ -251,6 +310,19 @@ __device__ __forceinline__ Share shareOf(const Args& a, int unitElems) {
                int64_t{blockIdx.x} * blockDim.x + threadIdx.x, int64_t{gridDim.x} * blockDim.x};
 }
 
+// Every rank's unit v[r], reduced in rank order.
+template <Elem E, Op O, int W>
+__device__ __forceinline__ uint4 combine(const uint4 (&v)[W > 0 ? W : kMaxRanks], int world,
+                                         float divisor) {
+  constexpr int kR = W > 0 ? W : kMaxRanks;
+  Acc<E> acc;
+  acc.set(v[0]);
+#pragma unroll
+  for (int r = 1; r < kR; ++r)
+    if (W > 0 || r < world) acc.template add<O>(v[r]);
+  return acc.get(divisor);
+}
+
 // Reduces unit u of this rank's input with unit `at` of the peers' slots,
 // in rank order.
 template <Elem E, Op O, int W>
@@ -265,12 +337,7 @@ __device__ __forceinline__ uint4 reduceUnit(const Args& a, int world, uint64_t e
     if (W == 0 && r >= world) continue;
     v[r] = r == a.rank ? loadUnit(in, u, a.n, inVec) : slotOf(mine, epoch, a, world, r, a.rank)[at];
   }
-  Acc<E> acc;
-  acc.set(v[0]);
-#pragma unroll
-  for (int r = 1; r < kR; ++r)
-    if (W > 0 || r < world) acc.template add<O>(v[r]);
-  return acc.get(a.divisor);
+  return combine<E, O, W>(v, world, a.divisor);
 }
 
 // One unit per peer q: load(q, v) fetches it (false: q has none), store(q,
@@ -306,6 +373,49 @@ __global__ void __launch_bounds__(kThreads) oneShot(Args a) {
     for (int64_t u = first; u < units; u += stride)
       storeUnit(static_cast<Raw*>(a.out), u, a.n, outVec,
                 reduceUnit<E, O, W>(a, world, epoch, in, inVec, u, u));
+  }
+  finish(a, epoch);
+}
+
+// One-shot up to lowLatencyMaxBytes(world): no barrier; a thread's unit goes to
+// every peer as two flagged lines, and the thread reduces as soon as every
+// peer's lines for the same unit carry this call's flag. A rank is at most
+// one call ahead of a peer here too: it cannot finish a call before every
+// peer has sent that call's lines, which each peer does only after it
+// finished the call before.
+template <Elem E, Op O, int W>
+__global__ void __launch_bounds__(kThreads) oneShotLowLatency(Args a) {
+  using Raw = typename Acc<E>::Raw;
+  constexpr int V = Acc<E>::V;
+  constexpr int kR = W > 0 ? W : kMaxRanks;
+  const auto [world, epoch, units, first, stride] = shareOf<W>(a, V);
+  const uint32_t flag = lowLatencyFlag(epoch);
+  const Raw* in = static_cast<const Raw*>(a.in);
+  const bool inVec = aligned(a.in), outVec = aligned(a.out);
+  for (int64_t u = first; u < units; u += stride) {
+    const uint4 v = loadUnit(in, u, a.n, inVec);
+    for (int q = 0; q < world; ++q) {
+      if (q == a.rank) continue;
+      uint4* lines = lowLatencySlotOf(a.bufs[q], epoch, a, world, a.rank, q) + 2 * u;
+      storeLine(lines, v.x, v.y, flag);
+      storeLine(lines + 1, v.z, v.w, flag);
+    }
+  }
+  bool ok = true;
+  for (int64_t u = first; ok && u < units; u += stride) {
+    uint4 v[kR];
+#pragma unroll
+    for (int r = 0; r < kR; ++r) {
+      if ((W == 0 && r >= world) || !ok) continue;
+      if (r == a.rank) {
+        v[r] = loadUnit(in, u, a.n, inVec);
+      } else {
+        ok = waitUnit(lowLatencySlotOf(a.bufs[a.rank], epoch, a, world, r, a.rank) + 2 * u, flag, a,
+                      r, v[r]);
+      }
+    }
+    if (ok)
+      storeUnit(static_cast<Raw*>(a.out), u, a.n, outVec, combine<E, O, W>(v, world, a.divisor));
   }
   finish(a, epoch);
 }
@@ -436,6 +546,8 @@ void launchWorld(Algo algo, const Args& a, cudaStream_t s) {
   const Grid g = gridFor(algo, a.n, esizeOf<E>(), a.world);
   switch (algo) {
     case Algo::OneShot:
+      if (a.n * esizeOf<E>() <= lowLatencyMaxBytes(a.world))
+        return oneShotLowLatency<E, O, W><<<g.blocks, g.threads, 0, s>>>(a);
       return oneShot<E, O, W><<<g.blocks, g.threads, 0, s>>>(a);
     case Algo::TwoShot:
       return twoShot<E, O, W><<<g.blocks, g.threads, 0, s>>>(a);
@@ -474,6 +586,8 @@ template <Elem E, Op O, int W>
 void loadWorld() {
   cudaFuncAttributes attr;
   check(cudaFuncGetAttributes(&attr, oneShot<E, O, W>), "loading the one-shot kernel");
+  check(cudaFuncGetAttributes(&attr, oneShotLowLatency<E, O, W>),
+        "loading the low-latency one-shot kernel");
   check(cudaFuncGetAttributes(&attr, twoShot<E, O, W>), "loading the two-shot kernel");
   check(cudaFuncGetAttributes(&attr, reduceScatter<E, O, W>), "loading the reduce_scatter kernel");
 }
@@ -505,6 +619,10 @@ void checkArgs(const Args& args) {
 
 Grid gridFor(Algo algo, int64_t n, int esize, int world) {
   const int64_t units = (n * esize + kUnitBytes - 1) / kUnitBytes;
+  if (algo == Algo::OneShot && n * esize <= lowLatencyMaxBytes(world)) {
+    const int64_t blocks = (units + kLowLatencyThreads - 1) / kLowLatencyThreads;
+    return {static_cast<int>(std::clamp<int64_t>(blocks, 1, kMaxBlocks)), kLowLatencyThreads};
+  }
   if (algo != Algo::TwoShot) {
     // One-shot, all_gather and reduce_scatter send each unit to every peer
     // (or their own chunk of it) with no second phase.

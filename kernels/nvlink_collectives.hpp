@@ -11,6 +11,11 @@
 // slots, tells every peer's same-numbered block that its share is there (a
 // signal pad slot, st.release.sys) and waits for theirs (ld.acquire.sys); then
 // - one-shot: reduces its own input and the peers' slots into the output;
+//   up to lowLatencyMaxBytes(world) it sends no signal at all: each 8-byte word
+//   it stores into a peer's low-latency slot holds 4 bytes of data beside
+//   the call's flag, so a reader that sees the flag in both words of a
+//   16-byte line has the data (NCCL's LL protocol), and a call costs one
+//   NVLink crossing instead of the store-release-acquire round trip;
 // - two-shot: pushes only partition q of the input to rank q, reduces this
 //   rank's partition (1/world of the elements), stores the result into the
 //   output and into every peer's slot, signals again, and copies the peers'
@@ -67,10 +72,24 @@ constexpr int64_t kProbeOffset = kStateOffset + 256;
 constexpr int64_t kDataOffset = 65536;
 static_assert(kProbeOffset + kMaxRanks * 8 <= kDataOffset, "buffer header overlaps its data");
 
+// One-shot all_reduces up to lowLatencyMaxBytes(world) use the low-latency
+// slots: half of each line is flags, so a slot holds twice the message. The
+// flags double what a rank sends to world - 1 peers, so the range shrinks as
+// the group grows (measured on 2 and 4 H200s; beyond 4 GPUs not measured).
+constexpr int64_t kLowLatencyMaxBytes = 64 * 1024;
+constexpr int64_t kLowLatencySlotBytes = 2 * kLowLatencyMaxBytes;
+inline int64_t lowLatencyMaxBytes(int world) {
+  return world <= 2   ? kLowLatencyMaxBytes
+         : world <= 4 ? kLowLatencyMaxBytes / 2
+                      : kLowLatencyMaxBytes / 4;
+}
+
 // Bytes of one registered buffer of a group of `world` ranks with slots of
-// `slotBytes` (a multiple of kUnitBytes): two sets of world - 1 slots.
+// `slotBytes` (a multiple of kUnitBytes): two sets of world - 1 slots, then
+// two sets of world - 1 low-latency slots (used by nothing else, so a stale
+// line holds a flag of an earlier call, never another kernel's data).
 inline int64_t bufferBytes(int world, int64_t slotBytes) {
-  return kDataOffset + 2 * int64_t{world - 1} * slotBytes;
+  return kDataOffset + 2 * int64_t{world - 1} * (slotBytes + kLowLatencySlotBytes);
 }
 
 // The largest all_reduce of each kernel in slots of `slotBytes`: one-shot

@@ -65,14 +65,14 @@ def _same_everywhere(chk: Checker, t: torch.Tensor, what: str, group: Any = None
         chk.true(torch.equal(other, raw), f"{what}: rank {r} holds different values")
 
 
-def _sizes(esize: int, limits: tuple[int, int]) -> list[int]:
+def _sizes(esize: int, limits: tuple[int, int], low_latency: int) -> list[int]:
     """Element counts from 1 to past the two-shot limit: odd ones, every remainder of a
-    16-byte unit, and each limit -1 / exactly / +1 element."""
+    16-byte unit, and each limit (the low-latency one-shot's too) -1 / exactly / +1 element."""
     per_unit = 16 // esize
     small = [1, 2, 3, 5, 7, per_unit - 1, per_unit, per_unit + 1, 2 * per_unit + 3, 127]
     small += [1000, 4097, 65537 // esize]
     edges = []
-    for limit in limits:
+    for limit in (low_latency, *limits):
         n = limit // esize
         edges += [n - 1, n, n + 1]
     return sorted({n for n in small + edges if n >= 1})
@@ -126,7 +126,7 @@ def matrix_fn(rank: int, ws: int) -> dict[str, Any]:
     calls = 0
     for dt_name in DTYPES:
         esize = torch.tensor([], dtype=getattr(torch, dt_name)).element_size()
-        for n in _sizes(esize, limits):
+        for n in _sizes(esize, limits, testing.nvlink_low_latency_bytes(ws)):
             offsets = (0, 1, 3) if n * esize <= limits[0] else (0, 1)
             for op in OPS:
                 for offset in offsets:
@@ -314,11 +314,10 @@ PG_TIMEOUT_S = 8.0
 GRACE_S = 10.0
 
 
-def killed_fn(rank: int, ws: int, mode: str) -> dict[str, Any]:
+def killed_fn(rank: int, ws: int, mode: str, n: int) -> dict[str, Any]:
     dev = rank_device(rank)
     dist.init_process_group(backend=BACKEND, timeout=timedelta(seconds=PG_TIMEOUT_S))
     chk = Checker(f"rank {rank}")
-    n = 4099  # one-shot
     warm = torch.ones(n, device=dev)
     before = _counts()
     dist.all_reduce(warm)
@@ -365,8 +364,14 @@ def killed_fn(rank: int, ws: int, mode: str) -> dict[str, Any]:
     return out
 
 
+# float32 elements of a one-shot all_reduce on the low-latency kernel (flagged lines, 16 KiB)
+# and on the kernel with a barrier (80 KiB).
+ONE_SHOT_KERNELS = [pytest.param(4099, id="low-latency"), pytest.param(20_000, id="barrier")]
+
+
+@pytest.mark.parametrize("n", ONE_SHOT_KERNELS)
 @pytest.mark.parametrize("mode", ["eager", "graph"])
-def test_killed_peer_fails_the_survivor_clearly(mode: str) -> None:
+def test_killed_peer_fails_the_survivor_clearly(mode: str, n: int) -> None:
     """Rank 1 dies after the path was set up. Eager: rank 0's all_reduce raises within the
     group timeout + 10 s naming all_reduce, rank [1] and the timeout (the watchdog, or the
     kernel's own bounded wait). Graph: the replay's kernel gives up after the timeout and
@@ -376,6 +381,7 @@ def test_killed_peer_fails_the_survivor_clearly(mode: str) -> None:
         2,
         killed_fn,
         mode,
+        n,
         init=False,
         expect_fail={1: 17},
         timeout_s=180,

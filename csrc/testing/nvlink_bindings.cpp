@@ -1,5 +1,5 @@
 // In CUDA builds, the NVLink kernels' size limits (intra/nvlink/
-// nvlink_choice.hpp), so tests/test_nvlink_allreduce.py and
+// nvlink_choice.hpp, and the low-latency one-shot's), so tests/test_nvlink_allreduce.py and
 // tests/test_nvlink_gather_scatter.py check the switch-over wherever the
 // limits are set.
 #include <torch/python.h>
@@ -8,6 +8,7 @@
 
 #ifdef FASTCOMM_WITH_CUDA
 #include "intra/nvlink/nvlink_choice.hpp"
+#include "kernels/nvlink_collectives.hpp"
 #endif
 
 namespace fastcomm {
@@ -23,6 +24,10 @@ void bindNvlink(pybind11::module_& m) {
       },
       "(one_shot_bytes, two_shot_bytes): the largest CUDA all_reduce each NVLink kernel takes "
       "in a group of `world` GPUs");
+  m.def(
+      "nvlink_low_latency_bytes", [](int world) { return nvlk::lowLatencyMaxBytes(world); },
+      "the largest one-shot all_reduce on the low-latency (flagged-line) kernel in a group of "
+      "`world` GPUs");
   m.def(
       "nvlink_part_limits",
       [](int world) {
