@@ -281,11 +281,13 @@ class Bench:
 
     def meta(self) -> dict[str, Any]:
         limits = None
+        low_latency = None
         try:
             import torchext._testing as testing
 
             if self.args.op == "all_reduce":
                 limits = list(testing.nvlink_limits(self.world))
+                low_latency = testing.nvlink_low_latency_bytes(self.world)
             else:
                 gather, scatter = testing.nvlink_part_limits(self.world)
                 limits = [gather if self.args.op == "all_gather" else scatter]
@@ -303,6 +305,7 @@ class Bench:
             "iters": self.args.iters,
             "repeats": self.args.repeats,
             "nvlink_limits": limits,
+            "nvlink_low_latency_bytes": low_latency,
             "env": {k: v for k, v in os.environ.items() if k.startswith(("FASTCOMM_", "NCCL_"))},
         }
 
@@ -318,7 +321,12 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         (
             f"torch {meta['torch']}, CUDA {meta['cuda']}, NCCL {meta['nccl']}; "
             f"{meta['iters']} calls per graph / loop, median of {meta['repeats']}, slowest rank. "
-            f"fastcomm's NVLink limits ({limit_names}): {meta['nvlink_limits']}."
+            f"fastcomm's NVLink limits ({limit_names}): {meta['nvlink_limits']}"
+            + (
+                f", the one-shot's low-latency kernel to {meta['nvlink_low_latency_bytes']} bytes."
+                if meta.get("nvlink_low_latency_bytes")
+                else "."
+            )
         ),
     ]
     for mode in MODES:
