@@ -21,6 +21,8 @@
 #                "25gbit,20us" needs the kernel's netem, which the lent machines lack); ip and
 #                tc from the Debian debs in build/iproute2-debs (carried; unpacked with dpkg -x)
 #                                                          -> netbed_2x<k>_<link>.{json,md}
+#   netbedcpu    CPU tensors on the same testbed, 2 nodes x NETBED_CPU_RANKS ranks (default 2),
+#                fastcomm (float32, bf16 and int8 wires) beside Gloo  -> netbed_cpu_2x<r>_<link>.{json,md}
 #   nvlink       the NVLink kernels' tests, then the all_reduce benchmark beside ProcessGroupNCCL
 #                and torch symm_mem one-/two-shot, graphs and eager, 4 KiB..16 MiB (NVLINK_ARGS)
 #                                             -> nvlink_tests.log, nvlink_ar_<n>gpu.{json,md}
@@ -71,6 +73,19 @@ for i in range(torch.cuda.device_count()):
 PY
 }
 so_files() { find torchext -maxdepth 1 -name '*.so' | sort; }
+# The testbed needs root and iproute2; the lent machines have no ip / tc, so Debian's iproute2
+# and its libraries travel as debs in build/iproute2-debs (benchmarks/README.md), unpacked into
+# a new folder whose path this prints; the caller names it to the testbed (NETBED_IPROUTE2)
+# where it is not empty.
+unpack_iproute2() {
+  local dir
+  dir=$(mktemp -d)
+  if compgen -G "$ROOT/build/iproute2-debs/*.deb" > /dev/null; then
+    command -v dpkg > /dev/null || say "no dpkg to unpack build/iproute2-debs" >&2
+    for deb in "$ROOT"/build/iproute2-debs/*.deb; do dpkg -x "$deb" "$dir"; done
+  fi
+  echo "$dir"
+}
 
 for stage in "${stages[@]}"; do
   case "$stage" in
@@ -159,15 +174,9 @@ for stage in "${stages[@]}"; do
       [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
       ;;
     netbed)
-      # The testbed needs root and iproute2; the lent machines have no ip / tc, so Debian's
-      # iproute2 and its libraries travel as debs (benchmarks/README.md) and are unpacked here.
       k=$((NGPU / 2))
-      nbdir=$(mktemp -d)
-      if compgen -G "$ROOT/build/iproute2-debs/*.deb" > /dev/null; then
-        command -v dpkg > /dev/null || say "no dpkg to unpack build/iproute2-debs"
-        for deb in "$ROOT"/build/iproute2-debs/*.deb; do dpkg -x "$deb" "$nbdir"; done
-        export NETBED_IPROUTE2="$nbdir"
-      fi
+      nbdir=$(unpack_iproute2)
+      [[ -n "$(ls -A "$nbdir")" ]] && export NETBED_IPROUTE2="$nbdir"
       for link in ${NETBED_LINKS:-25gbit}; do
         name="netbed_2x${k}_${link//,/_}"
         say "CUDA all_reduce on the testbed, $NGPU GPUs as 2 nodes x $k, link $link"
@@ -178,6 +187,27 @@ for stage in "${stages[@]}"; do
           --launch-timeout 150 --out-dir "/tmp/fastcomm_$name" --json "$OUT/$name.json" \
           --md "$OUT/$name.md" $(plot "$OUT/$name.png") \
           --label "${NGPU} GPUs as 2 nodes x $k, link $link, all_reduce" ${SWEEP_ARGS:-} \
+          2>&1 | grep -v "^W1" | tail -n 40 | tee -a "$LOG"
+        [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+      done
+      rm -rf "$nbdir"
+      ;;
+    netbedcpu)
+      # CPU tensors on the same testbed: 2 nodes x NETBED_CPU_RANKS ranks (default 2), fastcomm
+      # (float32, bf16 and int8 wires) beside Gloo at its default, measured twice.
+      r="${NETBED_CPU_RANKS:-2}"
+      nbdir=$(unpack_iproute2)
+      [[ -n "$(ls -A "$nbdir")" ]] && export NETBED_IPROUTE2="$nbdir"
+      for link in ${NETBED_LINKS:-25gbit}; do
+        name="netbed_cpu_2x${r}_${link//,/_}"
+        say "CPU all_reduce on the testbed, 2 nodes x $r ranks, link $link"
+        timeout "${SWEEP_TIMEOUT:-540}" "$PY" benchmarks/run_multinode_sweep.py \
+          --nproc-per-node $((2 * r)) --sim-nodes 2 --device cpu --peer gloo --ops all_reduce \
+          --netbed "$link" --min-bytes 256K --max-bytes 1G --factor 4 --repeats 3 \
+          --time-per-size 0.5 --socket-settings 1x1 --buffsizes default --wire-dtype bf16,int8 \
+          --launch-timeout 200 --out-dir "/tmp/fastcomm_$name" --json "$OUT/$name.json" \
+          --md "$OUT/$name.md" $(plot "$OUT/$name.png") \
+          --label "CPU, 2 nodes x $r ranks, link $link, all_reduce" ${SWEEP_ARGS:-} \
           2>&1 | grep -v "^W1" | tail -n 40 | tee -a "$LOG"
         [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
       done
@@ -279,7 +309,7 @@ for stage in "${stages[@]}"; do
       [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
       ;;
     *)
-      echo "unknown stage $stage (build carried tests ops bench sweep netbed nvlink nvlinkparts matmulbench killed capture hier hooks ddpbench suite)" >&2
+      echo "unknown stage $stage (build carried tests ops bench sweep netbed netbedcpu nvlink nvlinkparts matmulbench killed capture hier hooks ddpbench suite)" >&2
       exit 2
       ;;
   esac
