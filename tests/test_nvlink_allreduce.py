@@ -314,10 +314,16 @@ PG_TIMEOUT_S = 8.0
 GRACE_S = 10.0
 
 
-def killed_fn(rank: int, ws: int, mode: str, n: int) -> dict[str, Any]:
+def killed_fn(rank: int, ws: int, mode: str, kernel: str) -> dict[str, Any]:
+    import torchext._testing as testing
+
     dev = rank_device(rank)
     dist.init_process_group(backend=BACKEND, timeout=timedelta(seconds=PG_TIMEOUT_S))
     chk = Checker(f"rank {rank}")
+    # float32 elements: a quarter of the low-latency kernel's limit, or just past it (still
+    # one-shot, on the kernel with a barrier).
+    low_latency = testing.nvlink_low_latency_bytes(ws) // 4
+    n = low_latency // 4 + 3 if kernel == "low-latency" else low_latency + 1001
     warm = torch.ones(n, device=dev)
     before = _counts()
     dist.all_reduce(warm)
@@ -364,15 +370,11 @@ def killed_fn(rank: int, ws: int, mode: str, n: int) -> dict[str, Any]:
     return out
 
 
-# float32 elements of a one-shot all_reduce on the low-latency kernel (flagged lines, 16 KiB)
-# and on the kernel with a barrier (80 KiB).
-ONE_SHOT_KERNELS = [pytest.param(4099, id="low-latency"), pytest.param(20_000, id="barrier")]
-
-
-@pytest.mark.parametrize("n", ONE_SHOT_KERNELS)
+@pytest.mark.parametrize("kernel", ["low-latency", "barrier"])
 @pytest.mark.parametrize("mode", ["eager", "graph"])
-def test_killed_peer_fails_the_survivor_clearly(mode: str, n: int) -> None:
-    """Rank 1 dies after the path was set up. Eager: rank 0's all_reduce raises within the
+def test_killed_peer_fails_the_survivor_clearly(mode: str, kernel: str) -> None:
+    """Rank 1 dies after the path was set up, on each one-shot kernel (the low-latency one and
+    the one with a barrier). Eager: rank 0's all_reduce raises within the
     group timeout + 10 s naming all_reduce, rank [1] and the timeout (the watchdog, or the
     kernel's own bounded wait). Graph: the replay's kernel gives up after the timeout and
     reports; the group fails with that error at the next call. destroy_process_group()
@@ -381,7 +383,7 @@ def test_killed_peer_fails_the_survivor_clearly(mode: str, n: int) -> None:
         2,
         killed_fn,
         mode,
-        n,
+        kernel,
         init=False,
         expect_fail={1: 17},
         timeout_s=180,
