@@ -374,11 +374,10 @@ def killed_fn(rank: int, ws: int, mode: str, kernel: str) -> dict[str, Any]:
 @pytest.mark.parametrize("mode", ["eager", "graph"])
 def test_killed_peer_fails_the_survivor_clearly(mode: str, kernel: str) -> None:
     """Rank 1 dies after the path was set up, on each one-shot kernel (the low-latency one and
-    the one with a barrier). Eager: rank 0's all_reduce raises within the
-    group timeout + 10 s naming all_reduce, rank [1] and the timeout (the watchdog, or the
-    kernel's own bounded wait). Graph: the replay's kernel gives up after the timeout and
-    reports; the group fails with that error at the next call. destroy_process_group()
-    returns either way."""
+    the one with a barrier). Eager: rank 0's all_reduce raises within the group timeout + 10 s
+    naming all_reduce, rank [1] and the timeout (the watchdog, or the kernel's own bounded
+    wait). Graph: the replay's kernel gives up after the timeout and reports; the group fails
+    with that error at the next call. destroy_process_group() returns either way."""
     res = run_ranks(
         2,
         killed_fn,
