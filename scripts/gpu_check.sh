@@ -86,6 +86,27 @@ unpack_iproute2() {
   fi
   echo "$dir"
 }
+# all_reduce on the shaped-link testbed, 2 nodes, 256 KiB..1 GiB, fastcomm with every wire beside
+# its peer: one sweep per link of NETBED_LINKS -> <prefix>_<link>.{json,md}. Arguments: the file
+# prefix, the label, then run_multinode_sweep.py's options for the ranks, device and peer.
+testbed_sweeps() {
+  local prefix=$1 label=$2 nbdir link name
+  shift 2
+  nbdir=$(unpack_iproute2)
+  [[ -n "$(ls -A "$nbdir")" ]] && export NETBED_IPROUTE2="$nbdir"
+  for link in ${NETBED_LINKS:-25gbit}; do
+    name="${prefix}_${link//,/_}"
+    say "all_reduce on the testbed, $label, link $link"
+    timeout "${SWEEP_TIMEOUT:-540}" "$PY" benchmarks/run_multinode_sweep.py "$@" --sim-nodes 2 \
+      --ops all_reduce --netbed "$link" --min-bytes 256K --max-bytes 1G --factor 4 --repeats 3 \
+      --time-per-size 0.5 --wire-dtype bf16,int8 --out-dir "/tmp/fastcomm_$name" \
+      --json "$OUT/$name.json" --md "$OUT/$name.md" $(plot "$OUT/$name.png") \
+      --label "$label, link $link, all_reduce" ${SWEEP_ARGS:-} \
+      2>&1 | grep -v "^W1" | tail -n 40 | tee -a "$LOG"
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+  done
+  rm -rf "$nbdir"
+}
 
 for stage in "${stages[@]}"; do
   case "$stage" in
@@ -175,43 +196,15 @@ for stage in "${stages[@]}"; do
       ;;
     netbed)
       k=$((NGPU / 2))
-      nbdir=$(unpack_iproute2)
-      [[ -n "$(ls -A "$nbdir")" ]] && export NETBED_IPROUTE2="$nbdir"
-      for link in ${NETBED_LINKS:-25gbit}; do
-        name="netbed_2x${k}_${link//,/_}"
-        say "CUDA all_reduce on the testbed, $NGPU GPUs as 2 nodes x $k, link $link"
-        timeout "${SWEEP_TIMEOUT:-540}" "$PY" benchmarks/run_multinode_sweep.py \
-          --nproc-per-node "$NGPU" --sim-nodes 2 --device cuda --ops all_reduce --netbed "$link" \
-          --min-bytes 256K --max-bytes 1G --factor 4 --repeats 3 --time-per-size 0.5 \
-          --socket-settings 4x4 --buffsizes default,16777216 --wire-dtype bf16,int8 \
-          --launch-timeout 150 --out-dir "/tmp/fastcomm_$name" --json "$OUT/$name.json" \
-          --md "$OUT/$name.md" $(plot "$OUT/$name.png") \
-          --label "${NGPU} GPUs as 2 nodes x $k, link $link, all_reduce" ${SWEEP_ARGS:-} \
-          2>&1 | grep -v "^W1" | tail -n 40 | tee -a "$LOG"
-        [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
-      done
-      rm -rf "$nbdir"
+      testbed_sweeps "netbed_2x$k" "$NGPU GPUs as 2 nodes x $k" --nproc-per-node "$NGPU" \
+        --device cuda --socket-settings 4x4 --buffsizes default,16777216 --launch-timeout 150
       ;;
     netbedcpu)
-      # CPU tensors on the same testbed: 2 nodes x NETBED_CPU_RANKS ranks (default 2), fastcomm
-      # (float32, bf16 and int8 wires) beside Gloo at its default, measured twice.
+      # CPU tensors: fastcomm beside Gloo at its default, measured twice (the sweep's one
+      # setting; NCCL's socket variables mean nothing to Gloo).
       r="${NETBED_CPU_RANKS:-2}"
-      nbdir=$(unpack_iproute2)
-      [[ -n "$(ls -A "$nbdir")" ]] && export NETBED_IPROUTE2="$nbdir"
-      for link in ${NETBED_LINKS:-25gbit}; do
-        name="netbed_cpu_2x${r}_${link//,/_}"
-        say "CPU all_reduce on the testbed, 2 nodes x $r ranks, link $link"
-        timeout "${SWEEP_TIMEOUT:-540}" "$PY" benchmarks/run_multinode_sweep.py \
-          --nproc-per-node $((2 * r)) --sim-nodes 2 --device cpu --peer gloo --ops all_reduce \
-          --netbed "$link" --min-bytes 256K --max-bytes 1G --factor 4 --repeats 3 \
-          --time-per-size 0.5 --socket-settings 1x1 --buffsizes default --wire-dtype bf16,int8 \
-          --launch-timeout 200 --out-dir "/tmp/fastcomm_$name" --json "$OUT/$name.json" \
-          --md "$OUT/$name.md" $(plot "$OUT/$name.png") \
-          --label "CPU, 2 nodes x $r ranks, link $link, all_reduce" ${SWEEP_ARGS:-} \
-          2>&1 | grep -v "^W1" | tail -n 40 | tee -a "$LOG"
-        [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
-      done
-      rm -rf "$nbdir"
+      testbed_sweeps "netbed_cpu_2x$r" "CPU, 2 nodes x $r ranks" --nproc-per-node $((2 * r)) \
+        --device cpu --peer gloo --socket-settings 1x1 --buffsizes default --launch-timeout 200
       ;;
     nvlink)
       say "NVLink kernels: tests, then the all_reduce benchmark ($NGPU GPUs)"
