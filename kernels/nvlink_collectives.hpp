@@ -74,14 +74,12 @@ static_assert(kProbeOffset + kMaxRanks * 8 <= kDataOffset, "buffer header overla
 
 // One-shot all_reduces up to lowLatencyMaxBytes(world) use the low-latency
 // slots: half of each line is flags, so a slot holds twice the message. The
-// flags double what a rank sends to world - 1 peers, so the range shrinks as
-// the group grows (measured on 2 and 4 H200s; beyond 4 GPUs not measured).
+// flags double what a rank sends to world - 1 peers, so beyond the 2 and 4
+// GPUs measured (H100, H200) the range is halved.
 constexpr int64_t kLowLatencyMaxBytes = 64 * 1024;
 constexpr int64_t kLowLatencySlotBytes = 2 * kLowLatencyMaxBytes;
 inline int64_t lowLatencyMaxBytes(int world) {
-  return world <= 2   ? kLowLatencyMaxBytes
-         : world <= 4 ? kLowLatencyMaxBytes / 2
-                      : kLowLatencyMaxBytes / 4;
+  return world <= 4 ? kLowLatencyMaxBytes : kLowLatencyMaxBytes / 2;
 }
 
 // Bytes of one registered buffer of a group of `world` ranks with slots of
