@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "dependent_launch.cuh"
 #include "matmul_api.h"
 
 namespace fastcomm {
@@ -291,32 +292,9 @@ __device__ __forceinline__ void load_bias_pair(const T* bias, int col, bool two,
   b1 = two ? load_as_float(bias + col + 1) : 0.0f;
 }
 
-// Programmatic dependent launch (sm_90 and later; no-ops elsewhere): a
-// kernel launched with programmatic_dependent_launch() may start its blocks
-// before the kernel ahead of it on the stream has finished, once that kernel
-// calls griddep_launch_dependents() (or exits); griddep_wait() then waits
-// until the grids it depends on have completed and their memory is visible
-// (at once where it was launched without the attribute).
-__device__ __forceinline__ void griddep_launch_dependents() {
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void griddep_wait() {
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
-// The launch attribute that makes a kernel a programmatic dependent of the
-// one before it on the stream (set launch.attrs to it, numAttrs to 1).
-inline cudaLaunchAttribute programmatic_dependent_launch() {
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  return attr;
-}
+using fastcomm::griddep_launch_dependents;
+using fastcomm::griddep_wait;
+using fastcomm::programmatic_dependent_launch;
 
 // Whether C takes store_out_pair's paired stores (its `pair_ok`): an even
 // row stride and a base aligned to a pair (2 x 16 bits or 2 x 32 bits).

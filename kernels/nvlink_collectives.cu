@@ -1,5 +1,7 @@
 #include "nvlink_collectives.hpp"
 
+#include "dependent_launch.cuh"
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -333,8 +335,14 @@ struct Share {
   int64_t units, first, stride;
 };
 
+// Every collective kernel is a programmatic dependent of the kernel ahead of
+// it on the stream (launchAfter): it waits here for that kernel's memory
+// (the call counter, the caller's input) and lets the next collective's
+// blocks start at once, to wait in turn.
 template <int W>
 __device__ __forceinline__ Share shareOf(const Args& a, int unitElems) {
+  griddep_wait();
+  griddep_launch_dependents();
   return Share{W > 0 ? W : a.world, readEpoch(a), (a.n + unitElems - 1) / unitElems,
                int64_t{blockIdx.x} * blockDim.x + threadIdx.x, int64_t{gridDim.x} * blockDim.x};
 }
@@ -559,18 +567,31 @@ constexpr int esizeOf() {
   return static_cast<int>(sizeof(typename Num<E>::Raw));
 }
 
+// Launches kernel(a) as a programmatic dependent of the kernel ahead of it
+// on the stream: its launch overlaps that kernel's tail.
+void launchAfter(void (*kernel)(Args), const Grid& g, cudaStream_t s, const Args& a) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(g.blocks));
+  config.blockDim = dim3(static_cast<unsigned>(g.threads));
+  config.stream = s;
+  cudaLaunchAttribute pdl = programmatic_dependent_launch();
+  config.attrs = &pdl;
+  config.numAttrs = 1;
+  check(cudaLaunchKernelEx(&config, kernel, a), "kernel launch");
+}
+
 template <Elem E, Op O, int W>
 void launchWorld(Algo algo, const Args& a, cudaStream_t s) {
   const Grid g = gridFor(algo, a.n, esizeOf<E>(), a.world);
   switch (algo) {
     case Algo::OneShot:
       if (a.n * esizeOf<E>() <= lowLatencyMaxBytes(a.world))
-        return oneShotLowLatency<E, O, W><<<g.blocks, g.threads, 0, s>>>(a);
-      return oneShot<E, O, W><<<g.blocks, g.threads, 0, s>>>(a);
+        return launchAfter(oneShotLowLatency<E, O, W>, g, s, a);
+      return launchAfter(oneShot<E, O, W>, g, s, a);
     case Algo::TwoShot:
-      return twoShot<E, O, W><<<g.blocks, g.threads, 0, s>>>(a);
+      return launchAfter(twoShot<E, O, W>, g, s, a);
     case Algo::ReduceScatter:
-      return reduceScatter<E, O, W><<<g.blocks, g.threads, 0, s>>>(a);
+      return launchAfter(reduceScatter<E, O, W>, g, s, a);
   }
 }
 
@@ -680,7 +701,7 @@ void reduce(Elem elem, Op op, Algo algo, const Args& args, cudaStream_t stream) 
 void allgather(const Args& args, cudaStream_t stream) {
   checkArgs(args);
   const Grid g = gridFor(Algo::OneShot, args.n, 1, args.world);
-  allGather<<<g.blocks, g.threads, 0, stream>>>(args);
+  launchAfter(allGather, g, stream, args);
   check(cudaGetLastError(), "kernel launch");
 }
 
