@@ -573,8 +573,9 @@ class Bench:
             s *= self.args.factor
         return out
 
-    def run_op(self, op: str) -> list[Row]:
-        """Sweep the sizes of one op; rank 0 prints the table as it goes."""
+    def run_op(self, op: str, on_point: Optional[Callable[[list[Row]], None]] = None) -> list[Row]:
+        """Sweep the sizes of one op; rank 0 prints the table as it goes, and `on_point` gets
+        each size's rows once they are measured."""
         labels = [self.series[b] for b in self.backends]
         table = TextTable(op, labels, self.args.dtype, self.world, self.device.type)
         self.print(table.header())
@@ -592,6 +593,8 @@ class Bench:
             del bufs
             self.print(table.line(point))
             rows += point
+            if on_point is not None:
+                on_point(point)
         self.print(table.footer(rows))
         return rows
 
@@ -790,6 +793,15 @@ def _meta_lines(meta: dict[str, Any]) -> list[str]:
         f"- World: {meta['world_size']} ranks ({meta['local_world_size']} per host); device "
         f"{meta['device']['type']}: {meta['device']['name']}",
     ]
+    if meta.get("partial"):
+        out.append(
+            "- Partial: the run stopped before its last point; these are the points it measured"
+        )
+    if meta.get("interrupted"):
+        out.append(
+            "- Interrupted: the sweep was stopped before its last launch; the launches below "
+            "without an exit status, or marked partial, stopped before their last point"
+        )
     sim, net = meta.get("sim_nodes"), meta.get("netbed")
     if net:
         link = net["link"]
@@ -1232,12 +1244,19 @@ def _make_folders(args: argparse.Namespace) -> None:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
 
+def write_json(data: dict[str, Any], path: str) -> None:
+    """Write a result file whole or not at all (a reader never sees half of one)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
 def write_outputs(data: dict[str, Any], args: argparse.Namespace) -> None:
     """Write --json, --md and --plot for one run."""
     _make_folders(args)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(data, f, indent=1)
+        write_json(data, args.json)
         print(f"# wrote {args.json}", flush=True)
     if args.md:
         with open(args.md, "w") as f:
@@ -1314,8 +1333,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"# timing: {meta['timing']}")
         print("# env: " + (" ".join(f"{k}={v}" for k, v in meta["env"].items()) or "-"), flush=True)
     rows: list[Row] = []
+
+    def keep(point: list[Row]) -> None:
+        # --json holds every point measured so far, marked partial until the run ends: a run
+        # stopped by a timeout still leaves what it measured.
+        rows.extend(point)
+        if rank == 0 and args.json:
+            _make_folders(args)
+            partial = {"schema": SCHEMA, "meta": dict(meta, partial=True)}
+            write_json(partial | {"results": [asdict(r) for r in rows]}, args.json)
+
     for op in args.ops:
-        rows += bench.run_op(op)
+        bench.run_op(op, keep)
     wrong = sum(r.wrong or 0 for r in rows)
     failed = sum(r.status == "failed" for r in rows)
     if rank == 0:

@@ -468,7 +468,7 @@ def run_launch(
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         launch.returncode = 124
-    except KeyboardInterrupt:
+    except BaseException:  # Ctrl-C, or the sweep stopped (SweepStopped)
         os.killpg(proc.pid, signal.SIGTERM)
         raise
     launch.seconds = round(time.monotonic() - start, 1)
@@ -511,6 +511,7 @@ def combine_rounds(datasets: Sequence[dict[str, Any]]) -> dict[str, Any]:
     merged = copy.deepcopy(datasets[0])
     merged["results"] = rows
     merged["meta"]["rounds"] = len(datasets)
+    merged["meta"]["partial"] = any(d["meta"].get("partial") for d in datasets)
     return merged
 
 
@@ -615,6 +616,7 @@ def merge(
     base_name = "main" if "main" in loaded else next(iter(loaded))
     meta = copy.deepcopy(loaded[base_name]["meta"])
     meta.pop("source", None)
+    meta.pop("partial", None)  # said per launch below
     wins: dict[str, dict[str, int]] = {}
     for op, per_size in best_setting.items():
         for setting in per_size.values():
@@ -654,6 +656,7 @@ def merge(
                         "returncode": la.returncode,
                         "seconds": la.seconds,
                         "loaded": la.name in loaded,
+                        "partial": bool(loaded.get(la.name, {}).get("meta", {}).get("partial")),
                         "netbed": la.link,
                     }
                     for la in launches
@@ -689,6 +692,29 @@ def merge(
 
 
 # ----------------------------------------------------------------------------- main
+
+
+class SweepStopped(Exception):
+    """SIGTERM or SIGHUP (a timeout around the sweep): stop the launch that runs, keep the rest."""
+
+
+def _stop_on_signal(signum: int, _frame: Any) -> None:
+    # Later signals take their default action: a second TERM ends the merge too.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    raise SweepStopped(signal.Signals(signum).name)
+
+
+def run_all_or_stop(
+    args: argparse.Namespace, launches: list[Launch], out_dir: str, bed: Optional[nb.Netbed]
+) -> bool:
+    """run_all; False where a signal stopped it (what ran so far is merged all the same)."""
+    try:
+        run_all(args, launches, out_dir, bed)
+    except SweepStopped as exc:
+        print(f"### stopped by {exc}: merging what the launches measured so far", flush=True)
+        return False
+    return True
 
 
 def run_all(
@@ -737,11 +763,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if dropped:
         print(f"### note: not passing {dropped} on: the sweep sets these itself", flush=True)
     netbed_meta: Optional[dict[str, Any]] = None
-    if not args.merge_only and args.netbed:
-        # SIGTERM (a timeout around the sweep) and SIGHUP unwind like Ctrl-C: the testbed's
-        # namespaces are deleted on the way out.
+    completed = True
+    if not args.merge_only:
+        # SIGTERM (a timeout around the sweep) and SIGHUP stop the launch that runs (and delete
+        # the testbed's namespaces on the way out); the results so far are still merged.
         for sig in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
+            signal.signal(sig, _stop_on_signal)
+    if not args.merge_only and args.netbed:
         try:
             with nb.Netbed(args.sim_nodes, args.netbed, args.iproute2, log=sys.stdout) as bed:
                 netbed_meta = bed.plan.as_dict()
@@ -751,12 +779,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     print(f"### {TCP_CEILING_TEXT}: {ceiling:.3f} GB/s per direction", flush=True)
                 except nb.NetbedError as exc:  # the sweep itself does not need it
                     print(f"### no plain-TCP figure: {exc}", file=sys.stderr)
-                run_all(args, launches, out_dir, bed)
+                completed = run_all_or_stop(args, launches, out_dir, bed)
         except nb.NetbedError as exc:
             print(f"### no testbed: {exc}", file=sys.stderr)
             return 1
+        except SweepStopped as exc:  # while the testbed was set up or measured
+            print(f"### stopped by {exc} before any launch", file=sys.stderr)
+            return 1
     elif not args.merge_only:
-        run_all(args, launches, out_dir, None)
+        completed = run_all_or_stop(args, launches, out_dir, None)
     elif (args.fastcomm and args.together) and not os.path.exists(
         for_round(launches[0], 0, args.rounds).json
     ):
@@ -774,6 +805,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("### nothing to merge", file=sys.stderr)
         return 1
     merged = merge(launches, loaded, args, netbed_meta)
+    if not completed:
+        merged["meta"]["interrupted"] = True
     print()
     print(bc.render_markdown(merged), flush=True)
     outputs = argparse.Namespace(json=args.json, md=args.md, plot=args.plot, label=args.label)
@@ -794,7 +827,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     missing = [la.name for la in launches if la.name not in loaded]
     if failed or missing:
         print(f"### failed launches: {failed or 'none'}; without results: {missing or 'none'}")
-    return 1 if failed or missing else 0
+    return 1 if failed or missing or not completed else 0
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
-"""benchmarks/run_multinode_sweep.py: the launches it plans and the series it merges, and one
-real sweep of CPU tensors on 2 simulated nodes with fastcomm's own settings compared."""
+"""benchmarks/run_multinode_sweep.py: the launches it plans and the series it merges, one real
+sweep of CPU tensors on 2 simulated nodes with fastcomm's own settings compared, and one stopped
+by SIGTERM mid-launch."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -78,3 +81,57 @@ def test_a_sweep_merges_each_fastcomm_setting_as_a_series(tmp_path: Path) -> Non
     assert all(r["status"] == "ok" and r["wrong"] == 0 for r in rows), rows
     launch = next(la for la in merged["meta"]["sweep"]["launches"] if la["name"] == "fastcomm-env0")
     assert launch["env"]["FASTCOMM_TCP_SOCKETS"] == "1" and launch["series"] == rows[0]["backend"]
+
+
+def _processes_naming(text: str) -> list[int]:
+    """The pids whose command line contains `text`."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if text.encode() in f.read():
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.mark.skipif(is_gloo(), reason="runs the fastcomm backend")
+def test_a_stopped_sweep_keeps_the_points_measured_so_far(tmp_path: Path) -> None:
+    out, md, runs = tmp_path / "sweep.json", tmp_path / "sweep.md", tmp_path / "runs"
+    cmd = [sys.executable, str(DRIVER), "--device=cpu", "--nproc-per-node=2", "--sim-nodes=2"]
+    cmd += ["--peer=gloo", "--socket-settings=1x1", "--buffsizes=default", "--min-bytes=4K"]
+    cmd += ["--max-bytes=256M", "--factor=4", "--repeats=1", "--time-per-size=0.5"]
+    cmd += ["--launch-timeout=300", "--out-dir", str(runs), "--json", str(out), "--md", str(md)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    log = tmp_path / "driver.log"
+    with open(log, "w") as sink:  # a file, not a pipe: nobody reads while the launch runs
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
+        # The main launch's result file grows a point at a time; stop the sweep after the first.
+        partial, first = runs / "main.json", {"results": []}
+        deadline = time.monotonic() + 240
+        while not first["results"] and proc.poll() is None and time.monotonic() < deadline:
+            if partial.exists():
+                first = json.loads(partial.read_text())
+            time.sleep(0.2)
+        assert first["results"], "no point written before the launch ended"
+        assert first["meta"]["partial"] is True
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    output = log.read_text()
+    assert proc.returncode == 1, output[-3000:]
+    assert "stopped by SIGTERM" in output, output[-3000:]
+    merged = json.loads(out.read_text())
+    assert merged["meta"]["interrupted"] is True
+    main = next(la for la in merged["meta"]["sweep"]["launches"] if la["name"] == "main")
+    assert main["loaded"] and main["partial"], main
+    measured = [r for r in merged["results"] if r["backend"] == "fastcomm"]
+    assert 1 <= len(measured) < 9, measured  # 4 KiB .. 256 MiB is 9 sizes
+    assert all(r["status"] == "ok" and r["wrong"] == 0 for r in measured), measured
+    assert "Interrupted" in md.read_text()
+    # The stopped launch's ranks and torchrun are gone.
+    deadline = time.monotonic() + 30
+    while _processes_naming(str(partial)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _processes_naming(str(partial))
