@@ -568,15 +568,21 @@ constexpr int esizeOf() {
 }
 
 // Launches kernel(a) as a programmatic dependent of the kernel ahead of it
-// on the stream: its launch overlaps that kernel's tail.
+// on the stream, so that its launch overlaps that kernel's tail; in plain
+// stream order before compute capability 9.0, which has no such launches
+// (the kernels' griddepcontrol instructions are compiled out there).
 void launchAfter(void (*kernel)(Args), const Grid& g, cudaStream_t s, const Args& a) {
+  int device = 0, major = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+        "cudaDeviceGetAttribute");
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(g.blocks));
   config.blockDim = dim3(static_cast<unsigned>(g.threads));
   config.stream = s;
   cudaLaunchAttribute pdl = programmatic_dependent_launch();
   config.attrs = &pdl;
-  config.numAttrs = 1;
+  config.numAttrs = major >= 9 ? 1 : 0;
   check(cudaLaunchKernelEx(&config, kernel, a), "kernel launch");
 }
 
