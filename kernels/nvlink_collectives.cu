@@ -583,7 +583,10 @@ void launchAfter(void (*kernel)(Args), const Grid& g, cudaStream_t s, const Args
   cudaLaunchAttribute pdl = programmatic_dependent_launch();
   config.attrs = &pdl;
   config.numAttrs = major >= 9 ? 1 : 0;
-  check(cudaLaunchKernelEx(&config, kernel, a), "kernel launch");
+  // As after a <<<>>> launch, a failed launch is read (and so cleared) as the
+  // thread's last error: it must not surface at someone else's next check.
+  static_cast<void>(cudaLaunchKernelEx(&config, kernel, a));
+  check(cudaGetLastError(), "kernel launch");
 }
 
 template <Elem E, Op O, int W>
@@ -701,14 +704,12 @@ void reduce(Elem elem, Op op, Algo algo, const Args& args, cudaStream_t stream) 
       launchElem<Elem::BF16>(op, algo, args, stream);
       break;
   }
-  check(cudaGetLastError(), "kernel launch");
 }
 
 void allgather(const Args& args, cudaStream_t stream) {
   checkArgs(args);
   const Grid g = gridFor(Algo::OneShot, args.n, 1, args.world);
   launchAfter(allGather, g, stream, args);
-  check(cudaGetLastError(), "kernel launch");
 }
 
 void writeProbes(const Args& args, const uint64_t (&tokens)[kMaxRanks], cudaStream_t stream) {
