@@ -1339,10 +1339,11 @@ def run(args: argparse.Namespace) -> int:
         # stopped by a timeout still leaves what it measured.
         rows.extend(point)
         if rank == 0 and args.json:
-            _make_folders(args)
             partial = {"schema": SCHEMA, "meta": dict(meta, partial=True)}
             write_json(partial | {"results": [asdict(r) for r in rows]}, args.json)
 
+    if rank == 0:
+        _make_folders(args)
     for op in args.ops:
         bench.run_op(op, keep)
     wrong = sum(r.wrong or 0 for r in rows)
