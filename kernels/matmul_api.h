@@ -37,8 +37,9 @@ struct GemmArgs {
 };
 
 // Tile-size choice: kAuto lets the launcher's heuristic decide.
-// kNarrow: the Hopper kernel's cooperative 128 x 64 tile; the other kernels
-// take it as kSmall.
+// kNarrow: the Hopper kernel's cooperative 128 x 64 tile, the mma.sync
+// kernel's TF32 row tiles (M rounded up to 16, 32 or 64, by 128); the other
+// kernels take it as kSmall.
 enum class Tile : int { kAuto = 0, kLarge = 1, kSmall = 2, kNarrow = 3 };
 
 // Generic tiled kernel (CUDA cores, any strides, any dtype, any arch).
@@ -46,22 +47,25 @@ cudaError_t launch_gemm_simt(const GemmArgs& args, int num_sms, Tile tile, cudaS
 // Its tile choice: true for 128 x 128, false for 64 x 64 (always for double).
 bool gemm_simt_large_tile(const GemmArgs& args, int num_sms, Tile tile);
 
-// Tensor-core kernel with mma.sync (sm_80+), float16 / bfloat16 only.
-// Requirements (the caller copies operands that miss them):
+// Tensor-core kernel with mma.sync (sm_80+): float16 / bfloat16, and float32
+// as TF32 (each operand rounded to TF32; the caller decides that TF32 is
+// allowed). Requirements (the caller copies operands that miss them):
 //   each of A and B has a unit stride in one dimension: A K-major (sak == 1)
 //   or M-major (sam == 1), B K-major (sbk == 1) or N-major (sbn == 1); the
-//   other stride is a multiple of 8 elements; both base pointers are 16-byte
-//   aligned; K >= 1.
+//   other stride is a multiple of 16 bytes (8 elements of a 16-bit type, 4 of
+//   float32); both base pointers are 16-byte aligned; K >= 1.
 bool gemm_mma_supported(const GemmArgs& args);
 // K split over blocks per output tile where the tiles are too few to occupy
 // the SMs (small M): how many (1: none), and the float32 scratch the launch
-// then needs (its `workspace`; null when 0).
-int gemm_mma_splits(const GemmArgs& args, int num_sms, Tile tile);
-int64_t gemm_mma_workspace_bytes(const GemmArgs& args, int num_sms, Tile tile);
-cudaError_t launch_gemm_mma_sm80(const GemmArgs& args, int num_sms, Tile tile, void* workspace,
-                                 cudaStream_t stream);
-// The mma.sync launcher's tile choice: true for 128 x 128, false for 64 x 64.
-bool gemm_mma_large_tile(const GemmArgs& args, int num_sms, Tile tile);
+// then needs (its `workspace`; null when 0). forced_splits: 0 for the
+// launcher's own choice, n >= 1 forced (clamped to K's slices and to 16).
+int gemm_mma_splits(const GemmArgs& args, int num_sms, Tile tile, int forced_splits);
+int64_t gemm_mma_workspace_bytes(const GemmArgs& args, int num_sms, Tile tile, int forced_splits);
+cudaError_t launch_gemm_mma_sm80(const GemmArgs& args, int num_sms, Tile tile, int forced_splits,
+                                 void* workspace, cudaStream_t stream);
+// What launch_gemm_mma_sm80 would run, e.g. "mma 16x128 tf32 splitk 12" (tile,
+// TF32, K split; for tests and benchmark reports).
+std::string describe_gemm_mma(const GemmArgs& args, int num_sms, Tile tile, int forced_splits);
 
 // K-major float32 copies for the TF32 kernel (kernels/matmul_tf32_pack.cu):
 // dst[r][k] = src[k][r] rounded to TF32 (to nearest), src[k][r] at

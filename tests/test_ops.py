@@ -1065,9 +1065,12 @@ def test_cuda_wgmma_split_k_dispatch(matmul_settings):
 #
 # float32 products follow torch's matmul precision, read at every call as ATen's CUDA
 # matmul reads it: "highest" (the default) is exact float32 on the CUDA-core kernel; with
-# TF32 allowed ("high" / "medium", or torch.backends.cuda.matmul.allow_tf32 = True) sm_90
-# takes the Hopper kernel's TF32 form (float32 in memory, TF32 products, float32
-# accumulation and output) and other GPUs stay on the CUDA-core kernel.
+# TF32 allowed ("high" / "medium", or torch.backends.cuda.matmul.allow_tf32 = True) the
+# tensor-core kernels' TF32 forms run (float32 in memory, TF32 products, float32
+# accumulation and output): on sm_90 the Hopper kernel, and the mma.sync kernel for small M
+# where an operand is not K-major; on other sm_80+ GPUs the mma.sync kernel.
+
+_tf32_tc = HAS_CUDA and _cuda_cc()[0] >= 8  # a tensor-core kernel takes TF32
 
 
 @pytest.fixture
@@ -1120,13 +1123,14 @@ def test_fp32_precision_does_not_change_cpu_results(fp32_precision):
 @_skip_no_cuda
 def test_cuda_fp32_precision_selects_kernel(fp32_precision):
     """The kernel follows the precision at each call: "highest" and allow_tf32 = False the
-    CUDA-core kernel; "high", "medium" and allow_tf32 = True the TF32 Hopper kernel on
-    sm_90 (the CUDA-core kernel elsewhere); float64 and the half types are unaffected."""
+    CUDA-core kernel; "high", "medium" and allow_tf32 = True a TF32 kernel: on sm_90 the
+    Hopper kernel, or the mma.sync kernel for a small M with b N-major; the mma.sync kernel
+    on other sm_80+ GPUs; float64 and the half types are unaffected."""
     a = torch.empty(4096, 4096, device="cuda")
     small = torch.empty(64, 64, device="cuda")
 
-    def name(x=a):
-        return torch.ops.fastcomm._kernel_name(x, x)
+    def name(x=a, y=None):
+        return torch.ops.fastcomm._kernel_name(x, x if y is None else y)
 
     fp32_precision("highest")
     assert name() == "simt 128x128" and name(small) == "simt 64x64"
@@ -1135,17 +1139,21 @@ def test_cuda_fp32_precision_selects_kernel(fp32_precision):
         tf32 = setting != "highest"
         if tf32 and _is_sm90:
             assert name().startswith("wgmma coop 128x256 tf32 "), (setting, name())
-            assert name(small).startswith("wgmma coop 128x64 tf32 "), (setting, name(small))
+            assert name(small).startswith("mma 64x128 tf32"), (setting, name(small))
+            assert name(small, small.t()).startswith("wgmma coop 128x64 tf32 "), setting
+        elif tf32 and _tf32_tc:
+            assert name().startswith("mma 128x128 tf32"), (setting, name())
+            assert name(small).startswith("mma 64x128 tf32"), (setting, name(small))
         else:
             assert name().startswith("simt "), (setting, name())
     fp32_precision("highest")
     torch.backends.cuda.matmul.allow_tf32 = True
-    assert (" tf32 " in name()) == _is_sm90, name()
+    assert (" tf32" in name()) == _tf32_tc, name()
     torch.backends.cuda.matmul.allow_tf32 = False
     assert name() == "simt 128x128", name()
     if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch's newer setter
         torch.backends.cuda.matmul.fp32_precision = "tf32"
-        assert (" tf32 " in name()) == _is_sm90, name()
+        assert (" tf32" in name()) == _tf32_tc, name()
         torch.backends.cuda.matmul.fp32_precision = "ieee"
         assert name() == "simt 128x128", name()
     fp32_precision("high")
@@ -1238,12 +1246,50 @@ def _check_tf32_layouts(shapes, acts=ACTS) -> None:
 @_skip_no_cuda
 def test_cuda_tf32_matches_float64(matmul_settings, fp32_precision):
     """TF32 allowed, default dispatch: every layout and activation, odd sizes, against
-    float64 within TF32's bound (the CUDA-core kernel off sm_90 passes it too)."""
+    float64 within TF32's bound (the CUDA-core kernel before sm_80 passes it too)."""
     matmul_settings()
     fp32_precision("high")
     probe = torch.empty(2048, 2048, device="cuda")
-    assert (" tf32 " in torch.ops.fastcomm._kernel_name(probe, probe)) == _is_sm90
+    assert (" tf32" in torch.ops.fastcomm._kernel_name(probe, probe)) == _tf32_tc
     _check_tf32_layouts(TF32_SHAPES)
+
+
+@pytest.mark.cuda(1)
+@_skip_no_cuda
+def test_cuda_tf32_small_m(matmul_settings, fp32_precision):
+    """TF32 allowed, default dispatch, every small M on odd N and K, every layout, against
+    float64; the kernel it names: on sm_90 the mma.sync kernel's TF32 form (split K) where b
+    is N-major, the Hopper kernel where both operands are K-major."""
+    matmul_settings()
+    fp32_precision("high")
+    shapes = [(m, n, k) for m in SMALL_M for n, k in ((1000, 1032), (257, 4104), (4099, 520))]
+    _check_tf32_layouts(shapes, acts=("none", "gelu_tanh"))
+    a = torch.empty(16, 4096, device="cuda")
+    b = torch.empty(4096, 4096, device="cuda")
+    name = torch.ops.fastcomm._kernel_name(a, b)
+    if _tf32_tc:
+        assert name.startswith("mma 16x128 tf32 splitk "), name
+    if _is_sm90:
+        name = torch.ops.fastcomm._kernel_name(a, b.t())
+        assert name.startswith("wgmma coop 128x64 tf32 "), name
+
+
+@pytest.mark.cuda(1)
+@pytest.mark.skipif(not _tf32_tc, reason="the mma.sync kernel needs sm_80+")
+@pytest.mark.parametrize("tile", ["auto", "large", "small", "narrow"])
+def test_cuda_tf32_mma(matmul_settings, fp32_precision, tile):
+    """The mma.sync kernel's TF32 form, forced, in each tile (auto: row tiles of 16, 32 and
+    64 up to 64 rows; narrow: row tiles at every M): every layout and activation against
+    float64 (rows past M skipped, K split for small M), split K deterministic."""
+    fp32_precision("high")
+    matmul_settings(impl="mma", tile=tile)
+    probe = torch.empty(16, 4096, device="cuda")
+    name = torch.ops.fastcomm._kernel_name(probe, probe.t().contiguous())
+    assert name.startswith("mma ") and " tf32" in name, name
+    shapes = TF32_SHAPES + [(m, 1000, 1032) for m in (2, 17, 31, 33, 64, 255)]
+    _check_tf32_layouts(shapes, acts=("none", "relu", "gelu_tanh"))
+    _assert_deterministic(_rand(31, 4100, dtype=torch.float32, device="cuda"),
+                          _rand(4100, 1000, dtype=torch.float32, device="cuda"), 2)  # fmt: skip
 
 
 @pytest.mark.cuda(1)
@@ -1319,20 +1365,22 @@ def test_cuda_tf32_packed_operand_longer_than_a_grid_column(matmul_settings, fp3
     y dimension holds (65535) are walked by the same blocks, none left out."""
     matmul_settings()
     fp32_precision("high")
+    matmul_settings(impl="wgmma")  # the default takes the mma.sync kernel at this M
     m, n, k = 8, 24, 65535 * 32 + 1000
     a = _rand(m, k, dtype=torch.float32, device="cuda")
     b = _rand(k, n, dtype=torch.float32, device="cuda")
-    assert " tf32 " in torch.ops.fastcomm._kernel_name(a, b)
+    assert torch.ops.fastcomm._kernel_name(a, b).startswith("wgmma ")
     _tf32_check(ops.matmul(a, b), a.double() @ b.double(), _tf32_scale(a, b), k, (m, n, k))
 
 
 @pytest.mark.cuda(1)
 @pytest.mark.skipif(not _is_sm90, reason="the Hopper rows of the dispatch need an sm_90 GPU")
 def test_cuda_tf32_default_dispatch_rule(matmul_settings, fp32_precision):
-    """TF32 allowed: float32 takes the half types' Hopper rows (the 128 x 64 tile where its
-    rule takes the problem, else the wave model's cooperative tile, K split where its tiles
-    leave SMs idle) for matmul and linear, never the skinny or mma.sync kernels; "highest"
-    keeps the CUDA-core kernel."""
+    """TF32 allowed: float32 on K-major operands takes the half types' Hopper rows (the
+    128 x 64 tile where its rule takes the problem, else the wave model's cooperative tile,
+    K split where its tiles leave SMs idle), never the skinny kernel; with b N-major, up to
+    128 rows take the mma.sync kernel's TF32 form (row tiles up to 64 rows), more the same
+    Hopper rows; "highest" keeps the CUDA-core kernel."""
     matmul_settings()
     fp32_precision("high")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -1340,6 +1388,10 @@ def test_cuda_tf32_default_dispatch_rule(matmul_settings, fp32_precision):
         a = torch.empty(m, k, device="cuda")
         for b in (torch.empty(k, n, device="cuda"), torch.empty(n, k, device="cuda").t()):
             name = torch.ops.fastcomm._kernel_name(a, b)
+            if b.stride(1) == 1 and m <= 128:
+                rows = 16 if m <= 16 else 64
+                assert name.startswith(f"mma {rows}x128 tf32"), (m, n, k, name)
+                continue
             splits = _narrow_splits(m, n, k, sms)
             if splits > 0:
                 assert name.startswith("wgmma coop 128x64 tf32 "), (m, n, k, name)

@@ -16,8 +16,10 @@
 //     float32 runs there as TF32 on K-major operands (copied where they are
 //     not);
 //   * the mma.sync tensor-core kernel (kernels/matmul_sm80.cu) on sm_80+,
-//     with its own K split for small M (16-bit types only: float32 with TF32
-//     allowed takes the CUDA-core kernel off sm_90);
+//     with its own K split for small M: the 16-bit types off sm_90, float32 as
+//     TF32 off sm_90 and, on sm_90, for small M where an operand is not
+//     K-major (it reads B N-major in place, where the TF32 wgmma kernel would
+//     first copy all of B K-major);
 //   * otherwise the CUDA-core kernel (kernels/matmul_simt.cu).
 // The FASTCOMM_MATMUL_* settings (common/config.hpp, MatmulConfig; read once,
 // ops/matmul_config.hpp) force a path, tile, schedule, epilogue or tile order,
@@ -205,6 +207,13 @@ void fill_ab(kc::GemmArgs& args, const Operand& a, const Operand& b) {
   args.sbn = b.s1;
 }
 
+// Whether A and B are both K-major as the tensor-core kernels take them,
+// without a copy.
+bool k_major_in_place(const GemmProblem& p) {
+  Operand a, b;
+  return try_layout(p.A, 1, a) && try_layout(p.B, 0, b);
+}
+
 // The CUDA-core kernel reads A and B through their strides, any layout.
 cudaError_t launch_simt(kc::GemmArgs& args, const GemmProblem& p, int num_sms, kc::Tile tile,
                         cudaStream_t stream) {
@@ -240,7 +249,8 @@ enum class When {
   kWgmmaTile64,   // sm_90: the 128 x 64 tile's rule takes the problem
   kWgmmaTile128,  // sm_90: the 128 x 128 tile is no slower by the wave model (wave_128_wins)
   kWgmma,         // sm_90
-  kSm80,          // sm_80+, 16-bit types (the mma.sync kernel has no TF32 form)
+  kTf32Copy,      // sm_80+, float32 as TF32 with an operand that is not K-major in place
+  kSm80,          // sm_80+
   kAlways,
 };
 
@@ -259,8 +269,12 @@ enum class When {
 //     by the wave model below; split counts are the Hopper kernel's
 //     (kernels/matmul_sm90.cu);
 //   * float32 with TF32 allowed takes the same Hopper rows (the TF32 kernel:
-//     same tiles and stage bytes, half the K per stage) and otherwise the
-//     CUDA-core kernel.
+//     same tiles and stage bytes, half the K per stage) where both operands
+//     are K-major in place; where one is not (matmul's b [K, N]), products of
+//     up to kTf32CopyMaxM rows take the mma.sync kernel's TF32 form, which
+//     reads it as it is: the K-major copy the wgmma kernel needs reads and
+//     writes all of B, longer than a small product itself. Off sm_90 float32
+//     with TF32 takes the mma.sync kernel, without TF32 the CUDA-core kernel.
 struct AutoRule {
   int64_t max_m;
   When when;
@@ -270,8 +284,10 @@ struct AutoRule {
 };
 constexpr int64_t kAnyM = INT64_MAX;
 constexpr int64_t kSkinnyAutoMaxM = 1;
+constexpr int64_t kTf32CopyMaxM = 128;
 constexpr AutoRule kAutoRules[] = {
     {kSkinnyAutoMaxM, When::kSkinnyLayout, Path::kSkinny, kc::WgmmaSched::kAuto, kc::Tile::kAuto},
+    {kTf32CopyMaxM, When::kTf32Copy, Path::kMma, kc::WgmmaSched::kAuto, kc::Tile::kAuto},
     {kAnyM, When::kWgmmaTile64, Path::kWgmma, kc::WgmmaSched::kCoop, kc::Tile::kNarrow},
     {kAnyM, When::kWgmmaTile128, Path::kWgmma, kc::WgmmaSched::kCoop, kc::Tile::kSmall},
     {kAnyM, When::kWgmma, Path::kWgmma, kc::WgmmaSched::kCoop, kc::Tile::kLarge},
@@ -319,10 +335,11 @@ bool skinny_considered(const MatmulConfig& cfg, const GemmProblem& p) {
   return cfg.impl == "skinny" || (cfg.impl == "auto" && p.M <= kSkinnyAutoMaxM);
 }
 
-// The row of kAutoRules for a half-type problem (always found: the last row
-// matches everything).
+// The row of kAutoRules for a problem (always found: the last row matches
+// everything). tf32_copy: float32 as TF32 with an operand that is not K-major
+// in place.
 const AutoRule& auto_rule(const kc::GemmArgs& args, const cudaDeviceProp* prop, bool skinny,
-                          bool wgmma_ok, bool mma_ok) {
+                          bool tf32_copy, bool wgmma_ok, bool mma_ok) {
   for (const AutoRule& r : kAutoRules) {
     if (args.M > r.max_m) continue;
     bool ok = false;
@@ -339,6 +356,9 @@ const AutoRule& auto_rule(const kc::GemmArgs& args, const cudaDeviceProp* prop, 
       case When::kWgmma:
         ok = wgmma_ok;
         break;
+      case When::kTf32Copy:
+        ok = tf32_copy && mma_ok;
+        break;
       case When::kSm80:
         ok = mma_ok;
         break;
@@ -354,13 +374,14 @@ const AutoRule& auto_rule(const kc::GemmArgs& args, const cudaDeviceProp* prop, 
 // The kernel for a problem on the current device (see the top of the file);
 // raises where a forced kernel cannot run. `skinny`: the problem has the
 // skinny kernel's shape and layout. `tf32`: float32 may run as TF32
-// (tf32_allowed()). `wopts`: the Hopper options, from the settings, which the
-// default dispatch may complete (schedule and tile of its row).
+// (tf32_allowed()). `k_major`: both operands are K-major in place.
+// `wopts`: the Hopper options, from the settings, which the default dispatch
+// may complete (schedule and tile of its row).
 Path choose_path(const kc::GemmArgs& args, const MatmulConfig& cfg, const cudaDeviceProp* prop,
-                 bool skinny, bool tf32, kc::WgmmaOptions* wopts) {
+                 bool skinny, bool tf32, bool k_major, kc::WgmmaOptions* wopts) {
   const bool half = args.dtype == kc::DType::kF16 || args.dtype == kc::DType::kBF16;
-  // float32 with TF32 allowed: the Hopper kernel's TF32 form where it runs,
-  // else (and with TF32 not allowed) the exact CUDA-core kernel.
+  // float32 with TF32 allowed: a tensor-core kernel's TF32 form where one
+  // runs; else, and with TF32 not allowed, the exact CUDA-core kernel.
   const bool f32_tc = args.dtype == kc::DType::kF32 && tf32;
   TORCH_CHECK(cfg.impl != "skinny" || skinny,
               "FASTCOMM_MATMUL_IMPL=skinny: the skinny kernel needs float16 / bfloat16, at most ",
@@ -370,14 +391,14 @@ Path choose_path(const kc::GemmArgs& args, const MatmulConfig& cfg, const cudaDe
   // K == 0 (bias + activation only) also goes to the CUDA-core kernel.
   if (!(half || f32_tc) || args.K == 0 || cfg.impl == "simt") return Path::kSimt;
   const bool wgmma_ok = prop->major == 9 && prop->minor == 0 && kc::gemm_wgmma_compiled();
-  if (f32_tc && !wgmma_ok && cfg.impl != "wgmma") return Path::kSimt;
+  const bool mma_ok = prop->major >= 8;
   TORCH_CHECK(cfg.impl != "wgmma" || wgmma_ok,
               "FASTCOMM_MATMUL_IMPL=wgmma: the wgmma kernel needs an sm_90 device (", prop->name,
               " is sm_", prop->major, prop->minor,
               ") and an extension built for sm_90a (TORCH_CUDA_ARCH_LIST containing 9.0a)");
   if (cfg.impl == "wgmma") return Path::kWgmma;
   if (cfg.impl == "auto") {
-    const AutoRule& r = auto_rule(args, prop, skinny, wgmma_ok, half && prop->major >= 8);
+    const AutoRule& r = auto_rule(args, prop, skinny, f32_tc && !k_major, wgmma_ok, mma_ok);
     if (r.path == Path::kWgmma) {
       // The row's schedule and tile where the settings leave them auto.
       if (wopts->sched == kc::WgmmaSched::kAuto && wopts->tile == kc::Tile::kAuto) {
@@ -387,8 +408,7 @@ Path choose_path(const kc::GemmArgs& args, const MatmulConfig& cfg, const cudaDe
     }
     return r.path;
   }
-  if (f32_tc) return Path::kSimt;  // impl=mma: no TF32 form, float32 stays on CUDA cores
-  if (prop->major >= 8) return Path::kMma;
+  if (mma_ok) return Path::kMma;
   TORCH_CHECK(cfg.impl != "mma", "FASTCOMM_MATMUL_IMPL=mma: the mma.sync kernel needs sm_80+, ",
               prop->name, " is sm_", prop->major, prop->minor);
   return Path::kSimt;
@@ -437,7 +457,8 @@ at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias
   const std::optional<SkinnyOperands> skinny =
       skinny_considered(cfg, p) ? skinny_operands(p) : std::nullopt;
   kc::WgmmaOptions wopts = wgmma_options(cfg);
-  switch (choose_path(args, cfg, prop, skinny.has_value(), tf32_allowed(), &wopts)) {
+  switch (choose_path(args, cfg, prop, skinny.has_value(), tf32_allowed(), k_major_in_place(p),
+                      &wopts)) {
     case Path::kSkinny: {
       fill_ab(args, skinny->a, skinny->b);
       TORCH_INTERNAL_ASSERT(kc::gemm_skinny_supported(args));
@@ -463,10 +484,10 @@ at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias
       Operand b = prepare_tc_operand(p.B, 0);
       fill_ab(args, a, b);
       TORCH_INTERNAL_ASSERT(kc::gemm_mma_supported(args));
-      const int64_t scratch =
-          kc::gemm_mma_workspace_bytes(args, prop->multiProcessorCount, to_tile(cfg.tile));
+      const int64_t scratch = kc::gemm_mma_workspace_bytes(args, prop->multiProcessorCount,
+                                                           to_tile(cfg.tile), cfg.splits);
       const at::Tensor workspace = float_workspace(p, scratch);
-      err = kc::launch_gemm_mma_sm80(args, prop->multiProcessorCount, to_tile(cfg.tile),
+      err = kc::launch_gemm_mma_sm80(args, prop->multiProcessorCount, to_tile(cfg.tile), cfg.splits,
                                      workspace_ptr(workspace), stream);
       break;
     }
@@ -498,20 +519,16 @@ std::string kernel_name_cuda(const at::Tensor& a, const at::Tensor& b,
   const std::optional<SkinnyOperands> skinny =
       skinny_considered(cfg, p) ? skinny_operands(p) : std::nullopt;
   kc::WgmmaOptions wopts = wgmma_options(cfg);
-  switch (choose_path(args, cfg, prop, skinny.has_value(), tf32_allowed(), &wopts)) {
+  switch (choose_path(args, cfg, prop, skinny.has_value(), tf32_allowed(), k_major_in_place(p),
+                      &wopts)) {
     case Path::kSkinny:
       fill_ab(args, skinny->a, skinny->b);
       return "skinny k-major splits " +
              std::to_string(kc::gemm_skinny_splits(args, prop->multiProcessorCount));
     case Path::kWgmma:
       return kc::describe_gemm_wgmma_sm90(args, prop->multiProcessorCount, wopts);
-    case Path::kMma: {
-      const int splits = kc::gemm_mma_splits(args, prop->multiProcessorCount, to_tile(cfg.tile));
-      return std::string(kc::gemm_mma_large_tile(args, prop->multiProcessorCount, to_tile(cfg.tile))
-                             ? "mma 128x128"
-                             : "mma 64x64") +
-             (splits > 1 ? " splitk " + std::to_string(splits) : "");
-    }
+    case Path::kMma:
+      return kc::describe_gemm_mma(args, prop->multiProcessorCount, to_tile(cfg.tile), cfg.splits);
     case Path::kSimt:
       break;
   }
