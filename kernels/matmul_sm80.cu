@@ -28,7 +28,7 @@
 //    chunks outside are zero-filled; so any M, N, K works. A warp whose rows
 //    all lie past M (small M) issues no MMAs.
 //  * Epilogue: bias + activation + cast fused into the register -> global
-//    store (paired 4-byte stores).
+//    store (paired stores of two adjacent outputs).
 //  * Split K: where the output tiles are too few to occupy the SMs (small M:
 //    batch x tokens), gridDim.y blocks share each tile, each multiplying a
 //    contiguous range of K-slices and writing float32 sums; splitk_finish

@@ -1363,7 +1363,6 @@ def test_cuda_tf32_wgmma_variants(matmul_settings, fp32_precision, variant):
 def test_cuda_tf32_packed_operand_longer_than_a_grid_column(matmul_settings, fp32_precision):
     """matmul's N-major b is packed K-major in 32-wide K tiles; more K tiles than a grid's
     y dimension holds (65535) are walked by the same blocks, none left out."""
-    matmul_settings()
     fp32_precision("high")
     matmul_settings(impl="wgmma")  # the default takes the mma.sync kernel at this M
     m, n, k = 8, 24, 65535 * 32 + 1000
