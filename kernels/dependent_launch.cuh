@@ -23,6 +23,19 @@ __device__ __forceinline__ void griddep_wait() {
 #endif
 }
 
+// Whether the current device takes programmatic dependent launches (compute
+// capability 9.0 and later); false, with the runtime's error, where it cannot
+// be asked.
+inline cudaError_t dependent_launch_supported(bool* supported) {
+  int device = 0, major = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  }
+  *supported = err == cudaSuccess && major >= 9;
+  return err;
+}
+
 // The launch attribute that makes a kernel a programmatic dependent of the
 // one before it on the stream (set launch.attrs to it, numAttrs to 1).
 inline cudaLaunchAttribute programmatic_dependent_launch() {

@@ -292,6 +292,7 @@ __device__ __forceinline__ void load_bias_pair(const T* bias, int col, bool two,
   b1 = two ? load_as_float(bias + col + 1) : 0.0f;
 }
 
+using fastcomm::dependent_launch_supported;
 using fastcomm::griddep_launch_dependents;
 using fastcomm::griddep_wait;
 using fastcomm::programmatic_dependent_launch;

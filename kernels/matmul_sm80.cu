@@ -457,14 +457,6 @@ cudaError_t launch_type(const GemmArgs& p, TileShape t, int splits, float* parti
   return launch_layout<T, false, false>(p, t, splits, partial, pdl, stream);
 }
 
-// Whether the current device takes programmatic dependent launches (sm_90+).
-bool dependent_launch_supported() {
-  int device = 0, major = 0;
-  return cudaGetDevice(&device) == cudaSuccess &&
-         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-         major >= 9;
-}
-
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
 
 // K per shared-memory slice (64 bytes), in elements of the problem's type.
@@ -542,7 +534,9 @@ cudaError_t launch_gemm_mma_sm80(const GemmArgs& p, int num_sms, Tile tile, int 
   const int splits = gemm_mma_splits(p, num_sms, tile, forced_splits);
   if (splits > 1 && workspace == nullptr) return cudaErrorInvalidValue;
   float* partial = static_cast<float*>(workspace);
-  const bool pdl = dependent_launch_supported();
+  bool pdl = false;
+  const cudaError_t err = dependent_launch_supported(&pdl);
+  if (err != cudaSuccess) return err;
   if (p.dtype == DType::kBF16)
     return launch_type<__nv_bfloat16>(p, t, splits, partial, pdl, stream);
   if (p.dtype == DType::kF32) return launch_type<float>(p, t, splits, partial, pdl, stream);

@@ -572,17 +572,15 @@ constexpr int esizeOf() {
 // stream order before compute capability 9.0, which has no such launches
 // (the kernels' griddepcontrol instructions are compiled out there).
 void launchAfter(void (*kernel)(Args), const Grid& g, cudaStream_t s, const Args& a) {
-  int device = 0, major = 0;
-  check(cudaGetDevice(&device), "cudaGetDevice");
-  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
-        "cudaDeviceGetAttribute");
+  bool pdl_ok = false;
+  check(dependent_launch_supported(&pdl_ok), "compute capability of the current device");
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(g.blocks));
   config.blockDim = dim3(static_cast<unsigned>(g.threads));
   config.stream = s;
   cudaLaunchAttribute pdl = programmatic_dependent_launch();
   config.attrs = &pdl;
-  config.numAttrs = major >= 9 ? 1 : 0;
+  config.numAttrs = pdl_ok ? 1 : 0;
   // As after a <<<>>> launch, a failed launch is read (and so cleared) as the
   // thread's last error: it must not surface at someone else's next check.
   static_cast<void>(cudaLaunchKernelEx(&config, kernel, a));
