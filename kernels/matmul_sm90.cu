@@ -59,13 +59,17 @@ bool tma_operand_ok(int64_t inner, int64_t ld, int es) {
 // is 32 tiles of 128 x 128 on 132 SMs), each tile's K-slices are shared by
 // `splits` CTAs, which write float32 sums; splitk_finish adds them in split
 // order and applies bias, activation and the cast (deterministic). The choice
-// of splits models such a small product as bound by the bytes each SM moves,
-// counted in bytes per SM on the busiest SM:
+// of splits models such a small product as bound by the bytes it moves, in
+// bytes per SM: the more of
 //   waves x (slices per unit x bytes per slice + the unit's float32 store)
-//   + (the finish pass's bytes + a launch) / SMs,
-// with waves = ceil(units / SMs). A split is taken only where it models
-// kSplitGain faster than none, since the second pass and the extra traffic
-// are what the model knows least well.
+// on the busiest SM (waves = ceil(units / SMs)), and the bytes the product
+// reads from and writes to DRAM (A and B once, the float32 sums) over
+// kBandwidthSms, the SMs whose streams take all of the memory's bandwidth;
+// plus (the finish pass's bytes + a launch) / SMs. Tiles that already keep
+// that many SMs streaming (16 x 11008 x 4096: 86 tiles of 128 x 128) gain
+// nothing from a split, which only adds the sums and the second pass. A
+// split is taken only where it models kSplitGain faster than none, since the
+// second pass and the extra traffic are what the model knows least well.
 constexpr int kTileM = 128;       // tile rows (kBM of the kernel)
 constexpr int kSliceBytes = 128;  // K per pipeline stage in bytes (kBKFor<T> of the kernel)
 // K per pipeline stage in elements: 64 (16-bit types), 32 (float32 as TF32).
@@ -74,6 +78,10 @@ constexpr int kMaxSplits = 16;
 constexpr int kMinSlicesPerSplit = 4;        // K >= 256 per unit: the pipeline fills
 constexpr double kSplitGain = 0.8;           // modelled time at most 0.8 x the unsplit one
 constexpr double kFinishLaunchBytes = 48e3;  // ~2 us of one SM's share of the bandwidth
+// SMs that, streaming at their own rate, take the memory's bandwidth: an
+// unsplit TF32 128 x 11008 x 4096 moved 4.2 MB per SM at ~55 GB/s per SM
+// on 86 SMs (H100), so ~3 TB/s takes about 50.
+constexpr double kBandwidthSms = 48;
 
 double split_cost(const GemmArgs& p, int num_sms, int bn, int64_t tiles, int64_t num_kb,
                   int splits) {
@@ -82,13 +90,17 @@ double split_cost(const GemmArgs& p, int num_sms, int bn, int64_t tiles, int64_t
   const int64_t units = tiles * splits;
   const double waves = static_cast<double>(cdiv(units, num_sms));
   const double slices = static_cast<double>(cdiv(num_kb, splits));
-  double cost = waves * slices * slice_bytes;
+  double busiest = waves * slices * slice_bytes;
+  double dram = (static_cast<double>(p.M) + p.N) * p.K * elem_bytes(p.dtype);
+  double finish = 0;
   if (splits > 1) {
-    cost += waves * rows * bn * 4;
-    const double finish = static_cast<double>(p.M) * p.N * (4.0 * splits + elem_bytes(p.dtype));
-    cost += (finish + kFinishLaunchBytes * num_sms) / num_sms;
+    busiest += waves * rows * bn * 4;
+    dram += static_cast<double>(p.M) * p.N * 4.0 * splits;
+    const double finish_bytes =
+        static_cast<double>(p.M) * p.N * (4.0 * splits + elem_bytes(p.dtype));
+    finish = (finish_bytes + kFinishLaunchBytes * num_sms) / num_sms;
   }
-  return cost;
+  return std::max(busiest, dram / kBandwidthSms) + finish;
 }
 
 // The modelled best split count for tiles of 128 x bn (1: no split).
@@ -144,6 +156,10 @@ int narrow_splits(const GemmArgs& p, int num_sms) {
   }
   return cdiv(p.K, s) > kNarrowMaxUnitK ? 0 : s;
 }
+
+// Tiles of 128 x 256 per SM from which the default takes the offload
+// epilogue (choose_plan).
+constexpr int64_t kOffloadMinWaves = 3;
 
 // C can be written by 64 x 64 TMA stores.
 // float32 (TF32) outputs always take the register epilogues: the TMA
@@ -203,11 +219,16 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
   // EPI=offload falls back as tma does (the TMA epilogue on the 128 x 128
   // cooperative tile, direct stores where C takes no TMA stores or for
   // ping-pong). auto takes it where there is activation math to hide (gelu,
-  // gelu_tanh, silu), where it measured at or above the TMA epilogue; the
-  // bare product (none / relu) keeps the TMA epilogue and its fourth stage.
+  // gelu_tanh, silu) under later tiles: from kOffloadMinWaves tiles per SM,
+  // where it measured at or above the TMA epilogue. With fewer, a CTA's last
+  // tile's activation has nothing to hide under and the TMA epilogue's
+  // fourth stage wins (docs/matmul.md). The bare product (none / relu) keeps
+  // the TMA epilogue.
   const bool act_math = p.act == Act::kGelu || p.act == Act::kGeluTanh || p.act == Act::kSilu;
-  plan.epi_offload = plan.tma_store && plan.bn == 256 &&
-                     (o.epi == WgmmaEpi::kOffload || (o.epi == WgmmaEpi::kAuto && act_math));
+  const bool many_tiles = cdiv(p.M, kTileM) * cdiv(p.N, 256) >= kOffloadMinWaves * num_sms;
+  plan.epi_offload =
+      plan.tma_store && plan.bn == 256 &&
+      (o.epi == WgmmaEpi::kOffload || (o.epi == WgmmaEpi::kAuto && act_math && many_tiles));
   const int narrow = plan.bn == 64 && o.splits == 0 ? narrow_splits(p, num_sms) : 0;
   if (o.splits > 0) {
     plan.splits = clamp_splits(p, o.splits);

@@ -511,8 +511,8 @@ SMALL_M = [1, 2, 3, 8, 16, 31, 64, 128, 255, 256]
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_small_m(matmul_settings, dtype):
     """The default dispatch for every small M on odd N and K, every operand layout, with and
-    without activation, against float64; and the kernel it names: split K for tiles that do
-    not fill the GPU."""
+    without activation, against float64; and the kernel it names: split K where the tiles
+    leave most SMs idle, not where they already keep enough SMs streaming."""
     matmul_settings()
     shapes = [(m, n, k) for m in SMALL_M for n, k in ((1000, 1032), (257, 4104), (4099, 520))]
     _check_all_layouts("cuda", dtype, shapes, acts=("none", "gelu_tanh"))
@@ -520,7 +520,12 @@ def test_cuda_small_m(matmul_settings, dtype):
     probe_b = torch.empty(4096, 11008, device="cuda", dtype=dtype)
     name = torch.ops.fastcomm._kernel_name(probe_a, probe_b)
     if _cuda_cc() == (9, 0):
-        assert name.startswith("wgmma coop 128x128 splitk "), name
+        # 86 tiles of 128 x 128 keep more SMs streaming than the memory needs: no split
+        assert name.startswith("wgmma coop 128x128") and " splitk " not in name, name
+        name = torch.ops.fastcomm._kernel_name(
+            probe_a.new_empty(256, 11008), probe_b.new_empty(11008, 4096)
+        )
+        assert name.startswith("wgmma coop 128x128 splitk 2 "), name  # 64 tiles, K = 11008
         name = torch.ops.fastcomm._kernel_name(probe_a, probe_b[:, :4096])
         assert name.startswith("wgmma coop 128x64") and " splitk " not in name, name
     elif _cuda_cc()[0] >= 8:
@@ -736,11 +741,14 @@ def test_cuda_default_dispatch(matmul_settings):
         assert name_big.startswith("wgmma "), name_big
         assert name_small.startswith("wgmma coop 128x64"), name_small  # the 128 x 64 rule
         # the 128x256 tile: the offload epilogue where there is activation math to hide
+        # under later tiles (512 tiles: ~4 per SM), the TMA epilogue at ~1 tile per SM
         assert name_big.startswith("wgmma coop 128x256") and " epi tma " in name_big, name_big
         for act, epi in (("relu", "tma"), ("gelu", "offload"), ("gelu_tanh", "offload"),
                          ("silu", "offload")):  # fmt: skip
             name = torch.ops.fastcomm._kernel_name(big, big, act)
             assert f" epi {epi} " in name, (act, name)
+        name = torch.ops.fastcomm._kernel_name(big[:1024], big, "gelu_tanh")
+        assert name.startswith("wgmma coop 128x256 epi tma "), name
     elif _cuda_cc()[0] >= 8:
         assert name_big.startswith("mma ") and name_small.startswith("mma "), (name_big, name_small)
     f32 = torch.empty(64, 64, device="cuda")
@@ -970,8 +978,9 @@ def test_cuda_wgmma_split_k(matmul_settings, variant, dtype):
     shorter than the split count clamps it, and the result is bitwise reproducible."""
     settings = WGMMA_SPLIT_VARIANTS[variant]
     matmul_settings(**settings)
-    probe_a = torch.empty(16, 4096, device="cuda", dtype=dtype)
-    probe_b = torch.empty(4096, 11008, device="cuda", dtype=dtype)
+    # 64 tiles of 128 x 128 over a long K: the default splits it
+    probe_a = torch.empty(256, 11008, device="cuda", dtype=dtype)
+    probe_b = torch.empty(11008, 4096, device="cuda", dtype=dtype)
     name = torch.ops.fastcomm._kernel_name(probe_a, probe_b)
     if "splits" in settings:
         assert name.startswith(f"wgmma {settings['sched']}"), name
@@ -1005,9 +1014,9 @@ def test_cuda_wgmma_split_k_graph_replays(matmul_settings, variant):
     products of other shapes and split counts in between reusing the allocator's blocks."""
     matmul_settings(**WGMMA_SPLIT_VARIANTS[variant])
     bf = torch.bfloat16
-    x = _rand(16, 4096, dtype=bf, device="cuda")
-    w = _rand(11008, 4096, dtype=bf, device="cuda")
-    b = _rand(11008, dtype=bf, device="cuda")
+    x = _rand(256, 11008, dtype=bf, device="cuda")
+    w = _rand(4096, 11008, dtype=bf, device="cuda")
+    b = _rand(4096, dtype=bf, device="cuda")
     assert " splitk " in torch.ops.fastcomm._kernel_name(x, w.t()), "no split to test"
     ops.linear(x, w, b, "gelu")  # warm-up outside the capture
     torch.cuda.synchronize()
@@ -1015,7 +1024,7 @@ def test_cuda_wgmma_split_k_graph_replays(matmul_settings, variant):
     with torch.cuda.graph(g):
         y = ops.linear(x, w, b, "gelu")
     for r in range(3):
-        x.copy_(_rand(16, 4096, dtype=bf, device="cuda"))
+        x.copy_(_rand(256, 11008, dtype=bf, device="cuda"))
         g.replay()
         expect = ops.linear(x, w, b, "gelu")
         ops.matmul(_rand(40 + r, 1032, dtype=bf, device="cuda"), w[:1032, :1000])
