@@ -173,6 +173,54 @@ __device__ __forceinline__ void unpack_pair(uint32_t w, float& lo, float& hi) {
   }
 }
 
+// The cooperative kernel's direct epilogue for 16-bit outputs (the 128 x 64
+// tile, and C that takes no TMA stores): as epilogue_direct, with the bias
+// from registers (prefetch_bias, loaded under the last MMAs instead of after
+// them: with one tile per CTA the loads' latency was the epilogue's longest
+// wait) and the lean activations of the TMA epilogue. Edge blocks take the
+// masked path.
+template <typename T, Act ACT, int BN>
+__device__ __forceinline__ void epilogue_direct_lean(const GemmArgs& p,
+                                                     const float (&acc)[1][BN / 2],
+                                                     const uint32_t (&bw)[BN / 8], int block_row,
+                                                     int n0, int wtid, bool interior,
+                                                     bool pair_ok) {
+  const int et = static_cast<int>(opaque_u32(static_cast<uint32_t>(wtid)));
+  const int row0 = block_row + (et / 32) * 16 + ((et % 32) >> 2);
+  const int col0 = n0 + (et & 3) * 2;
+  if (interior) {
+    T* const c = static_cast<T*>(p.c) + static_cast<int64_t>(row0) * p.ldc + col0;
+    const int64_t ld8 = 8 * p.ldc;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      float b0, b1;
+      unpack_pair<T>(bw[j], b0, b1);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        store_pair<T>(c + h * ld8 + 8 * j, activate_lean<ACT, false>(acc[0][4 * j + 2 * h] + b0),
+                      activate_lean<ACT, true>(acc[0][4 * j + 2 * h + 1] + b1));
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+    const int col = col0 + 8 * j;
+    if (col < p.N) {
+      float b0, b1;
+      unpack_pair<T>(bw[j], b0, b1);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row0 + 8 * h;
+        if (row < p.M) {
+          store_out_pair<T, ACT>(p, row, col, acc[0][4 * j + 2 * h] + b0,
+                                 acc[0][4 * j + 2 * h + 1] + b1, col + 1 < p.N, pair_ok);
+        }
+      }
+    }
+  }
+}
+
 // Where a consumer thread's accumulator pairs go in a 64 x 64 output chunk
 // staged with the 128B swizzle (epilogue_tma's layout): rows r0 and r0 + 8 of
 // the warpgroup's 64, two columns of each 8-column (16-byte) unit. Derived

@@ -474,6 +474,22 @@ __global__ void __launch_bounds__(kThreads, 1)
           continue;
         }
       }
+      if constexpr (!kTF32 && !PINGPONG) {
+        if (splits == 1) {
+          // Direct stores: the bias loads go out under the last MMAs, as in
+          // the TMA epilogue.
+          uint32_t bw[BN / 8];
+          prefetch_bias<T, BN>(p, n0, wtid, bias_paired, bw);
+          wgmma_wait<0>();
+          fence_accumulators(acc);
+          if (num_kb_unit > 0) release(prev_s);
+          const int block_row = m0 + 64 * cw;
+          const bool interior = block_row + 64 <= M && n0 + BN <= N && pair_ok;
+          FASTCOMM_DISPATCH_ACT(p.act, (epilogue_direct_lean<T, kAct, BN>(
+                                           p, acc, bw, block_row, n0, wtid, interior, pair_ok)));
+          continue;
+        }
+      }
       wgmma_wait<0>();
       fence_accumulators(acc);
       if (num_kb_unit > 0) release(prev_s);
