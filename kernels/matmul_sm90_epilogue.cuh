@@ -176,9 +176,8 @@ __device__ __forceinline__ void unpack_pair(uint32_t w, float& lo, float& hi) {
 // The cooperative kernel's direct epilogue for 16-bit outputs (the 128 x 64
 // tile, and C that takes no TMA stores): as epilogue_direct, with the bias
 // from registers (prefetch_bias, loaded under the last MMAs instead of after
-// them: with one tile per CTA the loads' latency was the epilogue's longest
-// wait) and the lean activations of the TMA epilogue. Edge blocks take the
-// masked path.
+// them: with one tile per CTA no later main loop hides their latency) and the
+// lean activations of the TMA epilogue. Edge blocks take the masked path.
 template <typename T, Act ACT, int BN>
 __device__ __forceinline__ void epilogue_direct_lean(const GemmArgs& p,
                                                      const float (&acc)[1][BN / 2],
