@@ -52,6 +52,23 @@ def test_runner_unknown_stage_fails_before_running_anything(tmp_path):
     assert "unknown stage nosuchstage" in out.stderr
 
 
+def test_matmul_split_sweep_setting_names():
+    # The forced configurations the sweep's setting names stand for, and the names it refuses.
+    sweep = load_benchmark_module("tools/matmul_split_sweep")
+    assert sweep.parse_setting("auto") == {}
+    assert sweep.parse_setting("rows_s8") == {"impl": "mma", "tile": "narrow", "splits": "8"}
+    assert sweep.parse_setting("coop128_s1") == {
+        "impl": "wgmma",
+        "sched": "coop",
+        "tile": "small",
+        "splits": "1",
+    }
+    assert sweep.parse_setting("coop256tma")["epi"] == "tma"
+    for bad in ("auto_s2", "rows_sx", "coop512", ""):
+        with pytest.raises(ValueError, match="unknown setting"):
+            sweep.parse_setting(bad)
+
+
 def test_ncu_summary_raw_table(tmp_path):
     # The shape of `ncu --csv --page raw` with matmul_ncu.py's kernel lines mixed in.
     path = tmp_path / "ncu_raw.csv"
