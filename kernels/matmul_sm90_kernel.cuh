@@ -77,7 +77,12 @@ using namespace detail;
 // OFFLOAD: the cooperative 128 x 256 kernel with the "offload" epilogue
 // (epilogue_offload_write / epilogue_warps_offload below): 3 stages and one
 // whole-tile output buffer instead of 4 stages and 4 chunk buffers.
-template <typename T, Sched S, int BN, bool OFFLOAD = false>
+// SMALL_A: the cooperative 128 x 64 tile for products of at most 64 rows:
+// stages hold 64 rows of A instead of 128 (the tile's other 64 rows are past
+// M and never loaded), so the same shared memory takes 13 stages instead of 8
+// and keeps that much more of B, the operand that streams from DRAM, in
+// flight.
+template <typename T, Sched S, int BN, bool OFFLOAD = false, bool SMALL_A = false>
 struct Cfg {
   static_assert(BN == 256 || BN == 128 || BN == 64, "BN must be 64, 128 or 256");
   static_assert(sizeof(T) == 2 || !OFFLOAD, "the offload epilogue stages 16-bit outputs");
@@ -86,14 +91,17 @@ struct Cfg {
   static constexpr bool TMA_EPI = S == Sched::kCoop && BN >= 128;
   static_assert(!OFFLOAD || (S == Sched::kCoop && BN == 256),
                 "the offload epilogue exists for the cooperative 128 x 256 kernel only");
+  static_assert(!SMALL_A || (S == Sched::kCoop && BN == 64 && !OFFLOAD),
+                "64 rows of A per stage: the cooperative 128 x 64 kernel only");
   static constexpr bool PINGPONG = S == Sched::kPingpong;
   static constexpr int BM = kBM;
   // 4 x 48 KB (cooperative 128 x 256), 6 x 32 KB (128 x 128), 8 x 24 KB
   // (128 x 64); 3 x 48 KB with the offload epilogue, whose 64 KB tile buffer
   // takes the fourth stage's place.
-  static constexpr int STAGES = OFFLOAD ? 3 : BN == 256 ? 4 : BN == 128 ? 6 : 8;
-  static constexpr int BK = kBKFor<T>;                                   // 128 bytes of K
-  static constexpr int A_BYTES = BM * BK * static_cast<int>(sizeof(T));  // 16 KB
+  static constexpr int STAGES = OFFLOAD ? 3 : BN == 256 ? 4 : BN == 128 ? 6 : SMALL_A ? 13 : 8;
+  static constexpr int BK = kBKFor<T>;              // 128 bytes of K
+  static constexpr int A_ROWS = SMALL_A ? 64 : BM;  // rows of A a stage holds
+  static constexpr int A_BYTES = A_ROWS * BK * static_cast<int>(sizeof(T));  // 16 KB (8 KB)
   static constexpr int B_BYTES = BN * BK * static_cast<int>(sizeof(T));
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
   // Staging of the TMA-store epilogue (cooperative only): two chunk buffers
@@ -155,14 +163,15 @@ struct KernelOpts {
 // B_K: B is K-major ([N][K], ldb = sbn), else N-major ([K][N], ldb = sbk).
 // OFFLOAD: the offload epilogue (cooperative 128 x 256 only; opts.tma_store
 // is 2 and tma_c valid).
-template <typename T, Sched S, int BN, bool A_K, bool B_K, bool OFFLOAD = false>
+template <typename T, Sched S, int BN, bool A_K, bool B_K, bool OFFLOAD = false,
+          bool SMALL_A = false>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_wgmma_kernel(const __grid_constant__ CUtensorMap tma_a,
                       const __grid_constant__ CUtensorMap tma_b,
                       const __grid_constant__ CUtensorMap tma_c, const GemmArgs p,
                       const KernelOpts opts) {
 #if FASTCOMM_SM90A_DEVICE
-  using C = Cfg<T, S, BN, OFFLOAD>;
+  using C = Cfg<T, S, BN, OFFLOAD, SMALL_A>;
   // float32 runs as TF32, whose wgmma reads both operands K-major only.
   constexpr bool kTF32 = std::is_same<T, float>::value;
   static_assert(!kTF32 || (A_K && B_K), "TF32 operands must be K-major");
@@ -290,7 +299,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             tma_load_2d(a_dst, &tma_a, k0, m0, full_bar(s));  // box {64 k, a_rows m}
           } else {
 #pragma unroll
-            for (int j = 0; j < BM / 64; ++j) {
+            for (int j = 0; j < C::A_ROWS / 64; ++j) {
               if (64 * j >= opts.a_rows) break;
               tma_load_2d(a_dst + j * C::BOX_BYTES, &tma_a, m0 + 64 * j, k0,
                           full_bar(s));  // box {64 m, 64 k}
@@ -346,7 +355,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // A rows of this warpgroup's first m64 sub-tile: 64 rows = 8 KB into a
     // K-major tile, or the second 64-wide box of an M-major one: 8 KB either
     // way (cooperative, warpgroup 1); ping-pong warpgroups read all 128 rows.
-    const uint32_t a_off = PINGPONG ? 0u : static_cast<uint32_t>(cw) * 8192u;
+    // With SMALL_A warpgroup 1 has no rows of A and issues no MMAs.
+    const uint32_t a_off = (PINGPONG || SMALL_A) ? 0u : static_cast<uint32_t>(cw) * 8192u;
     // Stage 0, k16 step 0; desc_advance moves them.
     const DescPair a_desc0 = smem_desc_pair(sA + a_off, kALbo, 1024u);
     const DescPair b_desc0 = smem_desc_pair(sB, kBLbo, 1024u);
@@ -516,9 +526,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---- host side -----------------------------------------------------------------------
 
-template <typename T, Sched S, int BN, bool A_K, bool B_K, bool OFFLOAD>
+template <typename T, Sched S, int BN, bool A_K, bool B_K, bool OFFLOAD, bool SMALL_A>
 cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stream) {
-  using C = Cfg<T, S, BN, OFFLOAD>;
+  using C = Cfg<T, S, BN, OFFLOAD, SMALL_A>;
+  if (SMALL_A && p.M > C::A_ROWS) return cudaErrorInvalidValue;
   constexpr int kBK = C::BK;
   CUtensorMap ma, mb, mc;
   // A product of fewer rows than a tile loads only its rows (KernelOpts::a_rows).
@@ -551,7 +562,7 @@ cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stre
   }
   const int64_t units = ((p.M + C::BM - 1) / C::BM) * ((p.N + BN - 1) / BN) * plan.splits;
   if (units > INT_MAX) return cudaErrorInvalidValue;
-  auto kernel = gemm_wgmma_kernel<T, S, BN, A_K, B_K, OFFLOAD>;
+  auto kernel = gemm_wgmma_kernel<T, S, BN, A_K, B_K, OFFLOAD, SMALL_A>;
 
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
@@ -573,9 +584,10 @@ cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stre
       FASTCOMM_LOG(Info, "matmul wgmma kernel "
                              << (S == Sched::kPingpong ? "ping-pong" : "cooperative")
                              << (OFFLOAD ? " offload" : "") << " " << C::BM << "x" << BN
-                             << " layout " << (A_K ? "K" : "M") << (B_K ? "K" : "N")
-                             << " on device " << dev << ": " << C::SMEM_BYTES
-                             << " B shared memory, " << plan.num_sms << " SMs");
+                             << (SMALL_A ? " (64 rows of A per stage)" : "") << " layout "
+                             << (A_K ? "K" : "M") << (B_K ? "K" : "N") << " on device " << dev
+                             << ": " << C::SMEM_BYTES << " B shared memory, " << plan.num_sms
+                             << " SMs");
     }
   }
 
@@ -596,18 +608,18 @@ cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stre
   return cudaLaunchKernelEx(&launch, kernel, ma, mb, mc, p, opts);
 }
 
-template <typename T, Sched S, int BN, bool OFFLOAD = false>
+template <typename T, Sched S, int BN, bool OFFLOAD = false, bool SMALL_A = false>
 cudaError_t launch_layout(const GemmArgs& p, const Plan& plan, cudaStream_t stream) {
   const bool a_k = p.sak == 1, b_k = p.sbk == 1;
   if constexpr (std::is_same<T, float>::value) {
     // TF32: K-major operands only (gemm_wgmma_supported).
     if (!a_k || !b_k) return cudaErrorInvalidValue;
-    return launch_kernel<T, S, BN, true, true, false>(p, plan, stream);
+    return launch_kernel<T, S, BN, true, true, false, SMALL_A>(p, plan, stream);
   } else {
-    if (a_k && b_k) return launch_kernel<T, S, BN, true, true, OFFLOAD>(p, plan, stream);
-    if (a_k) return launch_kernel<T, S, BN, true, false, OFFLOAD>(p, plan, stream);
-    if (b_k) return launch_kernel<T, S, BN, false, true, OFFLOAD>(p, plan, stream);
-    return launch_kernel<T, S, BN, false, false, OFFLOAD>(p, plan, stream);
+    if (a_k && b_k) return launch_kernel<T, S, BN, true, true, OFFLOAD, SMALL_A>(p, plan, stream);
+    if (a_k) return launch_kernel<T, S, BN, true, false, OFFLOAD, SMALL_A>(p, plan, stream);
+    if (b_k) return launch_kernel<T, S, BN, false, true, OFFLOAD, SMALL_A>(p, plan, stream);
+    return launch_kernel<T, S, BN, false, false, OFFLOAD, SMALL_A>(p, plan, stream);
   }
 }
 
@@ -626,7 +638,11 @@ cudaError_t launch_sched(const GemmArgs& p, const Plan& plan, cudaStream_t strea
       }
       return launch_layout<T, S, 256>(p, plan, stream);
     }
-    if (plan.bn == 64) return launch_layout<T, S, 64>(p, plan, stream);
+    if (plan.bn == 64) {
+      // At most 64 rows: the stages hold 64 rows of A and are 13 deep (SMALL_A).
+      if (p.M <= 64) return launch_layout<T, S, 64, false, true>(p, plan, stream);
+      return launch_layout<T, S, 64>(p, plan, stream);
+    }
     return launch_layout<T, S, 128>(p, plan, stream);
   }
 }
