@@ -31,105 +31,8 @@ constexpr int kEpiChunkBytes = 64 * 64 * 2;  // TMA-store epilogue: 64 x 64 outp
 // columns of row 16w + l/4 + 8 in d[4j+2], d[4j+3]. Sub-tile mi of a
 // ping-pong accumulator covers rows 64 mi .. 64 mi + 63.
 
-// Straight from registers: bias + activation + cast, paired 4-byte stores.
-// block_row / n0: the first row and column of the warpgroup's block in C;
-// wtid: the thread's index in the warpgroup. `interior`: the whole block lies
-// inside C, stores and bias loads may be paired; then one unmasked path with
-// constant offsets runs, small enough to stay in the instruction cache. Edge
-// blocks take the masked path, which checks every pair.
-template <typename T, Act ACT, int MSUB, int BN>
-__device__ __forceinline__ void epilogue_direct(const GemmArgs& p, const float (&acc)[MSUB][BN / 2],
-                                                int block_row, int n0, int wtid, bool interior,
-                                                bool pair_ok, bool bias_paired) {
-  const T* bias = static_cast<const T*>(p.bias);
-  // The thread's offsets derive from an opaque copy of its index, inside each
-  // activation's instance of this function: otherwise the compiler hoists
-  // them (and the addresses built on them) out of the activation switch and
-  // the tile loop, and keeps them live across the main loop next to the
-  // accumulators (spills).
-  const int et = static_cast<int>(opaque_u32(static_cast<uint32_t>(wtid)));
-  const int row0 = block_row + (et / 32) * 16 + ((et % 32) >> 2);
-  const int col0 = n0 + (et & 3) * 2;
-  if (interior) {
-    T* const c = static_cast<T*>(p.c) + static_cast<int64_t>(row0) * p.ldc + col0;
-    const int64_t ld8 = 8 * p.ldc;  // rows r0 + 8 h + 64 mi are (h + 8 mi) ld8 apart
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-      float b0 = 0.0f, b1 = 0.0f;
-      if (bias != nullptr) load_bias_pair<T>(bias, col0 + 8 * j, true, true, b0, b1);
-#pragma unroll
-      for (int mi = 0; mi < MSUB; ++mi) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          store_pair<T>(c + (8 * mi + h) * ld8 + 8 * j,
-                        activate<ACT, true>(acc[mi][4 * j + 2 * h] + b0),
-                        activate<ACT, true>(acc[mi][4 * j + 2 * h + 1] + b1));
-        }
-      }
-    }
-    return;
-  }
-#pragma unroll
-  for (int j = 0; j < BN / 8; ++j) {
-    const int col = col0 + 8 * j;
-    if (col < p.N) {
-      const bool two = col + 1 < p.N;
-      // One bias load per column pair, shared by the 2 (or 4) rows below.
-      float b0 = 0.0f, b1 = 0.0f;
-      if (bias != nullptr) load_bias_pair<T>(bias, col, two, bias_paired, b0, b1);
-#pragma unroll
-      for (int mi = 0; mi < MSUB; ++mi) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = row0 + 64 * mi + 8 * h;
-          if (row < p.M) {
-            store_out_pair<T, ACT>(p, row, col, acc[mi][4 * j + 2 * h] + b0,
-                                   acc[mi][4 * j + 2 * h + 1] + b1, two, pair_ok);
-          }
-        }
-      }
-    }
-  }
-}
-
-// Split K: the warpgroup's float32 sums of its K range, as they are, into
-// partial[row][col] (row stride N; the split's slab of the workspace that
-// splitk_finish adds up in split order and finishes with bias, activation and
-// the cast). Paired 8-byte stores where N is even (then every pair is
-// aligned), masked at the edges of C. Offsets derive from an opaque copy of
-// the thread index, as in epilogue_direct, so that nothing is hoisted out of
-// the tile loop next to the accumulators.
-template <int MSUB, int BN>
-__device__ __forceinline__ void epilogue_partial(const float (&acc)[MSUB][BN / 2],
-                                                 float* __restrict__ partial, int block_row, int n0,
-                                                 int wtid, int M, int N) {
-  const int et = static_cast<int>(opaque_u32(static_cast<uint32_t>(wtid)));
-  const int row0 = block_row + (et / 32) * 16 + ((et % 32) >> 2);
-  const int col0 = n0 + (et & 3) * 2;
-  const bool paired = (N % 2) == 0;
-#pragma unroll
-  for (int mi = 0; mi < MSUB; ++mi) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = row0 + 64 * mi + 8 * h;
-      if (row >= M) continue;
-      float* const out = partial + static_cast<int64_t>(row) * N;
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        const int col = col0 + 8 * j;
-        const float v0 = acc[mi][4 * j + 2 * h], v1 = acc[mi][4 * j + 2 * h + 1];
-        if (paired && col + 1 < N) {
-          *reinterpret_cast<float2*>(out + col) = make_float2(v0, v1);
-        } else {
-          if (col < N) out[col] = v0;
-          if (col + 1 < N) out[col + 1] = v1;
-        }
-      }
-    }
-  }
-}
-
-// The thread's bias pairs for the lean TMA epilogue: the two columns
+// The thread's bias pairs for the epilogues that take them from registers
+// (TMA, offload, and the cooperative kernel's direct one): the two columns
 // n0 + 8 j + 2 (l % 4) + {0, 1} of each 8-column block j, as the packed
 // 16-bit pair (zero where there is no bias or the column is outside C).
 // Called after the tile's last MMAs are issued and before waiting for them,
@@ -173,31 +76,69 @@ __device__ __forceinline__ void unpack_pair(uint32_t w, float& lo, float& hi) {
   }
 }
 
-// The cooperative kernel's direct epilogue for 16-bit outputs (the 128 x 64
-// tile, and C that takes no TMA stores): as epilogue_direct, with the bias
-// from registers (prefetch_bias, loaded under the last MMAs instead of after
-// them: with one tile per CTA no later main loop hides their latency) and the
-// lean activations of the TMA epilogue. Edge blocks take the masked path.
-template <typename T, Act ACT, int BN>
-__device__ __forceinline__ void epilogue_direct_lean(const GemmArgs& p,
-                                                     const float (&acc)[1][BN / 2],
-                                                     const uint32_t (&bw)[BN / 8], int block_row,
-                                                     int n0, int wtid, bool interior,
-                                                     bool pair_ok) {
+// The direct epilogue's activation of an element before its cast to T: the
+// lean forms for 16-bit outputs (ODD: the second element of a pair, see
+// activate_lean); float32 (TF32) outputs take activate<ACT, true>, whose
+// GELU's 2e-4 relative error in the far negative tail is below the 2^-11
+// rounding of TF32 operands.
+template <typename T, Act ACT, bool ODD>
+__device__ __forceinline__ float activate_direct(float v) {
+  if constexpr (kHalfType<T>) {
+    return activate_lean<ACT, ODD>(v);
+  } else {
+    return activate<ACT, true>(v);
+  }
+}
+
+// Straight from registers: bias + activation + cast, paired 4-byte stores.
+// block_row / n0: the first row and column of the warpgroup's block in C;
+// wtid: the thread's index in the warpgroup. `interior`: the whole block lies
+// inside C, stores and bias loads may be paired; then one unmasked path with
+// constant offsets runs, small enough to stay in the instruction cache. Edge
+// blocks take the masked path, which checks every pair. BIAS_IN_REGS: the
+// bias pairs are in bw (prefetch_bias, 16-bit types: loaded under the last
+// MMAs, for kernels where no later main loop hides their latency); otherwise
+// they are loaded here, once per column pair.
+template <typename T, Act ACT, int MSUB, int BN, bool BIAS_IN_REGS>
+__device__ __forceinline__ void epilogue_direct(const GemmArgs& p, const float (&acc)[MSUB][BN / 2],
+                                                const uint32_t (&bw)[BN / 8], int block_row, int n0,
+                                                int wtid, bool interior, bool pair_ok,
+                                                bool bias_paired) {
+  static_assert(!BIAS_IN_REGS || kHalfType<T>, "prefetch_bias packs 16-bit pairs");
+  const T* bias = static_cast<const T*>(p.bias);
+  // The bias pair of 8-column block j at column col (`two`: col + 1 exists).
+  auto bias_pair = [&](int j, int col, bool two, bool paired, float& b0, float& b1) {
+    b0 = 0.0f;
+    b1 = 0.0f;
+    if constexpr (BIAS_IN_REGS) {
+      unpack_pair<T>(bw[j], b0, b1);  // zero past N
+    } else if (bias != nullptr) {
+      load_bias_pair<T>(bias, col, two, paired, b0, b1);
+    }
+  };
+  // The thread's offsets derive from an opaque copy of its index, inside each
+  // activation's instance of this function: otherwise the compiler hoists
+  // them (and the addresses built on them) out of the activation switch and
+  // the tile loop, and keeps them live across the main loop next to the
+  // accumulators (spills).
   const int et = static_cast<int>(opaque_u32(static_cast<uint32_t>(wtid)));
   const int row0 = block_row + (et / 32) * 16 + ((et % 32) >> 2);
   const int col0 = n0 + (et & 3) * 2;
   if (interior) {
     T* const c = static_cast<T*>(p.c) + static_cast<int64_t>(row0) * p.ldc + col0;
-    const int64_t ld8 = 8 * p.ldc;
+    const int64_t ld8 = 8 * p.ldc;  // rows r0 + 8 h + 64 mi are (h + 8 mi) ld8 apart
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
       float b0, b1;
-      unpack_pair<T>(bw[j], b0, b1);
+      bias_pair(j, col0 + 8 * j, true, true, b0, b1);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        store_pair<T>(c + h * ld8 + 8 * j, activate_lean<ACT, false>(acc[0][4 * j + 2 * h] + b0),
-                      activate_lean<ACT, true>(acc[0][4 * j + 2 * h + 1] + b1));
+      for (int mi = 0; mi < MSUB; ++mi) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          store_pair<T>(c + (8 * mi + h) * ld8 + 8 * j,
+                        activate_direct<T, ACT, false>(acc[mi][4 * j + 2 * h] + b0),
+                        activate_direct<T, ACT, true>(acc[mi][4 * j + 2 * h + 1] + b1));
+        }
       }
     }
     return;
@@ -206,14 +147,57 @@ __device__ __forceinline__ void epilogue_direct_lean(const GemmArgs& p,
   for (int j = 0; j < BN / 8; ++j) {
     const int col = col0 + 8 * j;
     if (col < p.N) {
+      const bool two = col + 1 < p.N;
+      // One bias pair per column pair, shared by the 2 (or 4) rows below.
       float b0, b1;
-      unpack_pair<T>(bw[j], b0, b1);
+      bias_pair(j, col, two, bias_paired, b0, b1);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = row0 + 8 * h;
-        if (row < p.M) {
-          store_out_pair<T, ACT>(p, row, col, acc[0][4 * j + 2 * h] + b0,
-                                 acc[0][4 * j + 2 * h + 1] + b1, col + 1 < p.N, pair_ok);
+      for (int mi = 0; mi < MSUB; ++mi) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = row0 + 64 * mi + 8 * h;
+          if (row < p.M) {
+            store_out_pair<T, Act::kNone>(
+                p, row, col, activate_direct<T, ACT, false>(acc[mi][4 * j + 2 * h] + b0),
+                activate_direct<T, ACT, true>(acc[mi][4 * j + 2 * h + 1] + b1), two, pair_ok);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Split K: the warpgroup's float32 sums of its K range, as they are, into
+// partial[row][col] (row stride N; the split's slab of the workspace that
+// splitk_finish adds up in split order and finishes with bias, activation and
+// the cast). Paired 8-byte stores where N is even (then every pair is
+// aligned), masked at the edges of C. Offsets derive from an opaque copy of
+// the thread index, as in epilogue_direct, so that nothing is hoisted out of
+// the tile loop next to the accumulators.
+template <int MSUB, int BN>
+__device__ __forceinline__ void epilogue_partial(const float (&acc)[MSUB][BN / 2],
+                                                 float* __restrict__ partial, int block_row, int n0,
+                                                 int wtid, int M, int N) {
+  const int et = static_cast<int>(opaque_u32(static_cast<uint32_t>(wtid)));
+  const int row0 = block_row + (et / 32) * 16 + ((et % 32) >> 2);
+  const int col0 = n0 + (et & 3) * 2;
+  const bool paired = (N % 2) == 0;
+#pragma unroll
+  for (int mi = 0; mi < MSUB; ++mi) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row0 + 64 * mi + 8 * h;
+      if (row >= M) continue;
+      float* const out = partial + static_cast<int64_t>(row) * N;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const int col = col0 + 8 * j;
+        const float v0 = acc[mi][4 * j + 2 * h], v1 = acc[mi][4 * j + 2 * h + 1];
+        if (paired && col + 1 < N) {
+          *reinterpret_cast<float2*>(out + col) = make_float2(v0, v1);
+        } else {
+          if (col < N) out[col] = v0;
+          if (col + 1 < N) out[col + 1] = v1;
         }
       }
     }

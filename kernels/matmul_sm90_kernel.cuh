@@ -431,6 +431,13 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       };
+      // The tile's last MMAs have retired: the accumulators may be read and
+      // the last stage goes back to the producer.
+      auto retire_mmas = [&] {
+        wgmma_wait<0>();
+        fence_accumulators(acc);
+        if (num_kb_unit > 0) release(prev_s);
+      };
       if (live_sub >= MSUB) {
         k_loop(std::integral_constant<int, MSUB>{});
       } else if (MSUB > 1 && live_sub > 0) {
@@ -444,9 +451,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         // (relu applied), and the epilogue warps do the rest.
         uint32_t bw[BN / 8];
         prefetch_bias<T, BN>(p, n0, wtid, bias_paired, bw);
-        wgmma_wait<0>();
-        fence_accumulators(acc);
-        if (num_kb_unit > 0) release(prev_s);
+        retire_mmas();
         // Tile j - 1's stores have read the buffer (the first tile passes at
         // once; the protocol is traced above epilogue_offload_write).
         mbar_wait(tile_empty_bar, static_cast<uint32_t>(j & 1) ^ 1u);
@@ -475,9 +480,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           // Lean TMA epilogue: the bias loads go out under the last MMAs.
           uint32_t bw[BN / 8];
           prefetch_bias<T, BN>(p, n0, wtid, bias_paired, bw);
-          wgmma_wait<0>();
-          fence_accumulators(acc);
-          if (num_kb_unit > 0) release(prev_s);
+          retire_mmas();
           const uint32_t stage = sEpi + static_cast<uint32_t>(cw) * 2u * kEpiChunkBytes;
           FASTCOMM_DISPATCH_ACT(p.act, (epilogue_tma<T, kAct, BN>(p, &tma_c, acc, bw, stage,
                                                                   m0 + 64 * cw, n0, wtid, 1 + cw)));
@@ -490,19 +493,16 @@ __global__ void __launch_bounds__(kThreads, 1)
           // the TMA epilogue.
           uint32_t bw[BN / 8];
           prefetch_bias<T, BN>(p, n0, wtid, bias_paired, bw);
-          wgmma_wait<0>();
-          fence_accumulators(acc);
-          if (num_kb_unit > 0) release(prev_s);
+          retire_mmas();
           const int block_row = m0 + 64 * cw;
           const bool interior = block_row + 64 <= M && n0 + BN <= N && pair_ok;
-          FASTCOMM_DISPATCH_ACT(p.act, (epilogue_direct_lean<T, kAct, BN>(
-                                           p, acc, bw, block_row, n0, wtid, interior, pair_ok)));
+          FASTCOMM_DISPATCH_ACT(
+              p.act, (epilogue_direct<T, kAct, MSUB, BN, true>(p, acc, bw, block_row, n0, wtid,
+                                                               interior, pair_ok, bias_paired)));
           continue;
         }
       }
-      wgmma_wait<0>();
-      fence_accumulators(acc);
-      if (num_kb_unit > 0) release(prev_s);
+      retire_mmas();
       const int block_row = m0 + (PINGPONG ? 0 : 64 * cw);  // first row of our 64 * MSUB
       if (splits > 1) {
         // Split K: the float32 sums into this split's slab of the workspace.
@@ -512,9 +512,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       const bool interior = block_row + 64 * MSUB <= M && n0 + BN <= N && pair_ok &&
                             (p.bias == nullptr || bias_paired);
+      const uint32_t no_bias_regs[BN / 8] = {};
       FASTCOMM_DISPATCH_ACT(
-          p.act, (epilogue_direct<T, kAct, MSUB, BN>(p, acc, block_row, n0, wtid, interior, pair_ok,
-                                                     bias_paired)));
+          p.act, (epilogue_direct<T, kAct, MSUB, BN, false>(p, acc, no_bias_regs, block_row, n0,
+                                                            wtid, interior, pair_ok, bias_paired)));
     }
     if constexpr (!PINGPONG && !OFFLOAD) {
       // The staging buffers must outlive the stores that read them.
