@@ -495,14 +495,14 @@ def test_cuda_kernel_paths(matmul_settings, impl, tile, dtype):
 
 
 # (M, N, K) for the skinny kernel: M from 1 to its limit (forced; the default dispatch takes
-# it at M = 1), odd N, K from one 16-byte load per lane to several 256-element stretches with
+# it at M = 1 off sm_90), odd N, K from one 16-byte load per lane to several 256-element stretches with
 # a remainder, and a K long enough to split.
 SKINNY_SHAPES = [(1, 1, 8), (2, 7, 8), (3, 129, 264), (5, 1000, 1032), (8, 4099, 4096),
                  (1, 3, 8200), (4, 64, 11008), (1, 4099, 4096), (1, 1001, 1032)]  # fmt: skip
 
 
-# Small M (batch x tokens) on odd N and K: the skinny kernel (M = 1, B K-major) and the
-# tensor-core kernels with K split over CTAs / blocks.
+# Small M (batch x tokens) on odd N and K: the skinny kernel (off sm_90: M = 1, B K-major)
+# and the tensor-core kernels with K split over CTAs / blocks.
 SMALL_M = [1, 2, 3, 8, 16, 31, 64, 128, 255, 256]
 
 
@@ -538,10 +538,11 @@ def test_cuda_small_m(matmul_settings, dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_skinny_kernel(matmul_settings, dtype, act):
     """The skinny kernel (B K-major: linear's weight as it is), forced on every M up to 8
-    and as the default choice at M = 1: with and without bias on odd shapes, an A that is
-    not K-major (copied) and a strided weight view, against float64. The default takes it
-    only at M = 1 with B K-major; forcing it where it cannot run (B N-major, M > 8, K not a
-    multiple of 8) raises."""
+    and as the default choice at M = 1 off sm_90: with and without bias on odd shapes, an A
+    that is not K-major (copied) and a strided weight view, against float64. The default
+    takes it only at M = 1 with B K-major and only off sm_90 (there the Hopper kernel);
+    forcing it where it cannot run (B N-major, M > 8, K not a multiple of 8) raises."""
+    auto_skinny = not _is_sm90  # the default's choice at M = 1
     for impl in ("skinny", "auto"):
         matmul_settings(impl=impl)
         for m, n, k in SKINNY_SHAPES:
@@ -549,7 +550,7 @@ def test_cuda_skinny_kernel(matmul_settings, dtype, act):
             w = _rand(n, k, dtype=dtype, device="cuda")
             b = _rand(n, dtype=dtype, device="cuda")
             name = torch.ops.fastcomm._kernel_name(x, w.t(), act)
-            if impl == "skinny" or m == 1:
+            if impl == "skinny" or (m == 1 and auto_skinny):
                 assert name.startswith("skinny k-major splits "), (impl, m, n, k, name)
             else:
                 assert not name.startswith("skinny"), (impl, m, n, k, name)
@@ -565,7 +566,7 @@ def test_cuda_skinny_kernel(matmul_settings, dtype, act):
             x_m_major = _rand(520, m, dtype=dtype, device="cuda").t()
             w = _rand(333, 520, dtype=dtype, device="cuda")
             name = torch.ops.fastcomm._kernel_name(x_m_major, w.t(), act)
-            assert name.startswith("skinny k-major "), (impl, m, name)
+            assert name.startswith("skinny k-major ") == (impl == "skinny" or auto_skinny), name
             ref = _ref_act(x_m_major.double() @ w.double().t(), act)
             assert _rel_err(ops.linear(x_m_major, w, None, act), ref) < RTOL[dtype], "A M-major"
             wide = _rand(333, 1040, dtype=dtype, device="cuda")[:, :520]  # row stride 1040
@@ -814,7 +815,7 @@ NARROW_SPLITS_132 = {
 @pytest.mark.skipif(not _is_sm90, reason="the Hopper rows of the dispatch need an sm_90 GPU")
 def test_cuda_default_dispatch_rule(matmul_settings):
     """The default dispatch on sm_90, for matmul (b N-major) and linear (weight K-major):
-    the skinny kernel only at M = 1 with B K-major; everything else the Hopper kernel's
+    every problem the Hopper kernel's (the skinny kernel's M = 1 with B K-major too):
     cooperative 128 x 64 tile where its rule takes the problem, else its 128 x 128 tile (K
     split where its tiles leave SMs idle) or 128 x 256 tile, by the wave model; never
     mma.sync."""
@@ -832,9 +833,6 @@ def test_cuda_default_dispatch_rule(matmul_settings):
         w = torch.empty(n, k, device="cuda", dtype=bf)
         for b, k_major in ((b_n_major, False), (w.t(), True)):
             name = torch.ops.fastcomm._kernel_name(a, b)
-            if m == 1 and k_major:
-                assert name.startswith("skinny k-major "), (m, n, k, name)
-                continue
             splits = _narrow_splits(m, n, k, sms)
             if splits > 0:
                 assert name.startswith("wgmma coop 128x64"), (m, n, k, k_major, name)
@@ -844,12 +842,6 @@ def test_cuda_default_dispatch_rule(matmul_settings):
             assert name.startswith(f"wgmma coop 128x{bn}"), (m, n, k, k_major, name)
             if bn == 128 and k == 4096 and _cdiv(m, 128) * _cdiv(n, 128) * 2 <= sms:
                 assert " splitk " in name, (m, n, k, name)  # at most half the SMs busy
-    # The skinny kernel's other conditions: K a multiple of 8 (else the Hopper kernel).
-    name = torch.ops.fastcomm._kernel_name(
-        torch.empty(1, 4100, device="cuda", dtype=bf),
-        torch.empty(4096, 4100, device="cuda", dtype=bf).t(),
-    )
-    assert name.startswith("wgmma coop 128x"), name
 
 
 @pytest.mark.cuda(1)

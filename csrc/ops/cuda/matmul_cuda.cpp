@@ -6,8 +6,8 @@
 // precision allows TF32 (tf32_allowed(); float32 otherwise, and float64,
 // always take the tiled CUDA-core kernel): the first row of kAutoRules below
 // that matches the problem, among
-//   * the skinny kernel (kernels/matmul_skinny.cu) for one row of A with B
-//     K-major (decode-time linear layers), which streams B once;
+//   * off sm_90, the skinny kernel (kernels/matmul_skinny.cu) for one row of
+//     A with B K-major (decode-time linear layers), which streams B once;
 //   * on sm_90, the Hopper kernel (TMA + wgmma, warp-specialised,
 //     persistent; kernels/matmul_sm90*.cu{,h}): cooperative 128 x 64 tile
 //     where its rule takes the problem, else 128 x 128 tile
@@ -245,7 +245,7 @@ enum class Path { kSimt, kSkinny, kMma, kWgmma };
 
 // When a row of kAutoRules applies, besides its bound on M.
 enum class When {
-  kSkinnyLayout,  // A and B as the skinny kernel takes them (B K-major)
+  kSkinnyLayout,  // A and B as the skinny kernel takes them (B K-major), no Hopper kernel
   kWgmmaTile64,   // sm_90: the 128 x 64 tile's rule takes the problem
   kWgmmaTile128,  // sm_90: the 128 x 128 tile is no slower by the wave model (wave_128_wins)
   kWgmma,         // sm_90
@@ -257,9 +257,10 @@ enum class When {
 // One row: problems with M <= max_m for which `when` holds take `path` with
 // these Hopper options (unset ones auto). Why these rows (ratios to cuBLAS
 // per shape class, H100, in docs/matmul.md):
-//   * skinny only at M == 1 with B K-major: there it streams the weight at
-//     the memory's rate; with B N-major, and with 8 rows of A, the split-K
-//     Hopper kernel is faster;
+//   * skinny only at M == 1 with B K-major and only off sm_90: there it
+//     streams the weight at the memory's rate; on sm_90 the Hopper kernel's
+//     128 x 64 tile (64 rows of A per stage) and 128 x 128 tile are faster
+//     at M == 1 too, and with B N-major, and with 8 rows of A, elsewhere;
 //   * on sm_90 every other problem takes the Hopper kernel, small ones too:
 //     its 128 x 64 tile where that tile's rule takes the problem (128 x 128
 //     tiles leave SMs idle, 128 x 64 ones fit in one wave: small M on N up
@@ -345,7 +346,7 @@ const AutoRule& auto_rule(const kc::GemmArgs& args, const cudaDeviceProp* prop, 
     bool ok = false;
     switch (r.when) {
       case When::kSkinnyLayout:
-        ok = skinny;
+        ok = skinny && !wgmma_ok;
         break;
       case When::kWgmmaTile64:
         ok = wgmma_ok && kc::gemm_wgmma_narrow_tile_wins(args, prop->multiProcessorCount);
