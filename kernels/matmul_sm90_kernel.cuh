@@ -96,8 +96,8 @@ struct Cfg {
   static constexpr bool PINGPONG = S == Sched::kPingpong;
   static constexpr int BM = kBM;
   // 4 x 48 KB (cooperative 128 x 256), 6 x 32 KB (128 x 128), 8 x 24 KB
-  // (128 x 64); 3 x 48 KB with the offload epilogue, whose 64 KB tile buffer
-  // takes the fourth stage's place.
+  // (128 x 64; 13 x 16 KB with SMALL_A); 3 x 48 KB with the offload epilogue,
+  // whose 64 KB tile buffer takes the fourth stage's place.
   static constexpr int STAGES = OFFLOAD ? 3 : BN == 256 ? 4 : BN == 128 ? 6 : SMALL_A ? 13 : 8;
   static constexpr int BK = kBKFor<T>;              // 128 bytes of K
   static constexpr int A_ROWS = SMALL_A ? 64 : BM;  // rows of A a stage holds
