@@ -9,10 +9,12 @@ shared-memory wavefronts, L2 / DRAM bytes) say where one kernel spends more
 work than another for the same product, which timings at the power limit cannot
 separate.
 
-Methods: ``cublas`` (torch.matmul), ``addmm_act`` (torch._addmm_activation,
-gelu tanh), ``unfused_gelu`` (the elementwise F.gelu of the unfused pair),
-``fc[<variant>]`` / ``fcl[<variant>]`` (fastcomm matmul / linear + bias +
-gelu_tanh under bench_matmul's variant knobs).
+Methods: ``cublas`` (torch.matmul), ``cublas_linear`` (F.linear with bias),
+``addmm_act`` (torch._addmm_activation, gelu tanh), ``unfused_gelu`` (the
+elementwise F.gelu of the unfused pair), ``fc[<variant>]`` / ``fcl[<variant>]`` /
+``fcb[<variant>]`` (fastcomm matmul / linear + bias + gelu_tanh / linear + bias
+without activation, under bench_matmul's variant knobs): ``fcb`` beside ``fcl``
+isolates the activation's cost.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ def method_call(
     label (for fastcomm's ops with the kernel they run, read under that variant's knobs)."""
     if method == "cublas":
         return (lambda: torch.matmul(x, b)), None, lambda: method
+    if method == "cublas_linear":
+        return (lambda: F.linear(x, w, bias)), None, lambda: method
     if method == "addmm_act":
         return (
             (lambda: torch._addmm_activation(bias, x, w.t(), use_gelu=True)),
@@ -63,6 +67,12 @@ def method_call(
             (lambda: torch.ops.fastcomm.linear(x, w, bias, "gelu_tanh")),
             method[4:-1],
             lambda: f"{method} = {kernel_name(x, w.t(), 'gelu_tanh')}",
+        )
+    if method.startswith("fcb[") and method.endswith("]"):
+        return (
+            (lambda: torch.ops.fastcomm.linear(x, w, bias, "none")),
+            method[4:-1],
+            lambda: f"{method} = {kernel_name(x, w.t(), 'none')}",
         )
     raise SystemExit(f"unknown method {method!r}")
 

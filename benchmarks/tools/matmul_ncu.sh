@@ -37,6 +37,12 @@ wanted=(
   lts__t_sectors_op_write.sum
   dram__bytes_read.sum
   dram__bytes_write.sum
+  smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio
+  smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio
+  smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio
+  smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio
+  smsp__average_warps_issue_stalled_wait_per_issue_active.ratio
+  smsp__average_warps_issue_stalled_membar_per_issue_active.ratio
 )
 "$NCU" --query-metrics --chip gh100 > "$OUT/ncu_query.txt" 2>&1 || true
 metrics=()
