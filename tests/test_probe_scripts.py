@@ -74,19 +74,22 @@ def test_ncu_summary_raw_table(tmp_path):
     path = tmp_path / "ncu_raw.csv"
     path.write_text(
         "==PROF== Connected\n"
-        '"ID","Kernel Name","smsp__inst_executed.sum","smsp__inst_executed.avg","dram__bytes_read.sum"\n'
-        '"","","inst","inst","byte"\n'
-        '"0","gemm","1,690,000","32000","148000000"\n'
-        '"1","nvjet","26000000","49300","145000000"\n'
+        '"ID","Kernel Name","smsp__inst_executed.sum","smsp__inst_executed.avg",'
+        '"dram__bytes_read.sum","smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio"\n'
+        '"","","inst","inst","byte","ratio"\n'
+        '"0","gemm","1,690,000","32000","148000000","0.25"\n'
+        '"1","nvjet","26000000","49300","145000000","0.5"\n'
         "# kernel 0: 4096x4096x4096 fc[auto]\n"
         "# kernel 1: 4096x4096x4096 cublas\n"
     )
     table = load_benchmark_module("tools/ncu_summary").raw_table(
-        str(path), ["smsp__inst_executed", "dram"]
+        str(path), ["smsp__inst_executed", "dram", "smsp__average_warps_issue_stalled"]
     )
     lines = table.splitlines()
     assert lines[2] == "| smsp__inst_executed.sum | 1.69e+06 | 2.6e+07 |"
     assert lines[3] == "| dram__bytes_read.sum | 1.48e+08 | 1.45e+08 |"
+    stall = "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio"
+    assert lines[4] == f"| {stall} | 0.25 | 0.5 |"  # stall reasons per issue
     assert not any(".avg" in ln for ln in lines)  # per-unit averages left out
     assert lines[-2:] == ["0: 4096x4096x4096 fc[auto]", "1: 4096x4096x4096 cublas"]
 

@@ -37,7 +37,8 @@ def raw_table(path: str, prefixes: list[str]) -> str:
     wanted = [
         h
         for h in header
-        if (h.endswith(".sum") or h in cycles) and any(h.startswith(p) for p in prefixes)
+        if (h.endswith((".sum", ".ratio")) or h in cycles)
+        and any(h.startswith(p) for p in prefixes)
     ]
     out = ["| metric | " + " | ".join(str(i) for i in range(len(data))) + " |"]
     out.append("|---" * (len(data) + 1) + "|")
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument(
         "--prefix",
         default="gpu__time,sm__cycles_elapsed,smsp__inst_executed,sm__inst_executed,"
-        "l1tex__data_bank,lts__t_bytes,dram__bytes",
+        "l1tex__data_bank,lts__t_bytes,dram__bytes,smsp__average_warps_issue_stalled",
         help="comma list of metric-name prefixes to show",
     )
     o = sub.add_parser("opcodes", help="instructions per SASS opcode of a source export")
