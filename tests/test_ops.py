@@ -495,8 +495,8 @@ def test_cuda_kernel_paths(matmul_settings, impl, tile, dtype):
 
 
 # (M, N, K) for the skinny kernel: M from 1 to its limit (forced; the default dispatch takes
-# it at M = 1 off sm_90), odd N, K from one 16-byte load per lane to several 256-element stretches with
-# a remainder, and a K long enough to split.
+# it at M = 1 off sm_90), odd N, K from one 16-byte load per lane to several 256-element
+# stretches with a remainder, and a K long enough to split.
 SKINNY_SHAPES = [(1, 1, 8), (2, 7, 8), (3, 129, 264), (5, 1000, 1032), (8, 4099, 4096),
                  (1, 3, 8200), (4, 64, 11008), (1, 4099, 4096), (1, 1001, 1032)]  # fmt: skip
 

@@ -245,7 +245,7 @@ enum class Path { kSimt, kSkinny, kMma, kWgmma };
 
 // When a row of kAutoRules applies, besides its bound on M.
 enum class When {
-  kSkinnyLayout,  // A and B as the skinny kernel takes them (B K-major), no Hopper kernel
+  kSkinnyLayout,  // A and B as the skinny kernel takes them (B K-major; skinny_considered)
   kWgmmaTile64,   // sm_90: the 128 x 64 tile's rule takes the problem
   kWgmmaTile128,  // sm_90: the 128 x 128 tile is no slower by the wave model (wave_128_wins)
   kWgmma,         // sm_90
@@ -330,10 +330,17 @@ std::optional<SkinnyOperands> skinny_operands(const GemmProblem& p) {
   return o;
 }
 
-// Whether the skinny kernel is forced or the default dispatch may take it
-// (its operands are prepared only then: A may need a copy).
-bool skinny_considered(const MatmulConfig& cfg, const GemmProblem& p) {
-  return cfg.impl == "skinny" || (cfg.impl == "auto" && p.M <= kSkinnyAutoMaxM);
+// The Hopper kernel runs here: an sm_90 device and a build with its sm_90a code.
+bool wgmma_usable(const cudaDeviceProp* prop) {
+  return prop->major == 9 && prop->minor == 0 && kc::gemm_wgmma_compiled();
+}
+
+// Whether the skinny kernel is forced or the default dispatch may take it:
+// one row of A, on a device without the Hopper kernel (its operands are
+// prepared only then: A may need a copy).
+bool skinny_considered(const MatmulConfig& cfg, const GemmProblem& p, const cudaDeviceProp* prop) {
+  return cfg.impl == "skinny" ||
+         (cfg.impl == "auto" && p.M <= kSkinnyAutoMaxM && !wgmma_usable(prop));
 }
 
 // The row of kAutoRules for a problem (always found: the last row matches
@@ -346,7 +353,7 @@ const AutoRule& auto_rule(const kc::GemmArgs& args, const cudaDeviceProp* prop, 
     bool ok = false;
     switch (r.when) {
       case When::kSkinnyLayout:
-        ok = skinny && !wgmma_ok;
+        ok = skinny;
         break;
       case When::kWgmmaTile64:
         ok = wgmma_ok && kc::gemm_wgmma_narrow_tile_wins(args, prop->multiProcessorCount);
@@ -373,11 +380,11 @@ const AutoRule& auto_rule(const kc::GemmArgs& args, const cudaDeviceProp* prop, 
 }
 
 // The kernel for a problem on the current device (see the top of the file);
-// raises where a forced kernel cannot run. `skinny`: the problem has the
-// skinny kernel's shape and layout. `tf32`: float32 may run as TF32
-// (tf32_allowed()). `k_major`: both operands are K-major in place.
-// `wopts`: the Hopper options, from the settings, which the default dispatch
-// may complete (schedule and tile of its row).
+// raises where a forced kernel cannot run. `skinny`: the skinny kernel is
+// considered (skinny_considered) and the problem has its shape and layout.
+// `tf32`: float32 may run as TF32 (tf32_allowed()). `k_major`: both operands
+// are K-major in place. `wopts`: the Hopper options, from the settings, which
+// the default dispatch may complete (schedule and tile of its row).
 Path choose_path(const kc::GemmArgs& args, const MatmulConfig& cfg, const cudaDeviceProp* prop,
                  bool skinny, bool tf32, bool k_major, kc::WgmmaOptions* wopts) {
   const bool half = args.dtype == kc::DType::kF16 || args.dtype == kc::DType::kBF16;
@@ -391,7 +398,7 @@ Path choose_path(const kc::GemmArgs& args, const MatmulConfig& cfg, const cudaDe
   if (skinny && cfg.impl == "skinny") return Path::kSkinny;
   // K == 0 (bias + activation only) also goes to the CUDA-core kernel.
   if (!(half || f32_tc) || args.K == 0 || cfg.impl == "simt") return Path::kSimt;
-  const bool wgmma_ok = prop->major == 9 && prop->minor == 0 && kc::gemm_wgmma_compiled();
+  const bool wgmma_ok = wgmma_usable(prop);
   const bool mma_ok = prop->major >= 8;
   TORCH_CHECK(cfg.impl != "wgmma" || wgmma_ok,
               "FASTCOMM_MATMUL_IMPL=wgmma: the wgmma kernel needs an sm_90 device (", prop->name,
@@ -456,7 +463,7 @@ at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias
 
   cudaError_t err = cudaSuccess;
   const std::optional<SkinnyOperands> skinny =
-      skinny_considered(cfg, p) ? skinny_operands(p) : std::nullopt;
+      skinny_considered(cfg, p, prop) ? skinny_operands(p) : std::nullopt;
   kc::WgmmaOptions wopts = wgmma_options(cfg);
   switch (choose_path(args, cfg, prop, skinny.has_value(), tf32_allowed(), k_major_in_place(p),
                       &wopts)) {
@@ -518,7 +525,7 @@ std::string kernel_name_cuda(const at::Tensor& a, const at::Tensor& b,
   const MatmulConfig cfg = matmulConfig();
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
   const std::optional<SkinnyOperands> skinny =
-      skinny_considered(cfg, p) ? skinny_operands(p) : std::nullopt;
+      skinny_considered(cfg, p, prop) ? skinny_operands(p) : std::nullopt;
   kc::WgmmaOptions wopts = wgmma_options(cfg);
   switch (choose_path(args, cfg, prop, skinny.has_value(), tf32_allowed(), k_major_in_place(p),
                       &wopts)) {
