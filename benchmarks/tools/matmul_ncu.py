@@ -62,17 +62,12 @@ def method_call(
             method[3:-1],
             lambda: f"{method} = {kernel_name(x, b)}",
         )
-    if method.startswith("fcl[") and method.endswith("]"):
+    linear_act = {"fcl[": "gelu_tanh", "fcb[": "none"}.get(method[:4])
+    if linear_act is not None and method.endswith("]"):
         return (
-            (lambda: torch.ops.fastcomm.linear(x, w, bias, "gelu_tanh")),
+            (lambda: torch.ops.fastcomm.linear(x, w, bias, linear_act)),
             method[4:-1],
-            lambda: f"{method} = {kernel_name(x, w.t(), 'gelu_tanh')}",
-        )
-    if method.startswith("fcb[") and method.endswith("]"):
-        return (
-            (lambda: torch.ops.fastcomm.linear(x, w, bias, "none")),
-            method[4:-1],
-            lambda: f"{method} = {kernel_name(x, w.t(), 'none')}",
+            lambda: f"{method} = {kernel_name(x, w.t(), linear_act)}",
         )
     raise SystemExit(f"unknown method {method!r}")
 
