@@ -232,6 +232,7 @@ class Variant:
         # The TMA epilogue (bias prefetched under the last MMAs, one barrier per
         # chunk, lean activations).
         "coop_tma": {**_HOPPER, "sched": "coop", "tile": "large", "epi": "tma"},
+        "coop192": {**_HOPPER, "sched": "coop", "tile": "medium", "epi": "tma"},
         "coop128": {**_HOPPER, "sched": "coop", "tile": "small", "epi": "tma"},
         "pingpong": {**_HOPPER, "sched": "pingpong"},
         # The offload epilogue (3 stages + a whole-tile output buffer; the
@@ -253,7 +254,7 @@ class Variant:
     }
     SETS: ClassVar[dict[str, list[str]]] = {
         # Every Hopper kernel shape, and the default.
-        "hopper": ["auto", "mma", "coop_tma", "coop128", "pingpong", "coop_off"],
+        "hopper": ["auto", "mma", "coop_tma", "coop192", "coop128", "pingpong", "coop_off"],
         # The epilogues of the cooperative 128x256 kernel beside ping-pong's.
         "fused": ["auto", "coop", "coop_tma", "coop_off", "pingpong"],
         # Small M: the default beside each split-K kernel, mma.sync and the skinny kernel.

@@ -39,8 +39,10 @@ struct GemmArgs {
 // Tile-size choice: kAuto lets the launcher's heuristic decide.
 // kNarrow: the Hopper kernel's cooperative 128 x 64 tile, the mma.sync
 // kernel's TF32 row tiles (M rounded up to 16, 32 or 64, by 128); the other
+// kernels take it as kSmall. kMedium: the Hopper kernel's cooperative
+// 128 x 192 tile (16-bit types; float32 takes kLarge there); the other
 // kernels take it as kSmall.
-enum class Tile : int { kAuto = 0, kLarge = 1, kSmall = 2, kNarrow = 3 };
+enum class Tile : int { kAuto = 0, kLarge = 1, kSmall = 2, kNarrow = 3, kMedium = 4 };
 
 // Generic tiled kernel (CUDA cores, any strides, any dtype, any arch).
 cudaError_t launch_gemm_simt(const GemmArgs& args, int num_sms, Tile tile, cudaStream_t stream);
@@ -107,7 +109,8 @@ enum class Raster : int { kAuto = 0, kM = 1, kN = 2 };
 // Choices for one Hopper launch; kAuto / 0 leave them to the heuristic.
 struct WgmmaOptions {
   WgmmaSched sched = WgmmaSched::kAuto;
-  // cooperative tile: kLarge = 128 x 256, kSmall = 128 x 128, kNarrow = 128 x 64
+  // cooperative tile: kLarge = 128 x 256, kMedium = 128 x 192, kSmall = 128 x 128,
+  // kNarrow = 128 x 64
   Tile tile = Tile::kAuto;
   WgmmaEpi epi = WgmmaEpi::kAuto;
   Raster raster = Raster::kAuto;
@@ -124,6 +127,10 @@ struct WgmmaOptions {
 // 128 x 128 tiles leave SMs idle and 128 x 64 ones fit in one wave; its K
 // split is then the rule's, unless forced).
 bool gemm_wgmma_narrow_tile_wins(const GemmArgs& args, int num_sms);
+// The cooperative tile of the wave model (kSmall, kMedium or kLarge): the
+// fewest modelled rounds of tiles over the SMs, a wider tile's round taking
+// longer (kernels/matmul_sm90.cu).
+Tile gemm_wgmma_wave_tile(const GemmArgs& args, int num_sms);
 // Split count of the launch these options give (1: none), and the float32
 // workspace it needs (splits x M x N x 4 bytes; 0 without a split).
 int gemm_wgmma_splits(const GemmArgs& args, int num_sms, const WgmmaOptions& opts);

@@ -23,23 +23,40 @@ namespace cuda {
 namespace sm90 {
 namespace {
 
-// Relative speed per output column of each kernel shape, for the
-// wave-quantised cost model of choose_plan (cooperative 128 x 256 = 1), as
-// measured on H200 (bf16): the cooperative 128 x 128 tile runs at about 0.8
-// of it and the ping-pong 128 x 128 at 0.86-0.91, so those win only where
-// the wide tile wastes most of a wave.
-constexpr double kEffCoop256 = 1.0;
-constexpr double kEffCoop128 = 0.8;
-constexpr double kEffPingpong = 0.87;
+// The wave model of the cooperative tiles: a persistent grid takes
+// ceil(tiles / SMs) rounds, and a tile takes, in units of a 128 x 128 tile's
+// time, 1.5 / kGain192 (128 x 192) or 2 / kGain256 (128 x 256): the wider
+// tiles do more flops per byte of shared memory read, at a better rate per
+// flop. The ping-pong 128 x 128 tile (forced schedules only) takes
+// kTimePingpong. The narrower tile wins ties.
+constexpr double kGain192 = 1.05;
+constexpr double kGain256 = 1.1;
+constexpr double kTimePingpong = 0.92;
 // Rows (raster m) or columns (raster n) of C per group of the tile order.
 constexpr int kDefaultGroup = 2048;
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Time of the busiest CTA of a persistent grid, in units of one 128 x 1
-// column strip at speed 1: ceil(tiles / SMs) tiles of width bn at speed eff.
-double wave_cost(int64_t tiles, int num_sms, int bn, double eff) {
-  return static_cast<double>(cdiv(tiles, num_sms)) * bn / eff;
+// Modelled time of the busiest CTA for tiles of 128 x bn (units above).
+double wave_cost(const GemmArgs& p, int num_sms, int bn) {
+  const double rounds = static_cast<double>(cdiv(cdiv(p.M, 128) * cdiv(p.N, bn), num_sms));
+  return rounds * (bn == 256 ? 2.0 / kGain256 : bn == 192 ? 1.5 / kGain192 : 1.0);
+}
+
+// The cooperative tile width the wave model picks: 128, 192 (16-bit types)
+// or 256.
+int wave_tile_bn(const GemmArgs& p, int num_sms) {
+  int best = 128;
+  double best_cost = wave_cost(p, num_sms, 128);
+  for (int bn : {192, 256}) {
+    if (bn == 192 && p.dtype == DType::kF32) continue;
+    const double c = wave_cost(p, num_sms, bn);
+    if (c < best_cost) {
+      best = bn;
+      best_cost = c;
+    }
+  }
+  return best;
 }
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
@@ -171,10 +188,7 @@ bool tma_store_ok(const GemmArgs& p) {
 Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
   Plan plan;
   plan.num_sms = num_sms;
-  const int64_t tm = cdiv(p.M, 128);
-  const double c256 = wave_cost(tm * cdiv(p.N, 256), num_sms, 256, kEffCoop256);
-  const double c128 = wave_cost(tm * cdiv(p.N, 128), num_sms, 128, kEffCoop128);
-  const double cpp = wave_cost(tm * cdiv(p.N, 128), num_sms, 128, kEffPingpong);
+  const int wave_bn = wave_tile_bn(p, num_sms);
   // Split K first: where the 128 x 128 tiles leave the SMs idle and the
   // model gains from a split, the cooperative 128 x 128 kernel with split K
   // (unless a schedule or tile is forced).
@@ -193,7 +207,8 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
   bool pingpong;
   if (o.sched == WgmmaSched::kAuto) {
     // A forced tile width means the cooperative kernel of that width.
-    pingpong = o.tile == Tile::kAuto && cpp <= c256 && cpp <= c128;
+    pingpong = o.tile == Tile::kAuto &&
+               wave_cost(p, num_sms, 128) * kTimePingpong <= wave_cost(p, num_sms, wave_bn);
   } else {
     pingpong = o.sched == WgmmaSched::kPingpong;
   }
@@ -202,10 +217,21 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
     plan.bn = 128;
   } else {
     plan.sched = Sched::kCoop;
-    if (o.tile == Tile::kAuto) {
-      plan.bn = c256 <= c128 ? 256 : 128;
-    } else {
-      plan.bn = o.tile == Tile::kLarge ? 256 : o.tile == Tile::kNarrow ? 64 : 128;
+    switch (o.tile) {
+      case Tile::kAuto:
+        plan.bn = wave_bn;
+        break;
+      case Tile::kLarge:
+        plan.bn = 256;
+        break;
+      case Tile::kMedium:  // 16-bit types; float32 (TF32) takes the 128 x 256 tile
+        plan.bn = p.dtype == DType::kF32 ? 256 : 192;
+        break;
+      case Tile::kNarrow:
+        plan.bn = 64;
+        break;
+      default:
+        plan.bn = 128;
     }
   }
   // TMA stores need a 16-byte aligned C with a leading dimension of a
@@ -352,6 +378,11 @@ bool gemm_wgmma_compiled() {
 
 bool gemm_wgmma_narrow_tile_wins(const GemmArgs& p, int num_sms) {
   return sm90::narrow_splits(p, num_sms) > 0;
+}
+
+Tile gemm_wgmma_wave_tile(const GemmArgs& p, int num_sms) {
+  const int bn = sm90::wave_tile_bn(p, num_sms);
+  return bn == 256 ? Tile::kLarge : bn == 192 ? Tile::kMedium : Tile::kSmall;
 }
 
 int gemm_wgmma_splits(const GemmArgs& p, int num_sms, const WgmmaOptions& opts) {

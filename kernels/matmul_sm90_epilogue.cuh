@@ -259,19 +259,20 @@ __device__ __forceinline__ void write_chunk(const float (&acc)[1][BN / 2],
 // thread, that thread waits until every earlier store has read its staging
 // buffer (the one chunk c + 1 writes next was read by the store of chunk c - 1,
 // issued a whole chunk earlier, so this wait is normally already satisfied).
-// The parity of the buffers carries over from tile to tile (BN / 64 chunks, an
-// even count), and the store of the previous tile's last chunk is covered by
-// the wait before chunk 0's barrier.
+// The buffers alternate across tiles as well (the tile's first chunk takes
+// buffer first_buf: the parity of the chunks stored before it), and the store
+// of the previous tile's last chunk is covered by the wait before chunk 0's
+// barrier.
 template <typename T, Act ACT, int BN>
 __device__ __forceinline__ void epilogue_tma(const GemmArgs& p, const CUtensorMap* map_c,
                                              const float (&acc)[1][BN / 2],
                                              const uint32_t (&bw)[BN / 8], uint32_t stage,
-                                             int row_base, int n0, int wtid, int bar_id) {
-  static_assert((BN / 64) % 2 == 0, "the staging buffers alternate across tiles");
+                                             uint32_t first_buf, int row_base, int n0, int wtid,
+                                             int bar_id) {
   const EpiFragment frag(wtid);
 #pragma unroll
   for (int c = 0; c < BN / 64; ++c) {
-    const uint32_t buf = stage + static_cast<uint32_t>(c & 1) * kEpiChunkBytes;
+    const uint32_t buf = stage + ((first_buf + static_cast<uint32_t>(c)) & 1u) * kEpiChunkBytes;
     write_chunk<T, BN>(acc, bw, c, buf, frag, [](float& v0, float& v1) {
       v0 = activate_lean<ACT, false>(v0);
       v1 = activate_lean<ACT, true>(v1);

@@ -28,9 +28,11 @@
 //      last MMA, so one warpgroup's epilogue (bias, activation, stores) runs
 //      under the other one's main loop instead of stalling the tensor cores.
 //  * Tiles: 128 x 256 (4 stages of 48 KB), 128 x 128 (6 stages of 32 KB) or,
-//    cooperative only, 128 x 64 (8 stages of 24 KB; for products of few rows,
-//    where 64-wide tiles give the SMs work without a K split; the direct and
-//    split-K epilogues only). BK = one 128-byte swizzle row: 64 elements of
+//    cooperative only, 128 x 192 (4 stages of 40 KB; 16-bit types: where its
+//    tiles fit the SMs in fewer rounds, e.g. 256 x 11008 in one wave of 116)
+//    and 128 x 64 (8 stages of 24 KB; for products of few rows, where 64-wide
+//    tiles give the SMs work without a K split; the direct and split-K
+//    epilogues only). BK = one 128-byte swizzle row: 64 elements of
 //    a 16-bit type, 32 of float32. Tile order: groups of 2048 rows (raster by rows) or 2048
 //    columns (raster by columns), the dispatcher picking the one that
 //    re-reads fewer bytes from DRAM.
@@ -84,7 +86,8 @@ using namespace detail;
 // flight.
 template <typename T, Sched S, int BN, bool OFFLOAD = false, bool SMALL_A = false>
 struct Cfg {
-  static_assert(BN == 256 || BN == 128 || BN == 64, "BN must be 64, 128 or 256");
+  static_assert(BN == 256 || BN == 192 || BN == 128 || BN == 64, "BN must be 64, 128, 192 or 256");
+  static_assert(BN != 192 || sizeof(T) == 2, "the 128 x 192 tile is for 16-bit types");
   static_assert(sizeof(T) == 2 || !OFFLOAD, "the offload epilogue stages 16-bit outputs");
   static_assert(S == Sched::kCoop || BN == 128, "the ping-pong tile is 128 x 128");
   // The TMA-store epilogue alternates two 64-wide chunk buffers across tiles.
@@ -95,10 +98,11 @@ struct Cfg {
                 "64 rows of A per stage: the cooperative 128 x 64 kernel only");
   static constexpr bool PINGPONG = S == Sched::kPingpong;
   static constexpr int BM = kBM;
-  // 4 x 48 KB (cooperative 128 x 256), 6 x 32 KB (128 x 128), 8 x 24 KB
-  // (128 x 64; 13 x 16 KB with SMALL_A); 3 x 48 KB with the offload epilogue,
-  // whose 64 KB tile buffer takes the fourth stage's place.
-  static constexpr int STAGES = OFFLOAD ? 3 : BN == 256 ? 4 : BN == 128 ? 6 : SMALL_A ? 13 : 8;
+  // 4 x 48 KB (cooperative 128 x 256), 4 x 40 KB (128 x 192), 6 x 32 KB
+  // (128 x 128), 8 x 24 KB (128 x 64; 13 x 16 KB with SMALL_A); 3 x 48 KB
+  // with the offload epilogue, whose 64 KB tile buffer takes the fourth
+  // stage's place.
+  static constexpr int STAGES = OFFLOAD ? 3 : BN >= 192 ? 4 : BN == 128 ? 6 : SMALL_A ? 13 : 8;
   static constexpr int BK = kBKFor<T>;              // 128 bytes of K
   static constexpr int A_ROWS = SMALL_A ? 64 : BM;  // rows of A a stage holds
   static constexpr int A_BYTES = A_ROWS * BK * static_cast<int>(sizeof(T));  // 16 KB (8 KB)
@@ -482,8 +486,12 @@ __global__ void __launch_bounds__(kThreads, 1)
           prefetch_bias<T, BN>(p, n0, wtid, bias_paired, bw);
           retire_mmas();
           const uint32_t stage = sEpi + static_cast<uint32_t>(cw) * 2u * kEpiChunkBytes;
-          FASTCOMM_DISPATCH_ACT(p.act, (epilogue_tma<T, kAct, BN>(p, &tma_c, acc, bw, stage,
-                                                                  m0 + 64 * cw, n0, wtid, 1 + cw)));
+          // The chunks stored so far alternate the two buffers: with an odd
+          // count per tile (128 x 192) the next tile starts on the other one.
+          const uint32_t first_buf = static_cast<uint32_t>(j * (BN / 64)) & 1u;
+          FASTCOMM_DISPATCH_ACT(
+              p.act, (epilogue_tma<T, kAct, BN>(p, &tma_c, acc, bw, stage, first_buf, m0 + 64 * cw,
+                                                n0, wtid, 1 + cw)));
           continue;
         }
       }
@@ -638,6 +646,13 @@ cudaError_t launch_sched(const GemmArgs& p, const Plan& plan, cudaStream_t strea
         }
       }
       return launch_layout<T, S, 256>(p, plan, stream);
+    }
+    if (plan.bn == 192) {
+      if constexpr (sizeof(T) == 2) {
+        return launch_layout<T, S, 192>(p, plan, stream);
+      } else {
+        return cudaErrorInvalidValue;  // 16-bit types only (choose_plan)
+      }
     }
     if (plan.bn == 64) {
       // At most 64 rows: the stages hold 64 rows of A and are 13 deep (SMALL_A).

@@ -19,8 +19,8 @@ namespace sm90 {
 
 // How the two consumer warpgroups of a CTA share the work (see
 // kernels/matmul_sm90_kernel.cuh):
-//   kCoop:     both work on one 128 x BN tile, 64 rows each (BN = 256, 128
-//              or 64);
+//   kCoop:     both work on one 128 x BN tile, 64 rows each (BN = 256, 192
+//              (16-bit types), 128 or 64);
 //   kPingpong: each owns a whole 128 x 128 tile; they alternate, so that one
 //              warpgroup's epilogue runs while the other one's MMAs do.
 enum class Sched : int { kCoop = 0, kPingpong = 1 };
@@ -28,7 +28,7 @@ enum class Sched : int { kCoop = 0, kPingpong = 1 };
 // One launch, as chosen by the dispatcher.
 struct Plan {
   Sched sched = Sched::kCoop;
-  int bn = 256;            // tile width: 256, 128 or 64 (ping-pong: 128)
+  int bn = 256;            // tile width: 256, 192, 128 or 64 (ping-pong: 128)
   bool tma_store = false;  // epilogue through shared memory + TMA stores (cooperative)
   // ... in the offload form (activation and stores by warps 1-3 of the
   // producer warpgroup, under the next tile's MMAs; cooperative 128 x 256 only)

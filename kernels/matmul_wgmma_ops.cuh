@@ -2,7 +2,7 @@
 // sm_90a only).
 //
 // D[64 x N] (+)= A[64 x k] * B[k x N], A and B read from shared memory via
-// matrix descriptors, float32 accumulators in registers, N = 64, 128 or 256.
+// matrix descriptors, float32 accumulators in registers, N = 64, 128, 192 (16-bit types) or 256.
 // One instruction covers 32 bytes of K: k = 16 for float16 / bfloat16 inputs,
 // k = 8 for float32 inputs multiplied as TF32 (the tensor cores read the
 // float32 words and use their TF32 bits). TA / TB are the transpose
@@ -26,7 +26,7 @@ namespace ops {
 namespace cuda {
 namespace sm90 {
 
-// Placeholders of the first 32, the first 64 and all 128 accumulator operands.
+// Placeholders of the first 32, 64, 96 and all 128 accumulator operands.
 #define FASTCOMM_WGMMA_D32                                                          \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17," \
   "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
@@ -35,11 +35,13 @@ namespace sm90 {
   "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33," \
   "%34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49," \
   "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-#define FASTCOMM_WGMMA_D128                                                           \
+#define FASTCOMM_WGMMA_D96                                                            \
   FASTCOMM_WGMMA_D64                                                                  \
   ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79," \
-  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"   \
-  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109,"   \
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+#define FASTCOMM_WGMMA_D128                                                           \
+  FASTCOMM_WGMMA_D96                                                                  \
+  ", %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109," \
   "%110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122,"     \
   "%123, %124, %125, %126, %127"
 
@@ -52,9 +54,10 @@ namespace sm90 {
 #define FASTCOMM_WGMMA_ACC64                                                   \
   FASTCOMM_WGMMA_ACC16(0), FASTCOMM_WGMMA_ACC16(16), FASTCOMM_WGMMA_ACC16(32), \
       FASTCOMM_WGMMA_ACC16(48)
-#define FASTCOMM_WGMMA_ACC128                                               \
-  FASTCOMM_WGMMA_ACC64, FASTCOMM_WGMMA_ACC16(64), FASTCOMM_WGMMA_ACC16(80), \
-      FASTCOMM_WGMMA_ACC16(96), FASTCOMM_WGMMA_ACC16(112)
+#define FASTCOMM_WGMMA_ACC96 \
+  FASTCOMM_WGMMA_ACC64, FASTCOMM_WGMMA_ACC16(64), FASTCOMM_WGMMA_ACC16(80)
+#define FASTCOMM_WGMMA_ACC128 \
+  FASTCOMM_WGMMA_ACC96, FASTCOMM_WGMMA_ACC16(96), FASTCOMM_WGMMA_ACC16(112)
 
 // One wgmma.mma_async. SHAPE and TYPE name the instruction, REGS / ACCS are
 // the accumulator placeholders and operands, and SCALE / TAIL the placeholders
@@ -79,8 +82,10 @@ namespace sm90 {
 template <int N, typename T, int TA, int TB>
 __device__ __forceinline__ void wgmma_m64(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,
                                           int scale_d) {
-  static_assert(N == 64 || N == 128 || N == 256, "wgmma_m64: N must be 64, 128 or 256");
+  static_assert(N == 64 || N == 128 || N == 192 || N == 256,
+                "wgmma_m64: N must be 64, 128, 192 or 256");
   constexpr bool TF32 = std::is_same<T, float>::value;
+  static_assert(!TF32 || N != 192, "wgmma_m64: N = 192 for 16-bit types only");
   constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
   static_assert(TF32 || BF16 || std::is_same<T, __half>::value, "wgmma_m64: unsupported type");
   static_assert(!TF32 || (TA == 0 && TB == 0), "wgmma_m64: TF32 operands must be K-major");
@@ -101,6 +106,12 @@ __device__ __forceinline__ void wgmma_m64(float (&d)[N / 2], uint64_t desc_a, ui
   } else if constexpr (N == 256) {
     FASTCOMM_WGMMA_ASM("m64n256k16", "f16", FASTCOMM_WGMMA_D128, FASTCOMM_WGMMA_ACC128, "%130",
                        "%128, %129, p, 1, 1, %131, %132");
+  } else if constexpr (N == 192 && BF16) {
+    FASTCOMM_WGMMA_ASM("m64n192k16", "bf16", FASTCOMM_WGMMA_D96, FASTCOMM_WGMMA_ACC96, "%98",
+                       "%96, %97, p, 1, 1, %99, %100");
+  } else if constexpr (N == 192) {
+    FASTCOMM_WGMMA_ASM("m64n192k16", "f16", FASTCOMM_WGMMA_D96, FASTCOMM_WGMMA_ACC96, "%98",
+                       "%96, %97, p, 1, 1, %99, %100");
   } else if constexpr (N == 64 && BF16) {
     FASTCOMM_WGMMA_ASM("m64n64k16", "bf16", FASTCOMM_WGMMA_D32, FASTCOMM_WGMMA_ACC32, "%34",
                        "%32, %33, p, 1, 1, %35, %36");
@@ -119,10 +130,12 @@ __device__ __forceinline__ void wgmma_m64(float (&d)[N / 2], uint64_t desc_a, ui
 
 #undef FASTCOMM_WGMMA_ASM
 #undef FASTCOMM_WGMMA_ACC128
+#undef FASTCOMM_WGMMA_ACC96
 #undef FASTCOMM_WGMMA_ACC64
 #undef FASTCOMM_WGMMA_ACC32
 #undef FASTCOMM_WGMMA_ACC16
 #undef FASTCOMM_WGMMA_D128
+#undef FASTCOMM_WGMMA_D96
 #undef FASTCOMM_WGMMA_D64
 #undef FASTCOMM_WGMMA_D32
 

@@ -483,7 +483,7 @@ def test_matmul_settings_override(matmul_settings):
 @pytest.mark.cuda(1)
 @_skip_no_cuda
 @pytest.mark.parametrize("impl", ["auto", "mma", "simt"])
-@pytest.mark.parametrize("tile", ["auto", "large", "small", "narrow"])
+@pytest.mark.parametrize("tile", ["auto", "large", "medium", "small", "narrow"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_kernel_paths(matmul_settings, impl, tile, dtype):
     """Each CUDA path on all operand layouts, odd and multi-tile shapes."""
@@ -637,10 +637,13 @@ def test_cuda_graph_capture():
 
 _is_sm90 = HAS_CUDA and _cuda_cc() == (9, 0)
 
-# Forced variants of the Hopper kernel (set_matmul_config): both schedules, the three
+# Forced variants of the Hopper kernel (set_matmul_config): both schedules, the four
 # cooperative tile widths, the three epilogues and both tile orders.
 WGMMA_VARIANTS = {
     "coop256": {"sched": "coop", "tile": "large", "epi": "direct", "raster": "m"},
+    "coop192": {"sched": "coop", "tile": "medium", "epi": "direct", "raster": "m"},
+    "coop192_tma": {"sched": "coop", "tile": "medium", "epi": "tma", "raster": "m"},
+    "coop192_tma_rn": {"sched": "coop", "tile": "medium", "epi": "tma", "raster": "n"},
     "coop256_tma": {"sched": "coop", "tile": "large", "epi": "tma", "raster": "m"},
     "coop256_tma_rn": {"sched": "coop", "tile": "large", "epi": "tma", "raster": "n"},
     "coop128_tma": {"sched": "coop", "tile": "small", "epi": "tma", "raster": "m"},
@@ -944,6 +947,7 @@ WGMMA_SPLIT_VARIANTS = {
     "coop128_s2": {"impl": "wgmma", "sched": "coop", "tile": "small", "splits": 2},
     "coop128_s5": {"impl": "wgmma", "sched": "coop", "tile": "small", "splits": 5},
     "coop256_s3": {"impl": "wgmma", "sched": "coop", "tile": "large", "splits": 3},
+    "coop192_s3": {"impl": "wgmma", "sched": "coop", "tile": "medium", "splits": 3},
     "coop64_s3": {"impl": "wgmma", "sched": "coop", "tile": "narrow", "splits": 3},
     "pingpong_s3": {"impl": "wgmma", "sched": "pingpong", "splits": 3},
     "pingpong_s16": {"impl": "wgmma", "sched": "pingpong", "splits": 16},
@@ -1060,6 +1064,29 @@ def test_cuda_wgmma_split_k_dispatch(matmul_settings):
     assert name.startswith("wgmma coop 128x128") and " splitk " not in name, name
     name = torch.ops.fastcomm._kernel_name(a, torch.empty(4096, 2048, device="cuda", dtype=bf))
     assert name.startswith("wgmma coop 128x64") and " splitk " not in name, name
+
+
+@pytest.mark.cuda(1)
+@pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
+def test_cuda_wgmma_wave_tile_dispatch(matmul_settings, fp32_precision):
+    """The default's cooperative tile by the wave model on 132 SMs: 128 x 192 where its
+    tiles take fewer rounds (256 / 512 x 11008: 116 / 232 tiles against 86 / 172 of
+    128 x 256), for 16-bit types only; 128 x 256 and 128 x 128 elsewhere."""
+    if torch.cuda.get_device_properties(0).multi_processor_count != 132:
+        pytest.skip("the expected tiles are those of 132 SMs")
+    matmul_settings()
+    expect = {(256, 11008): "128x192", (512, 11008): "128x192", (256, 14336): "128x256",
+              (2048, 4096): "128x256", (1024, 14336): "128x128"}  # fmt: skip
+    for dtype in (torch.bfloat16, torch.float16):
+        for (m, n), tile in expect.items():
+            a = torch.empty(m, 4096, device="cuda", dtype=dtype)
+            w = torch.empty(n, 4096, device="cuda", dtype=dtype)
+            name = torch.ops.fastcomm._kernel_name(a, w.t())
+            assert name.startswith(f"wgmma coop {tile} "), (m, n, dtype, name)
+    fp32_precision("high")
+    a = torch.empty(256, 4096, device="cuda")
+    name = torch.ops.fastcomm._kernel_name(a, torch.empty(11008, 4096, device="cuda").t())
+    assert name.startswith("wgmma coop 128x256 tf32 "), name
 
 
 # ------------------------------------------------ float32 and torch's matmul precision
@@ -1327,6 +1354,8 @@ def test_cuda_tf32_batch_dims_and_strides(matmul_settings, fp32_precision):
 # Forced variants of the TF32 Hopper kernel: both schedules, both cooperative tiles, split K.
 TF32_VARIANTS = {
     "coop256": {"sched": "coop", "tile": "large"},
+    # the 128 x 192 tile is for 16-bit types: float32 takes 128 x 256
+    "coop192_as_256": {"sched": "coop", "tile": "medium"},
     "coop128": {"sched": "coop", "tile": "small", "raster": "n"},
     "pingpong": {"sched": "pingpong"},
     "coop128_s3": {"sched": "coop", "tile": "small", "splits": 3},
@@ -1350,6 +1379,8 @@ def test_cuda_tf32_wgmma_variants(matmul_settings, fp32_precision, variant):
     probe = torch.empty(4096, 4096, device="cuda")
     name = torch.ops.fastcomm._kernel_name(probe, probe)
     assert name.startswith(f"wgmma {settings['sched']}") and " tf32" in name, name
+    if settings.get("tile") == "medium":
+        assert name.startswith("wgmma coop 128x256 "), name
     if "splits" in settings:
         assert f" splitk {settings['splits']} " in name, name
     elif settings["sched"] == "coop":

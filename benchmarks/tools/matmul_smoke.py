@@ -40,6 +40,7 @@ LAYOUTS = (("a", "b"), ("a", "b^T"), ("a^T", "b"), ("a^T", "b^T"))
 # Settings beyond the benchmark's variants: the other tile order.
 EXTRAS = {
     "coop_tma+raster_n": ("coop_tma", {"raster": "n"}),
+    "coop192+raster_n": ("coop192", {"raster": "n"}),
     "pingpong+raster_n": ("pingpong", {"raster": "n"}),
     "coop_off+raster_n": ("coop_off", {"raster": "n"}),
 }

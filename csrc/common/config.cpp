@@ -454,7 +454,7 @@ void MatmulConfig::set(const std::string& name, const std::string& value) {
   if (n == "impl") {
     impl = oneOf(var.c_str(), v, {"auto", "skinny", "wgmma", "mma", "simt"});
   } else if (n == "tile") {
-    tile = oneOf(var.c_str(), v, {"auto", "large", "small", "narrow"});
+    tile = oneOf(var.c_str(), v, {"auto", "large", "medium", "small", "narrow"});
   } else if (n == "sched") {
     sched = oneOf(var.c_str(), v, {"auto", "coop", "pingpong"});
   } else if (n == "epi") {

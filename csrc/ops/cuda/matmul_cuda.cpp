@@ -52,6 +52,7 @@ kc::Tile to_tile(const std::string& v) {
   return v == "large"    ? kc::Tile::kLarge
          : v == "small"  ? kc::Tile::kSmall
          : v == "narrow" ? kc::Tile::kNarrow
+         : v == "medium" ? kc::Tile::kMedium
                          : kc::Tile::kAuto;
 }
 
@@ -247,7 +248,8 @@ enum class Path { kSimt, kSkinny, kMma, kWgmma };
 enum class When {
   kSkinnyLayout,  // A and B as the skinny kernel takes them (B K-major; skinny_considered)
   kWgmmaTile64,   // sm_90: the 128 x 64 tile's rule takes the problem
-  kWgmmaTile128,  // sm_90: the 128 x 128 tile is no slower by the wave model (wave_128_wins)
+  kWgmmaTile128,  // sm_90: the wave model picks the 128 x 128 tile (gemm_wgmma_wave_tile)
+  kWgmmaTile192,  // sm_90: ... the 128 x 192 tile (16-bit types)
   kWgmma,         // sm_90
   kTf32Copy,      // sm_80+, float32 as TF32 with an operand that is not K-major in place
   kSm80,          // sm_80+
@@ -266,9 +268,9 @@ enum class When {
 //     tiles leave SMs idle, 128 x 64 ones fit in one wave: small M on N up
 //     to 8448, squares up to 1024), ahead of a K split of the 128 x 128 tile;
 //     otherwise the 128 x 128 tile (K split where its tiles leave SMs idle;
-//     it beats mma.sync on every small shape measured) or the 128 x 256 tile,
-//     by the wave model below; split counts are the Hopper kernel's
-//     (kernels/matmul_sm90.cu);
+//     it beats mma.sync on every small shape measured), the 128 x 192 tile
+//     (16-bit types) or the 128 x 256 tile, by the Hopper kernel's wave
+//     model; split counts are the Hopper kernel's (kernels/matmul_sm90.cu);
 //   * float32 with TF32 allowed takes the same Hopper rows (the TF32 kernel:
 //     same tiles and stage bytes, half the K per stage) where both operands
 //     are K-major in place; where one is not (matmul's b [K, N]), products of
@@ -291,23 +293,11 @@ constexpr AutoRule kAutoRules[] = {
     {kTf32CopyMaxM, When::kTf32Copy, Path::kMma, kc::WgmmaSched::kAuto, kc::Tile::kAuto},
     {kAnyM, When::kWgmmaTile64, Path::kWgmma, kc::WgmmaSched::kCoop, kc::Tile::kNarrow},
     {kAnyM, When::kWgmmaTile128, Path::kWgmma, kc::WgmmaSched::kCoop, kc::Tile::kSmall},
+    {kAnyM, When::kWgmmaTile192, Path::kWgmma, kc::WgmmaSched::kCoop, kc::Tile::kMedium},
     {kAnyM, When::kWgmma, Path::kWgmma, kc::WgmmaSched::kCoop, kc::Tile::kLarge},
     {kAnyM, When::kSm80, Path::kMma, kc::WgmmaSched::kAuto, kc::Tile::kAuto},
     {kAnyM, When::kAlways, Path::kSimt, kc::WgmmaSched::kAuto, kc::Tile::kAuto},
 };
-
-// The wave model of the cooperative tiles: a persistent grid takes
-// ceil(tiles / SMs) rounds; a 128 x 256 tile takes 2 / kWideTileGain times a
-// 128 x 128 one (it does twice the flops at a better rate per flop). The
-// 128 x 128 tile wins ties.
-constexpr double kWideTileGain = 1.1;
-bool wave_128_wins(const kc::GemmArgs& args, int num_sms) {
-  auto cdiv = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
-  const int64_t rows = cdiv(args.M, 128);
-  const double rounds128 = static_cast<double>(cdiv(rows * cdiv(args.N, 128), num_sms));
-  const double rounds256 = static_cast<double>(cdiv(rows * cdiv(args.N, 256), num_sms));
-  return rounds128 <= rounds256 * 2.0 / kWideTileGain;
-}
 
 // The skinny kernel's operands, when the problem is one for it: B K-major as
 // it is, A K-major (copied where it is not: A has at most kSkinnyMaxM rows).
@@ -359,7 +349,12 @@ const AutoRule& auto_rule(const kc::GemmArgs& args, const cudaDeviceProp* prop, 
         ok = wgmma_ok && kc::gemm_wgmma_narrow_tile_wins(args, prop->multiProcessorCount);
         break;
       case When::kWgmmaTile128:
-        ok = wgmma_ok && wave_128_wins(args, prop->multiProcessorCount);
+        ok = wgmma_ok &&
+             kc::gemm_wgmma_wave_tile(args, prop->multiProcessorCount) == kc::Tile::kSmall;
+        break;
+      case When::kWgmmaTile192:
+        ok = wgmma_ok &&
+             kc::gemm_wgmma_wave_tile(args, prop->multiProcessorCount) == kc::Tile::kMedium;
         break;
       case When::kWgmma:
         ok = wgmma_ok;
