@@ -252,6 +252,26 @@ __device__ __forceinline__ void write_chunk(const float (&acc)[1][BN / 2],
   }
 }
 
+// 8 outputs of a 64 x 64 chunk buffer (one 16-byte vector at addr) through
+// the activation, in place: matmul_device.cuh's lean activations on the
+// rounded input. BALANCED: every other element takes the software
+// reciprocal (3 MUFU ops per pair instead of 4), for the TMA epilogue, whose
+// math runs while the tensor cores wait; the offload epilogue's runs beside
+// the MMAs, where what counts is its energy (the GEMM runs at the power
+// limit), i.e. its instruction count, so there both take the hardware one.
+template <typename T, Act ACT, bool BALANCED>
+__device__ __forceinline__ void activate_vec_in_place(uint32_t addr) {
+  uint32_t w[4];
+  ld_shared_v4(addr, w);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float lo, hi;
+    unpack_pair<T>(w[i], lo, hi);
+    w[i] = pack_pair<T>(activate_lean<ACT, false>(lo), activate_lean<ACT, BALANCED>(hi));
+  }
+  st_shared_v4(addr, w);
+}
+
 // The TMA-store epilogue (cooperative schedule), in few instructions and barriers: the
 // bias comes from registers (prefetch_bias), the activations are the lean
 // ones (activate_lean), and each 64 x 64 chunk takes one named barrier:
@@ -263,26 +283,62 @@ __device__ __forceinline__ void write_chunk(const float (&acc)[1][BN / 2],
 // buffer first_buf: the parity of the chunks stored before it), and the store
 // of the previous tile's last chunk is covered by the wait before chunk 0's
 // barrier.
+//
+// A warpgroup block that lies partly past M (small M: a decode step's few
+// rows) applies gelu, gelu_tanh and silu in shared memory instead: acc + bias
+// is written there rounded to T (the offload epilogue's numerics: one 16-bit
+// ulp of the input, far below the output's tolerance), then a rolled loop
+// over the chunk's 16-byte vectors activates the rows of C only. Its code is
+// a few dozen instructions, where the activation of every accumulator
+// register, unrolled, is kilobytes of code that a CTA with one tile runs
+// once, cold, for rows that are never stored. Full blocks keep the
+// activation in registers: the extra barrier and shared-memory pass per
+// chunk cost more there than they save.
 template <typename T, Act ACT, int BN>
 __device__ __forceinline__ void epilogue_tma(const GemmArgs& p, const CUtensorMap* map_c,
                                              const float (&acc)[1][BN / 2],
                                              const uint32_t (&bw)[BN / 8], uint32_t stage,
                                              uint32_t first_buf, int row_base, int n0, int wtid,
                                              int bar_id) {
+  constexpr bool kMath = ACT == Act::kGelu || ACT == Act::kGeluTanh || ACT == Act::kSilu;
   const EpiFragment frag(wtid);
-#pragma unroll
-  for (int c = 0; c < BN / 64; ++c) {
-    const uint32_t buf = stage + ((first_buf + static_cast<uint32_t>(c)) & 1u) * kEpiChunkBytes;
-    write_chunk<T, BN>(acc, bw, c, buf, frag, [](float& v0, float& v1) {
-      v0 = activate_lean<ACT, false>(v0);
-      v1 = activate_lean<ACT, true>(v1);
-    });
+  auto buffer = [&](int c) {
+    return stage + ((first_buf + static_cast<uint32_t>(c)) & 1u) * kEpiChunkBytes;
+  };
+  // Chunk c is in its buffer: hand it to the storing thread.
+  auto store_chunk = [&](int c, uint32_t buf) {
     fence_proxy_async_smem();
     if (wtid == 0) bulk_wait_read<0>();
     named_barrier_sync(bar_id, 128);
     if (wtid == 0) {
       if (row_base < p.M && n0 + 64 * c < p.N) tma_store_2d(map_c, buf, n0 + 64 * c, row_base);
       bulk_commit_group();
+    }
+  };
+  const int live_rows = max(0, min(64, static_cast<int>(p.M) - row_base));
+  if (!kMath || live_rows == 64) {
+#pragma unroll
+    for (int c = 0; c < BN / 64; ++c) {
+      const uint32_t buf = buffer(c);
+      write_chunk<T, BN>(acc, bw, c, buf, frag, [](float& v0, float& v1) {
+        v0 = activate_lean<ACT, false>(v0);
+        v1 = activate_lean<ACT, true>(v1);
+      });
+      store_chunk(c, buf);
+    }
+  } else {
+    // 16-byte vectors of a chunk that hold rows of C (8 per 128-byte row).
+    const int live_vecs = 8 * live_rows;
+#pragma unroll
+    for (int c = 0; c < BN / 64; ++c) {
+      const uint32_t buf = buffer(c);
+      write_chunk<T, BN>(acc, bw, c, buf, frag, [](float&, float&) {});
+      named_barrier_sync(bar_id, 128);  // the chunk's pre-activations are written
+#pragma unroll 1
+      for (int v = wtid; v < live_vecs; v += 128) {
+        activate_vec_in_place<T, ACT, true>(buf + 16u * static_cast<uint32_t>(v));
+      }
+      store_chunk(c, buf);
     }
   }
 }
@@ -374,26 +430,6 @@ __device__ __forceinline__ void epilogue_offload_write(const float (&acc)[1][BN 
   }
 }
 
-// 8 outputs of the tile buffer (one 16-byte vector at addr) through the
-// activation, in place: matmul_device.cuh's lean activations on the rounded
-// input, with the hardware reciprocal for every element.
-template <typename T, Act ACT>
-__device__ __forceinline__ void activate_vec_in_place(uint32_t addr) {
-  uint32_t w[4];
-  ld_shared_v4(addr, w);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float lo, hi;
-    unpack_pair<T>(w[i], lo, hi);
-    // Both elements take the hardware reciprocal: here the math runs beside
-    // the MMAs, not in their way, so what counts is its energy (the GEMM runs
-    // at the power limit), i.e. its instruction count, not the MUFU
-    // throughput that the software reciprocal of epilogue_tma relieves.
-    w[i] = pack_pair<T>(activate_lean<ACT, false>(lo), activate_lean<ACT, false>(hi));
-  }
-  st_shared_v4(addr, w);
-}
-
 // Epilogue side, run by the 96 threads of warps 1-3 of warpgroup 0 (et =
 // 0..95) over the CTA's tiles in the consumers' order (unit_tile: unit ->
 // m0, n0). Thread 0 issues the TMA stores, clipped like epilogue_tma's
@@ -440,7 +476,7 @@ __device__ __forceinline__ void epilogue_warps_offload(const GemmArgs& p, const 
         const int nvec = nq * (kEpiChunkBytes / 16);
 #pragma unroll 1
         for (int v = et; v < nvec; v += kOffloadThreads) {
-          activate_vec_in_place<T, ACT>(base + 16u * static_cast<uint32_t>(v));
+          activate_vec_in_place<T, ACT, false>(base + 16u * static_cast<uint32_t>(v));
         }
         // Each writer orders its shared-memory stores before the TMA reads;
         // the barrier tells the storing thread that all have.
