@@ -22,9 +22,10 @@ dispatch), ``skinny`` (B K-major, at most 8 rows of A), ``mma`` (mma.sync), ``si
 ``split_pingpong`` / ``split_coop256`` (the Hopper kernel with K split over CTAs where its
 model gains), ``coop64`` / ``coop64_s1`` / ``coop64_s2`` (the cooperative 128x64 tile:
 with its rule's split count, or the bytes model's where the rule does not take the shape;
-unsplit; 2 splits), and the Hopper variants ``coop`` (cooperative 128x256,
-epilogue from registers), ``coop_tma`` (same, epilogue through shared memory +
-TMA stores), ``coop128`` (cooperative 128x128, TMA stores), ``pingpong`` (two
+unsplit; 2 splits), ``coop64_direct`` (that tile with its epilogue from registers), and the
+Hopper variants ``coop`` (cooperative 128x256, epilogue from registers), ``coop_tma`` (same,
+epilogue through shared memory + TMA stores), ``coop192`` / ``coop128`` (cooperative 128x192
+/ 128x128, TMA stores), ``pingpong`` (two
 128x128 tiles in ping-pong) and ``coop_off`` (the offload epilogue: activation
 and stores by the producer warpgroup's idle warps, under the next tile's
 MMAs). ``--variants hopper`` names every Hopper kernel shape, ``--variants
@@ -250,6 +251,8 @@ class Variant:
         "coop64": {**_HOPPER, "sched": "coop", "tile": "narrow"},
         "coop64_s1": {**_HOPPER, "sched": "coop", "tile": "narrow", "splits": 1},
         "coop64_s2": {**_HOPPER, "sched": "coop", "tile": "narrow", "splits": 2},
+        # ... with the direct epilogue (stores from registers) instead of the TMA one.
+        "coop64_direct": {**_HOPPER, "sched": "coop", "tile": "narrow", "epi": "direct"},
         "split_coop256": {**_HOPPER, "sched": "coop", "tile": "large"},
     }
     SETS: ClassVar[dict[str, list[str]]] = {
@@ -260,7 +263,7 @@ class Variant:
         # Small M: the default beside each split-K kernel, mma.sync and the skinny kernel.
         "splitk": ["auto", "split_coop128", "split_coop256", "split_pingpong", "mma", "skinny"],
         # Small M: the default beside the 128x64 tile.
-        "narrow": ["auto", "coop64", "coop64_s1", "coop64_s2"],
+        "narrow": ["auto", "coop64", "coop64_s1", "coop64_s2", "coop64_direct"],
     }
 
     def __init__(self, name: str):

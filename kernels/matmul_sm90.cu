@@ -235,11 +235,9 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
     }
   }
   // TMA stores need a 16-byte aligned C with a leading dimension of a
-  // multiple of 8 elements; otherwise, for ping-pong (whose epilogue is
-  // hidden anyway) and for the 128 x 64 tile (the TMA epilogue alternates
-  // two 64-wide chunks per tile) the epilogue stores from registers.
-  plan.tma_store =
-      plan.sched == Sched::kCoop && plan.bn >= 128 && o.epi != WgmmaEpi::kDirect && tma_store_ok(p);
+  // multiple of 8 elements; otherwise, and for ping-pong (whose epilogue is
+  // hidden anyway), the epilogue stores from registers.
+  plan.tma_store = plan.sched == Sched::kCoop && o.epi != WgmmaEpi::kDirect && tma_store_ok(p);
   // The offload epilogue (activation by warps 1-3 of the producer warpgroup,
   // under the next tile's MMAs) exists for the 128 x 256 tile only; elsewhere
   // EPI=offload falls back as tma does (the TMA epilogue on the 128 x 128

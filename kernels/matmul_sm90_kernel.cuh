@@ -31,8 +31,7 @@
 //    cooperative only, 128 x 192 (4 stages of 40 KB; 16-bit types: where its
 //    tiles fit the SMs in fewer rounds, e.g. 256 x 11008 in one wave of 116)
 //    and 128 x 64 (8 stages of 24 KB; for products of few rows, where 64-wide
-//    tiles give the SMs work without a K split; the direct and split-K
-//    epilogues only). BK = one 128-byte swizzle row: 64 elements of
+//    tiles give the SMs work without a K split). BK = one 128-byte swizzle row: 64 elements of
 //    a 16-bit type, 32 of float32. Tile order: groups of 2048 rows (raster by rows) or 2048
 //    columns (raster by columns), the dispatcher picking the one that
 //    re-reads fewer bytes from DRAM.
@@ -81,17 +80,18 @@ using namespace detail;
 // whole-tile output buffer instead of 4 stages and 4 chunk buffers.
 // SMALL_A: the cooperative 128 x 64 tile for products of at most 64 rows:
 // stages hold 64 rows of A instead of 128 (the tile's other 64 rows are past
-// M and never loaded), so the same shared memory takes 13 stages instead of 8
-// and keeps that much more of B, the operand that streams from DRAM, in
-// flight.
+// M and never loaded), so the same shared memory takes 11 stages instead of
+// 8 (13 for TF32, which has no TMA epilogue) and keeps that much more of B,
+// the operand that streams from DRAM, in flight.
 template <typename T, Sched S, int BN, bool OFFLOAD = false, bool SMALL_A = false>
 struct Cfg {
   static_assert(BN == 256 || BN == 192 || BN == 128 || BN == 64, "BN must be 64, 128, 192 or 256");
   static_assert(BN != 192 || sizeof(T) == 2, "the 128 x 192 tile is for 16-bit types");
   static_assert(sizeof(T) == 2 || !OFFLOAD, "the offload epilogue stages 16-bit outputs");
   static_assert(S == Sched::kCoop || BN == 128, "the ping-pong tile is 128 x 128");
-  // The TMA-store epilogue alternates two 64-wide chunk buffers across tiles.
-  static constexpr bool TMA_EPI = S == Sched::kCoop && BN >= 128;
+  // The TMA-store epilogue (16-bit outputs) alternates two 64-wide chunk
+  // buffers per consumer warpgroup.
+  static constexpr bool TMA_EPI = S == Sched::kCoop && sizeof(T) == 2;
   static_assert(!OFFLOAD || (S == Sched::kCoop && BN == 256),
                 "the offload epilogue exists for the cooperative 128 x 256 kernel only");
   static_assert(!SMALL_A || (S == Sched::kCoop && BN == 64 && !OFFLOAD),
@@ -99,10 +99,14 @@ struct Cfg {
   static constexpr bool PINGPONG = S == Sched::kPingpong;
   static constexpr int BM = kBM;
   // 4 x 48 KB (cooperative 128 x 256), 4 x 40 KB (128 x 192), 6 x 32 KB
-  // (128 x 128), 8 x 24 KB (128 x 64; 13 x 16 KB with SMALL_A); 3 x 48 KB
-  // with the offload epilogue, whose 64 KB tile buffer takes the fourth
-  // stage's place.
-  static constexpr int STAGES = OFFLOAD ? 3 : BN >= 192 ? 4 : BN == 128 ? 6 : SMALL_A ? 13 : 8;
+  // (128 x 128), 8 x 24 KB (128 x 64; 11 x 16 KB with SMALL_A, 13 without
+  // the TMA epilogue's 32 KB: TF32); 3 x 48 KB with the offload epilogue,
+  // whose 64 KB tile buffer takes the fourth stage's place.
+  static constexpr int STAGES = OFFLOAD     ? 3
+                                : BN >= 192 ? 4
+                                : BN == 128 ? 6
+                                : SMALL_A   ? (TMA_EPI ? 11 : 13)
+                                            : 8;
   static constexpr int BK = kBKFor<T>;              // 128 bytes of K
   static constexpr int A_ROWS = SMALL_A ? 64 : BM;  // rows of A a stage holds
   static constexpr int A_BYTES = A_ROWS * BK * static_cast<int>(sizeof(T));  // 16 KB (8 KB)

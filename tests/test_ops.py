@@ -649,6 +649,8 @@ WGMMA_VARIANTS = {
     "coop128_tma": {"sched": "coop", "tile": "small", "epi": "tma", "raster": "m"},
     "coop64": {"sched": "coop", "tile": "narrow", "epi": "direct", "raster": "m"},
     "coop64_rn": {"sched": "coop", "tile": "narrow", "epi": "direct", "raster": "n"},
+    "coop64_tma": {"sched": "coop", "tile": "narrow", "epi": "tma", "raster": "m"},
+    "coop64_tma_rn": {"sched": "coop", "tile": "narrow", "epi": "tma", "raster": "n"},
     "pingpong": {"sched": "pingpong", "raster": "m"},
     "pingpong_rn": {"sched": "pingpong", "raster": "n"},
     "coop256_offload": {"sched": "coop", "tile": "large", "epi": "offload", "raster": "m"},
@@ -690,26 +692,21 @@ def test_cuda_wgmma_kernel(matmul_settings, variant, dtype):
 @pytest.mark.cuda(1)
 @pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
 def test_cuda_wgmma_offload_fallback(matmul_settings):
-    """epi=offload exists for the cooperative 128x256 tile only: the 128x128 tile falls
-    back to the TMA epilogue (and stays right), ping-pong keeps its direct stores, and so
-    does the 128x64 tile, which has no TMA epilogue."""
+    """epi=offload exists for the cooperative 128x256 tile only: the 128x192, 128x128 and
+    128x64 tiles fall back to the TMA epilogue (and stay right), ping-pong keeps its direct
+    stores."""
     probe = torch.empty(4096, 4096, device="cuda", dtype=torch.bfloat16)
     offload = {"impl": "wgmma", "epi": "offload", "raster": "m"}
     matmul_settings(**offload, sched="coop", tile="large")
     assert " epi offload " in torch.ops.fastcomm._kernel_name(probe, probe)
-    matmul_settings(**offload, sched="coop", tile="small")
-    name = torch.ops.fastcomm._kernel_name(probe, probe)
-    assert name.startswith("wgmma coop 128x128") and " epi tma " in name, name
-    _check_all_layouts("cuda", torch.bfloat16, [(300, 520, 1000)], acts=ACTS)
+    for tile, width in (("medium", 192), ("small", 128), ("narrow", 64)):
+        matmul_settings(**offload, sched="coop", tile=tile)
+        name = torch.ops.fastcomm._kernel_name(probe, probe)
+        assert name.startswith(f"wgmma coop 128x{width} ") and " epi tma " in name, name
+        _check_all_layouts("cuda", torch.bfloat16, [(300, 520, 1000)], acts=ACTS)
     matmul_settings(**offload, sched="pingpong")
     name = torch.ops.fastcomm._kernel_name(probe, probe)
     assert name.startswith("wgmma pingpong") and " epi " not in name, name
-    # the 128x64 tile has no TMA epilogue: tma and offload store from registers
-    for epi in ("tma", "offload"):
-        matmul_settings(impl="wgmma", epi=epi, sched="coop", tile="narrow")
-        name = torch.ops.fastcomm._kernel_name(probe, probe)
-        assert name.startswith("wgmma coop 128x64") and " epi direct " in name, name
-    _check_all_layouts("cuda", torch.bfloat16, [(300, 520, 1000)], acts=ACTS)
 
 
 @pytest.mark.cuda(1)
