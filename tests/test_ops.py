@@ -771,18 +771,23 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _wave_tile(m: int, n: int, sms: int) -> int:
-    """The cooperative tile width the default dispatch takes on sm_90 (kAutoRules' wave
-    model): ceil(tiles / SMs) rounds, a 128 x 256 tile taking 2 / 1.1 times a 128 x 128 one."""
-    r128 = _cdiv(_cdiv(m, 128) * _cdiv(n, 128), sms)
-    r256 = _cdiv(_cdiv(m, 128) * _cdiv(n, 256), sms)
-    return 128 if r128 <= r256 * 2 / 1.1 else 256
+    """The cooperative tile width the default dispatch takes on sm_90 for 16-bit types (the
+    Hopper kernel's wave model): ceil(tiles / SMs) rounds, a round of 128 x 192 tiles taking
+    1.5 / 1.05 times one of 128 x 128 tiles, of 128 x 256 tiles 2 / 1.1 times; the narrower
+    tile wins ties."""
+    best, best_cost = 128, float(_cdiv(_cdiv(m, 128) * _cdiv(n, 128), sms))
+    for bn, time in ((192, 1.5 / 1.05), (256, 2 / 1.1)):
+        cost = _cdiv(_cdiv(m, 128) * _cdiv(n, bn), sms) * time
+        if cost < best_cost:
+            best, best_cost = bn, cost
+    return best
 
 
 # (M, N) of the decode / prefill grid and squares, with the tile width the wave model gives
 # on 132 SMs (H100 SXM, H200).
 WAVE_TILES_132 = {
     (2, 4096): 128, (8, 14336): 128, (16, 11008): 128, (128, 14336): 128, (256, 4096): 128,
-    (256, 11008): 256, (256, 14336): 256, (512, 4096): 128, (512, 11008): 128,
+    (256, 11008): 192, (256, 14336): 256, (512, 4096): 128, (512, 11008): 192,
     (512, 14336): 256, (1024, 1024): 128, (1024, 4096): 256, (1024, 11008): 256,
     (1024, 14336): 128, (2048, 2048): 256, (2048, 4096): 256, (4096, 4096): 256,
 }  # fmt: skip
@@ -817,8 +822,8 @@ def test_cuda_default_dispatch_rule(matmul_settings):
     """The default dispatch on sm_90, for matmul (b N-major) and linear (weight K-major):
     every problem the Hopper kernel's (the skinny kernel's M = 1 with B K-major too):
     cooperative 128 x 64 tile where its rule takes the problem, else its 128 x 128 tile (K
-    split where its tiles leave SMs idle) or 128 x 256 tile, by the wave model; never
-    mma.sync."""
+    split where its tiles leave SMs idle), 128 x 192 or 128 x 256 tile, by the wave model;
+    never mma.sync."""
     matmul_settings()
     bf = torch.bfloat16
     sms = torch.cuda.get_device_properties(0).multi_processor_count
