@@ -770,13 +770,15 @@ def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-def _wave_tile(m: int, n: int, sms: int) -> int:
-    """The cooperative tile width the default dispatch takes on sm_90 for 16-bit types (the
-    Hopper kernel's wave model): ceil(tiles / SMs) rounds, a round of 128 x 192 tiles taking
-    1.5 / 1.05 times one of 128 x 128 tiles, of 128 x 256 tiles 2 / 1.1 times; the narrower
-    tile wins ties."""
+def _wave_tile(m: int, n: int, sms: int, half: bool = True) -> int:
+    """The cooperative tile width the default dispatch takes on sm_90 (the Hopper kernel's
+    wave model): ceil(tiles / SMs) rounds, a round of 128 x 192 tiles (16-bit types only:
+    `half`) taking 1.5 / 1.05 times one of 128 x 128 tiles, of 128 x 256 tiles 2 / 1.1 times;
+    the narrower tile wins ties."""
     best, best_cost = 128, float(_cdiv(_cdiv(m, 128) * _cdiv(n, 128), sms))
     for bn, time in ((192, 1.5 / 1.05), (256, 2 / 1.1)):
+        if bn == 192 and not half:
+            continue
         cost = _cdiv(_cdiv(m, 128) * _cdiv(n, bn), sms) * time
         if cost < best_cost:
             best, best_cost = bn, cost
@@ -793,25 +795,27 @@ WAVE_TILES_132 = {
 }  # fmt: skip
 
 
-def _narrow_splits(m: int, n: int, k: int, sms: int) -> int:
+def _narrow_splits(m: int, n: int, k: int, sms: int, half: bool = True) -> int:
     """The K splits the 128 x 64 tile's rule gives on sm_90 (0: the rule does not take the
     problem): 128 x 128 tiles leave SMs idle and 128 x 64 ones fit in one wave; K split while a
-    row of tiles has fewer than 64 CTAs or a CTA more than 8192 of K (each split keeping the
-    wave and at least 2048 of K per CTA); not taken where a CTA's K stays above 8192."""
+    row of tiles has fewer than 64 CTAs or a CTA more than 8192 of K (11008 for 16-bit types,
+    `half`, at M <= 64) (each split keeping the wave and at least 2048 of K per CTA); not
+    taken where a CTA's K stays above that."""
     tm, tn = _cdiv(m, 128), _cdiv(n, 64)
     if tm * _cdiv(n, 128) >= sms or tm * tn > sms:
         return 0
+    max_k = 11008 if half and m <= 64 else 8192
     s = 1
     while (s < 16 and tm * tn * (s + 1) <= sms and k // (s + 1) >= 2048
-           and (tn * s < 64 or _cdiv(k, s) > 8192)):  # fmt: skip
+           and (tn * s < 64 or _cdiv(k, s) > max_k)):  # fmt: skip
         s += 1
-    return 0 if _cdiv(k, s) > 8192 else s
+    return 0 if _cdiv(k, s) > max_k else s
 
 
 # (M, N, K) -> the 128 x 64 tile's split count on 132 SMs (0: the 128 x 128 tile with split K).
 NARROW_SPLITS_132 = {
     (16, 4096, 4096): 1, (128, 4096, 4096): 1, (256, 4096, 4096): 1, (64, 4096, 8192): 1,
-    (16, 4096, 11008): 2, (128, 4096, 11008): 2, (16, 2048, 4096): 2, (256, 2048, 8192): 2,
+    (16, 4096, 11008): 1, (128, 4096, 11008): 2, (16, 2048, 4096): 2, (256, 2048, 8192): 2,
     (16, 8192, 4096): 1, (256, 4096, 11008): 0, (16, 11008, 4096): 0, (8, 14336, 4096): 0,
 }  # fmt: skip
 
@@ -1425,12 +1429,12 @@ def test_cuda_tf32_default_dispatch_rule(matmul_settings, fp32_precision):
                 rows = 16 if m <= 16 else 64
                 assert name.startswith(f"mma {rows}x128 tf32"), (m, n, k, name)
                 continue
-            splits = _narrow_splits(m, n, k, sms)
+            splits = _narrow_splits(m, n, k, sms, half=False)
             if splits > 0:
                 assert name.startswith("wgmma coop 128x64 tf32 "), (m, n, k, name)
                 assert (" splitk " in name) == (splits > 1), (m, n, k, name)
                 continue
-            bn = _wave_tile(m, n, sms)
+            bn = _wave_tile(m, n, sms, half=False)
             assert name.startswith(f"wgmma coop 128x{bn} tf32 "), (m, n, k, name)
             if bn == 128 and _cdiv(m, 128) * _cdiv(n, 128) * 2 <= sms:
                 assert " splitk " in name, (m, n, k, name)
