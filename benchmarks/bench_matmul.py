@@ -115,7 +115,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="float32 only: torch.backends.cuda.matmul.allow_tf32 for cuBLAS and fastcomm alike "
         "(both: each shape under each setting)",
     )
-    p.add_argument("--ops", default="matmul,linear", help="which comparisons: matmul, linear")
+    p.add_argument(
+        "--ops",
+        default="matmul,linear",
+        help="which comparisons: matmul, linear (+ bias + GELU against _addmm_activation), bias "
+        "(linear + bias without activation against cuBLAS's F.linear: the fused GELU's cost is "
+        "the difference)",
+    )
     p.add_argument("--gelu", default="tanh", choices=["tanh", "erf"])
     p.add_argument(
         "--reps", type=int, default=50, help="timed calls per measurement (median reported)"
@@ -449,6 +455,36 @@ def _run_shape(m: int, n: int, k: int, args, dtype, compiled_cache: dict, tf32: 
             with Variant(v):
                 record("matmul", f"fastcomm[{v}]", fc, ref, mb, kernel_name(s0["x"], s0["b"]), v)
         del ref
+    if "bias" in ops_wanted:
+        with matmul_tf32(False):
+            ref = F.linear(s0["x"].float(), s0["w"].float(), s0["bias"].float())
+        mb = (m * k + k * n + n + m * n) * elt
+        record(
+            "linear_bias",
+            "cublas",
+            lambda i: F.linear(
+                sets[i % len(sets)]["x"], sets[i % len(sets)]["w"], sets[i % len(sets)]["bias"]
+            ),
+            ref,
+            mb,
+        )
+
+        def fb(i):
+            s = sets[i % len(sets)]
+            return torch.ops.fastcomm.linear(s["x"], s["w"], s["bias"], "none")
+
+        for v in variants:
+            with Variant(v):
+                record(
+                    "linear_bias",
+                    f"fastcomm[{v}]",
+                    fb,
+                    ref,
+                    mb,
+                    kernel_name(s0["x"], s0["w"].t(), "none"),
+                    v,
+                )
+        del ref
     if "linear" in ops_wanted:
         with matmul_tf32(False):
             ref = F.gelu(
@@ -524,6 +560,10 @@ def best_fastcomm(rows: list[dict], op: str, label: str) -> Optional[dict]:
     return max(cands, key=lambda r: r["tflops"]) if cands else None
 
 
+# The baseline of each op: cuBLAS for the bare products, _addmm_activation for linear + GELU.
+OP_BASELINE = {"matmul": "cublas", "linear_bias": "cublas", "linear_gelu": "addmm_activation"}
+
+
 def find(rows, op, label, method):
     for r in rows:
         if r["op"] == op and shape_label(r) == label and r["method"] == method and "tflops" in r:
@@ -539,8 +579,8 @@ def print_table(rows: list[dict]) -> None:
         f"{'vs cuBLAS/addmm':>15s} {'vs unfused':>10s} {'rel err':>8s}"
     )
     for lab in labels:
-        for op in ("matmul", "linear_gelu"):
-            base = find(rows, op, lab, "cublas" if op == "matmul" else "addmm_activation")
+        for op, baseline in OP_BASELINE.items():
+            base = find(rows, op, lab, baseline)
             unf = find(rows, op, lab, "unfused")
             for r in rows:
                 if shape_label(r) != lab or r["op"] != op:
@@ -628,11 +668,14 @@ def print_variant_summary(rows: list[dict]) -> None:
     if not variants:
         return
     width = max(8, *(len(v) for v in variants))
-    print("\nfastcomm variants / baseline (matmul: cuBLAS, linear_gelu: addmm_activation):")
+    print(
+        "\nfastcomm variants / baseline (matmul, linear_bias: cuBLAS; linear_gelu: "
+        "addmm_activation):"
+    )
     print(f"{'M x N x K':>16s} {'op':11s} " + " ".join(f"{v:>{width}s}" for v in variants))
     for lab in dict.fromkeys(shape_label(r) for r in rows):
-        for op in ("matmul", "linear_gelu"):
-            base = find(rows, op, lab, "cublas" if op == "matmul" else "addmm_activation")
+        for op, baseline in OP_BASELINE.items():
+            base = find(rows, op, lab, baseline)
             cells = []
             for v in variants:
                 r = next(
@@ -674,7 +717,12 @@ def plot_bars(rows: list[dict], path: str, meta: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ops = [op for op in ("matmul", "linear_gelu") if any(r["op"] == op for r in rows)]
+    ops = [op for op in OP_BASELINE if any(r["op"] == op for r in rows)]
+    titles = {
+        "matmul": "matmul",
+        "linear_bias": "linear + bias",
+        "linear_gelu": "linear + bias + gelu",
+    }
     fig, axes = plt.subplots(len(ops), 1, figsize=(12, 4.2 * len(ops)), squeeze=False)
     for ax, op in zip(axes[:, 0], ops):
         sub = [r for r in rows if r["op"] == op and "tflops" in r]
@@ -693,9 +741,7 @@ def plot_bars(rows: list[dict], path: str, meta: dict) -> None:
         ax.set_xticks(range(len(labels)))
         ax.set_xticklabels(labels, rotation=20, fontsize=8)
         ax.set_ylabel("TFLOP/s")
-        ax.set_title(
-            f"{'matmul' if op == 'matmul' else 'linear + bias + gelu'} ({meta['dtype']}, {meta['device']})"
-        )
+        ax.set_title(f"{titles[op]} ({meta['dtype']}, {meta['device']})")
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8, ncol=3)
     fig.tight_layout()
