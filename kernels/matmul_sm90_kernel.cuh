@@ -659,7 +659,7 @@ cudaError_t launch_sched(const GemmArgs& p, const Plan& plan, cudaStream_t strea
       }
     }
     if (plan.bn == 64) {
-      // At most 64 rows: the stages hold 64 rows of A and are 13 deep (SMALL_A).
+      // At most 64 rows: the stages hold 64 rows of A and are deeper (SMALL_A).
       if (p.M <= 64) return launch_layout<T, S, 64, false, true>(p, plan, stream);
       return launch_layout<T, S, 64>(p, plan, stream);
     }
