@@ -246,6 +246,7 @@ class Variant:
         # activation and the TMA stores run on warps 1-3 of the producer
         # warpgroup, under the next tile's main loop).
         "coop_off": {**_HOPPER, "sched": "coop", "tile": "large", "epi": "offload"},
+        "coop128_off": {**_HOPPER, "sched": "coop", "tile": "small", "epi": "offload"},
         "skinny": {"impl": "skinny"},
         # The Hopper kernel with K split over CTAs (splits from the bytes-per-SM model,
         # 1 where it finds no gain): cooperative 128x128 and 128x256 (the default's two
@@ -263,7 +264,16 @@ class Variant:
     }
     SETS: ClassVar[dict[str, list[str]]] = {
         # Every Hopper kernel shape, and the default.
-        "hopper": ["auto", "mma", "coop_tma", "coop192", "coop128", "pingpong", "coop_off"],
+        "hopper": [
+            "auto",
+            "mma",
+            "coop_tma",
+            "coop192",
+            "coop128",
+            "pingpong",
+            "coop_off",
+            "coop128_off",
+        ],
         # The epilogues of the cooperative 128x256 kernel beside ping-pong's.
         "fused": ["auto", "coop", "coop_tma", "coop_off", "pingpong"],
         # Small M: the default beside each split-K kernel, mma.sync and the skinny kernel.

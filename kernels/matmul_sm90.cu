@@ -181,7 +181,7 @@ int narrow_splits(const GemmArgs& p, int num_sms) {
   return cdiv(p.K, s) > max_unit_k ? 0 : s;
 }
 
-// Tiles of 128 x 256 per SM from which the default takes the offload
+// Tiles (of the plan's width) per SM from which the default takes the offload
 // epilogue (choose_plan).
 constexpr int64_t kOffloadMinWaves = 3;
 
@@ -246,19 +246,19 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
   // hidden anyway), the epilogue stores from registers.
   plan.tma_store = plan.sched == Sched::kCoop && o.epi != WgmmaEpi::kDirect && tma_store_ok(p);
   // The offload epilogue (activation by warps 1-3 of the producer warpgroup,
-  // under the next tile's MMAs) exists for the 128 x 256 tile only; elsewhere
-  // EPI=offload falls back as tma does (the TMA epilogue on the 128 x 128
-  // cooperative tile, direct stores where C takes no TMA stores or for
-  // ping-pong). auto takes it where there is activation math to hide (gelu,
-  // gelu_tanh, silu) under later tiles: from kOffloadMinWaves tiles per SM,
-  // where it measured at or above the TMA epilogue. With fewer, a CTA's last
-  // tile's activation has nothing to hide under and the TMA epilogue's
-  // fourth stage wins (docs/matmul.md). The bare product (none / relu) keeps
-  // the TMA epilogue.
+  // under the next tile's MMAs) exists for the 128 x 256 and 128 x 128
+  // tiles; elsewhere EPI=offload falls back as tma does (the TMA epilogue on
+  // the 128 x 192 and 128 x 64 tiles, direct stores where C takes no TMA
+  // stores or for ping-pong). auto takes it where there is activation math
+  // to hide (gelu, gelu_tanh, silu) under later tiles: from kOffloadMinWaves
+  // tiles per SM, where it measured at or above the TMA epilogue. With fewer,
+  // a CTA's last tile's activation has nothing to hide under, and on the
+  // 128 x 256 tile the TMA epilogue's fourth stage wins (docs/matmul.md). The
+  // bare product (none / relu) keeps the TMA epilogue.
   const bool act_math = p.act == Act::kGelu || p.act == Act::kGeluTanh || p.act == Act::kSilu;
-  const bool many_tiles = cdiv(p.M, kTileM) * cdiv(p.N, 256) >= kOffloadMinWaves * num_sms;
+  const bool many_tiles = cdiv(p.M, kTileM) * cdiv(p.N, plan.bn) >= kOffloadMinWaves * num_sms;
   plan.epi_offload =
-      plan.tma_store && plan.bn == 256 &&
+      plan.tma_store && (plan.bn == 256 || plan.bn == 128) &&
       (o.epi == WgmmaEpi::kOffload || (o.epi == WgmmaEpi::kAuto && act_math && many_tiles));
   const int narrow = plan.bn == 64 && o.splits == 0 ? narrow_splits(p, num_sms) : 0;
   if (o.splits > 0) {

@@ -434,7 +434,7 @@ __device__ __forceinline__ void epilogue_offload_write(const float (&acc)[1][BN 
 // 0..95) over the CTA's tiles in the consumers' order (unit_tile: unit ->
 // m0, n0). Thread 0 issues the TMA stores, clipped like epilogue_tma's
 // (a chunk wholly outside C is skipped; TMA clips the rest).
-template <typename T, Act ACT, typename TileFn>
+template <typename T, Act ACT, int BN, typename TileFn>
 __device__ __forceinline__ void epilogue_warps_offload(const GemmArgs& p, const CUtensorMap* map_c,
                                                        uint32_t buf, uint32_t full_bar,
                                                        uint32_t empty_bar, int et, int first_unit,
@@ -449,15 +449,19 @@ __device__ __forceinline__ void epilogue_warps_offload(const GemmArgs& p, const 
   if (!kMath && et != 0) return;
   const int M = static_cast<int>(p.M), N = static_cast<int>(p.N);
   if (et == 0) tma_prefetch_map(map_c);
+  constexpr int kChunksPerBlock = BN / 64;      // per consumer warpgroup's 64 rows
+  constexpr int kChunks = 2 * kChunksPerBlock;  // 8 (128 x 256) or 4 (128 x 128)
+  constexpr int kGroups = BN == 256 ? 3 : 2;    // stored as each is done
+  constexpr int kGroupChunks = (kChunks + kGroups - 1) / kGroups;
   int j = 0;
   for (int unit = first_unit; unit < num_units; unit += unit_stride, ++j) {
     mbar_wait(full_bar, static_cast<uint32_t>(j & 1));
     int m0, n0;
     unit_tile(unit, m0, n0);
-    // Chunk q = 4 w + c: rows m0 + 64 w, columns n0 + 64 c.
+    // Chunk q = (BN / 64) w + c: rows m0 + 64 w, columns n0 + 64 c.
     auto store_chunks = [&](int q0, int nq) {
       for (int q = q0; q < q0 + nq; ++q) {
-        const int row = m0 + 64 * (q >> 2), col = n0 + 64 * (q & 3);
+        const int row = m0 + 64 * (q / kChunksPerBlock), col = n0 + 64 * (q % kChunksPerBlock);
         if (row < M && col < N) {
           tma_store_2d(map_c, buf + static_cast<uint32_t>(q) * kEpiChunkBytes, col, row);
         }
@@ -465,13 +469,14 @@ __device__ __forceinline__ void epilogue_warps_offload(const GemmArgs& p, const 
       bulk_commit_group();
     };
     if constexpr (kMath) {
-      // Three groups of chunks (3, 3, 2: 1536, 1536, 1024 vectors), each
-      // stored as soon as it is done so that the stores drain under the
-      // next group's math: 16 + 16 + 11 vectors per thread, the fewest a
-      // split of the tile's 4096 vectors over 96 threads allows (43).
+      // Groups of chunks (128 x 256: 3, 3, 2 chunks = 1536, 1536, 1024
+      // vectors; 128 x 128: 2, 2), each stored as soon as it is done so that
+      // the stores drain under the next group's math: 16 + 16 + 11 vectors
+      // per thread, the fewest a split of the tile's 4096 vectors over 96
+      // threads allows (43); 11 + 11 of 2048.
 #pragma unroll
-      for (int g = 0; g < 3; ++g) {
-        const int q0 = 3 * g, nq = g < 2 ? 3 : 2;
+      for (int g = 0; g < kGroups; ++g) {
+        const int q0 = kGroupChunks * g, nq = min(kGroupChunks, kChunks - q0);
         const uint32_t base = buf + static_cast<uint32_t>(q0) * kEpiChunkBytes;
         const int nvec = nq * (kEpiChunkBytes / 16);
 #pragma unroll 1
@@ -485,7 +490,7 @@ __device__ __forceinline__ void epilogue_warps_offload(const GemmArgs& p, const 
         if (et == 0) store_chunks(q0, nq);
       }
     } else {
-      store_chunks(0, 8);
+      store_chunks(0, kChunks);
     }
     if (et == 0) {
       // The buffer is free once the stores have read it (their global writes

@@ -75,9 +75,11 @@ namespace sm90 {
 
 using namespace detail;
 
-// OFFLOAD: the cooperative 128 x 256 kernel with the "offload" epilogue
-// (epilogue_offload_write / epilogue_warps_offload below): 3 stages and one
-// whole-tile output buffer instead of 4 stages and 4 chunk buffers.
+// OFFLOAD: the cooperative 128 x 256 or 128 x 128 kernel with the "offload"
+// epilogue (epilogue_offload_write / epilogue_warps_offload below): one
+// whole-tile output buffer instead of the 4 chunk buffers, 3 stages instead
+// of 4 (128 x 256; the 128 x 128 tile's buffer is the chunk buffers' 32 KB,
+// so it keeps its 6 stages).
 // SMALL_A: the cooperative 128 x 64 tile for products of at most 64 rows:
 // stages hold 64 rows of A instead of 128 (the tile's other 64 rows are past
 // M and never loaded), so the same shared memory takes 11 stages instead of
@@ -92,21 +94,21 @@ struct Cfg {
   // The TMA-store epilogue (16-bit outputs) alternates two 64-wide chunk
   // buffers per consumer warpgroup.
   static constexpr bool TMA_EPI = S == Sched::kCoop && sizeof(T) == 2;
-  static_assert(!OFFLOAD || (S == Sched::kCoop && BN == 256),
-                "the offload epilogue exists for the cooperative 128 x 256 kernel only");
+  static_assert(!OFFLOAD || (S == Sched::kCoop && (BN == 256 || BN == 128)),
+                "the offload epilogue exists for the cooperative 128 x 256 and 128 x 128 kernels");
   static_assert(!SMALL_A || (S == Sched::kCoop && BN == 64 && !OFFLOAD),
                 "64 rows of A per stage: the cooperative 128 x 64 kernel only");
   static constexpr bool PINGPONG = S == Sched::kPingpong;
   static constexpr int BM = kBM;
   // 4 x 48 KB (cooperative 128 x 256), 4 x 40 KB (128 x 192), 6 x 32 KB
   // (128 x 128), 8 x 24 KB (128 x 64; 11 x 16 KB with SMALL_A, 13 without
-  // the TMA epilogue's 32 KB: TF32); 3 x 48 KB with the offload epilogue,
-  // whose 64 KB tile buffer takes the fourth stage's place.
-  static constexpr int STAGES = OFFLOAD     ? 3
-                                : BN >= 192 ? 4
-                                : BN == 128 ? 6
-                                : SMALL_A   ? (TMA_EPI ? 11 : 13)
-                                            : 8;
+  // the TMA epilogue's 32 KB: TF32); 3 x 48 KB with the offload epilogue on
+  // 128 x 256, whose 64 KB tile buffer takes the fourth stage's place.
+  static constexpr int STAGES = OFFLOAD && BN == 256 ? 3
+                                : BN >= 192          ? 4
+                                : BN == 128          ? 6
+                                : SMALL_A            ? (TMA_EPI ? 11 : 13)
+                                                     : 8;
   static constexpr int BK = kBKFor<T>;              // 128 bytes of K
   static constexpr int A_ROWS = SMALL_A ? 64 : BM;  // rows of A a stage holds
   static constexpr int A_BYTES = A_ROWS * BK * static_cast<int>(sizeof(T));  // 16 KB (8 KB)
@@ -115,10 +117,11 @@ struct Cfg {
   // Staging of the TMA-store epilogue (cooperative only): two chunk buffers
   // per consumer warpgroup, so that one chunk is written while the previous
   // one is being stored.
-  // Offload: the whole 128 x 256 output tile, 8 chunks of 64 x 64 (chunk
-  // 4 w + c holds rows 64 w.., columns 64 c.. of the tile), so that the
-  // consumers can hand a tile over and go on while the epilogue warps finish it.
-  static constexpr int EPI_BYTES = OFFLOAD   ? 8 * kEpiChunkBytes
+  // Offload: the whole output tile, 2 x BN / 64 chunks of 64 x 64 (chunk
+  // (BN / 64) w + c holds rows 64 w.., columns 64 c.. of the tile), so that
+  // the consumers can hand a tile over and go on while the epilogue warps
+  // finish it.
+  static constexpr int EPI_BYTES = OFFLOAD   ? 2 * (BN / 64) * kEpiChunkBytes
                                    : TMA_EPI ? 2 * 2 * kEpiChunkBytes
                                              : 0;
   // + 1 KB slack for the 1024-byte alignment of 128B-swizzled tiles
@@ -169,7 +172,7 @@ struct KernelOpts {
 
 // A_K: A is K-major ([M][K], lda = sam), else M-major ([K][M], lda = sak).
 // B_K: B is K-major ([N][K], ldb = sbn), else N-major ([K][N], ldb = sbk).
-// OFFLOAD: the offload epilogue (cooperative 128 x 256 only; opts.tma_store
+// OFFLOAD: the offload epilogue (cooperative 128 x 256 and 128 x 128; opts.tma_store
 // is 2 and tma_c valid).
 template <typename T, Sched S, int BN, bool A_K, bool B_K, bool OFFLOAD = false,
           bool SMALL_A = false>
@@ -338,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         // ---------------- epilogue warps (offload) ----------------
         // Warps 1-3, idle in the other forms: the tile's activation and
         // stores, under the consumers' next main loop.
-        FASTCOMM_DISPATCH_ACT(p.act, (epilogue_warps_offload<T, kAct>(
+        FASTCOMM_DISPATCH_ACT(p.act, (epilogue_warps_offload<T, kAct, BN>(
                                          p, &tma_c, sEpi, tile_full_bar, tile_empty_bar, tid - 32,
                                          first_unit, num_units, unit_stride, unit_tile)));
       }
@@ -662,6 +665,13 @@ cudaError_t launch_sched(const GemmArgs& p, const Plan& plan, cudaStream_t strea
       // At most 64 rows: the stages hold 64 rows of A and are deeper (SMALL_A).
       if (p.M <= 64) return launch_layout<T, S, 64, false, true>(p, plan, stream);
       return launch_layout<T, S, 64>(p, plan, stream);
+    }
+    if (plan.epi_offload) {
+      if constexpr (sizeof(T) == 2) {
+        return launch_layout<T, S, 128, true>(p, plan, stream);
+      } else {
+        return cudaErrorInvalidValue;  // 16-bit outputs only
+      }
     }
     return launch_layout<T, S, 128>(p, plan, stream);
   }

@@ -655,6 +655,8 @@ WGMMA_VARIANTS = {
     "pingpong_rn": {"sched": "pingpong", "raster": "n"},
     "coop256_offload": {"sched": "coop", "tile": "large", "epi": "offload", "raster": "m"},
     "coop256_offload_rn": {"sched": "coop", "tile": "large", "epi": "offload", "raster": "n"},
+    "coop128_offload": {"sched": "coop", "tile": "small", "epi": "offload", "raster": "m"},
+    "coop128_offload_rn": {"sched": "coop", "tile": "small", "epi": "offload", "raster": "n"},
 }
 # One tile; tiny; odd edges; K of one slice; TMA-store edges (N % 8 == 0, M
 # and N not tile multiples, a warpgroup block wholly below M); many tiles per
@@ -692,14 +694,16 @@ def test_cuda_wgmma_kernel(matmul_settings, variant, dtype):
 @pytest.mark.cuda(1)
 @pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
 def test_cuda_wgmma_offload_fallback(matmul_settings):
-    """epi=offload exists for the cooperative 128x256 tile only: the 128x192, 128x128 and
+    """epi=offload exists for the cooperative 128x256 and 128x128 tiles: the 128x192 and
     128x64 tiles fall back to the TMA epilogue (and stay right), ping-pong keeps its direct
     stores."""
     probe = torch.empty(4096, 4096, device="cuda", dtype=torch.bfloat16)
     offload = {"impl": "wgmma", "epi": "offload", "raster": "m"}
-    matmul_settings(**offload, sched="coop", tile="large")
-    assert " epi offload " in torch.ops.fastcomm._kernel_name(probe, probe)
-    for tile, width in (("medium", 192), ("small", 128), ("narrow", 64)):
+    for tile, width in (("large", 256), ("small", 128)):
+        matmul_settings(**offload, sched="coop", tile=tile)
+        name = torch.ops.fastcomm._kernel_name(probe, probe)
+        assert name.startswith(f"wgmma coop 128x{width} ") and " epi offload " in name, name
+    for tile, width in (("medium", 192), ("narrow", 64)):
         matmul_settings(**offload, sched="coop", tile=tile)
         name = torch.ops.fastcomm._kernel_name(probe, probe)
         assert name.startswith(f"wgmma coop 128x{width} ") and " epi tma " in name, name
@@ -750,6 +754,13 @@ def test_cuda_default_dispatch(matmul_settings):
             assert f" epi {epi} " in name, (act, name)
         name = torch.ops.fastcomm._kernel_name(big[:1024], big, "gelu_tanh")
         assert name.startswith("wgmma coop 128x256 epi tma "), name
+        if torch.cuda.get_device_properties(0).multi_processor_count == 132:
+            # 7 tiles of 128 x 128 per SM: the offload epilogue where there is activation math
+            wide = torch.empty(14336, 4096, device="cuda", dtype=bf)
+            name = torch.ops.fastcomm._kernel_name(big[:1024], wide.t(), "gelu")
+            assert name.startswith("wgmma coop 128x128 epi offload "), name
+            name = torch.ops.fastcomm._kernel_name(big[:1024], wide.t())
+            assert name.startswith("wgmma coop 128x128 epi tma "), name
     elif _cuda_cc()[0] >= 8:
         assert name_big.startswith("mma ") and name_small.startswith("mma "), (name_big, name_small)
     f32 = torch.empty(64, 64, device="cuda")
