@@ -197,6 +197,13 @@ __device__ __forceinline__ float gelu_erf_lean(float x) {
   return x * (x >= 0.0f ? 1.0f - h : h);
 }
 
+// Whether an activation is math worth placing (gelu, gelu_tanh, silu: MUFU
+// and FMA work per element), as against none / relu, which ride along with
+// the bias add and the cast.
+__host__ __device__ constexpr bool act_has_math(Act act) {
+  return act == Act::kGelu || act == Act::kGeluTanh || act == Act::kSilu;
+}
+
 // Activation of a float32 accumulator whose result is rounded to a 16-bit
 // type next. ODD: the second element of a pair (takes the software
 // reciprocal for gelu_tanh / silu).

@@ -255,7 +255,7 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
   // a CTA's last tile's activation has nothing to hide under, and on the
   // 128 x 256 tile the TMA epilogue's fourth stage wins (docs/matmul.md). The
   // bare product (none / relu) keeps the TMA epilogue.
-  const bool act_math = p.act == Act::kGelu || p.act == Act::kGeluTanh || p.act == Act::kSilu;
+  const bool act_math = detail::act_has_math(p.act);
   const bool many_tiles = cdiv(p.M, kTileM) * cdiv(p.N, plan.bn) >= kOffloadMinWaves * num_sms;
   plan.epi_offload =
       plan.tma_store && (plan.bn == 256 || plan.bn == 128) &&

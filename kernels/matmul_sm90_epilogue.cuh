@@ -300,7 +300,7 @@ __device__ __forceinline__ void epilogue_tma(const GemmArgs& p, const CUtensorMa
                                              const uint32_t (&bw)[BN / 8], uint32_t stage,
                                              uint32_t first_buf, int row_base, int n0, int wtid,
                                              int bar_id) {
-  constexpr bool kMath = ACT == Act::kGelu || ACT == Act::kGeluTanh || ACT == Act::kSilu;
+  constexpr bool kMath = act_has_math(ACT);
   const EpiFragment frag(wtid);
   auto buffer = [&](int c) {
     return stage + ((first_buf + static_cast<uint32_t>(c)) & 1u) * kEpiChunkBytes;
@@ -441,8 +441,8 @@ __device__ __forceinline__ void epilogue_warps_offload(const GemmArgs& p, const 
                                                        int num_units, int unit_stride,
                                                        const TileFn& unit_tile) {
   // none / relu: the consumers wrote the final values; only the stores remain
-  // (the consumers' epi_math must agree: without math they fence their writes).
-  constexpr bool kMath = ACT == Act::kGelu || ACT == Act::kGeluTanh || ACT == Act::kSilu;
+  // (the consumers then fence their own writes: act_has_math decides for both sides).
+  constexpr bool kMath = act_has_math(ACT);
   // Without math the other threads have nothing to do, and they must not
   // wait on tile_full either: nothing would keep them within one phase of
   // the barrier (see the protocol above), so they leave at once.

@@ -476,8 +476,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         // final values and the TMA engine reads them next, so order our
         // writes before its reads; otherwise the epilogue warps rewrite every
         // byte and fence their own writes.
-        const bool epi_math = p.act == Act::kGelu || p.act == Act::kGeluTanh || p.act == Act::kSilu;
-        if (!epi_math) fence_proxy_async_smem();
+        if (!act_has_math(p.act)) fence_proxy_async_smem();
         // The warp's writes (and fences) are done before lane 0 releases them.
         __syncwarp();
         if (lane == 0) mbar_arrive(tile_full_bar);
