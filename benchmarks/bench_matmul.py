@@ -261,6 +261,9 @@ class Variant:
         # ... with the direct epilogue (stores from registers) instead of the TMA one.
         "coop64_direct": {**_HOPPER, "sched": "coop", "tile": "narrow", "epi": "direct"},
         "split_coop256": {**_HOPPER, "sched": "coop", "tile": "large"},
+        # The default's kernel with every tile taken whole by one CTA: no split K and no
+        # stream-K (the last round of tiles as it falls).
+        "whole_tiles": {"splits": 1},
     }
     SETS: ClassVar[dict[str, list[str]]] = {
         # Every Hopper kernel shape, and the default.

@@ -120,7 +120,9 @@ struct WgmmaOptions {
   // tile the count of its rule where that takes the problem; otherwise
   // where the tiles do not fill the SMs and a bytes-per-SM model gains from
   // it, then on the cooperative 128 x 128 tile unless a schedule or tile is
-  // forced; 1 none; n > 1 forced (clamped to the K-slices of 64 and to 16).
+  // forced; 1 none, and no stream-K either (every tile taken whole by one
+  // CTA); n > 1 forced (clamped to the K-slices of 64 and to 16). Stream-K (0
+  // only): kernels/matmul_sm90.cu.
   int splits = 0;
 };
 // Whether the cooperative 128 x 64 tile's rule takes the problem (where the

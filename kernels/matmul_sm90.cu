@@ -37,10 +37,47 @@ constexpr int kDefaultGroup = 2048;
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+int elem_bytes(DType t) { return t == DType::kF32 ? 4 : t == DType::kF64 ? 8 : 2; }
+
+constexpr int kTileM = 128;       // tile rows (kBM of the kernel)
+constexpr int kSliceBytes = 128;  // K per pipeline stage in bytes (kBKFor<T> of the kernel)
+// K per pipeline stage in elements: 64 (16-bit types), 32 (float32 as TF32).
+int64_t slice_k(const GemmArgs& p) { return kSliceBytes / elem_bytes(p.dtype); }
+
 // Modelled time of the busiest CTA for tiles of 128 x bn (units above).
 double wave_cost(const GemmArgs& p, int num_sms, int bn) {
-  const double rounds = static_cast<double>(cdiv(cdiv(p.M, 128) * cdiv(p.N, bn), num_sms));
+  const double rounds = static_cast<double>(cdiv(cdiv(p.M, kTileM) * cdiv(p.N, bn), num_sms));
   return rounds * (bn == 256 ? 2.0 / kGain256 : bn == 192 ? 1.5 / kGain192 : 1.0);
+}
+
+// ---- stream-K ----------------------------------------------------------------------
+//
+// Where the tile the wave model picked leaves the persistent grid's last round
+// part-empty (2048 x 11008 in 128 x 256 tiles: 688 tiles, 5.2 rounds on 132
+// SMs), the last whole round plus the remainder are shared out by K-slices
+// (matmul_sm90_work.cuh): every CTA then does the same number of slices, at
+// the cost of a tile's float32 sums written by one CTA and read back by the
+// next, modelled as kStreamKFixupSlices K-slices of the tile. Taken where
+// that models at most kStreamKGain of the whole tiles' time, and only from
+// two rounds of tiles on: the CTAs that share out a tile do not walk its K in
+// step with the CTAs on the other tiles of its column, so where the B panel
+// they share does not stay in L2 it is read from DRAM more than once. With
+// every tile shared out (fewer than two rounds) stream-K measured up to 20 %
+// behind whole tiles (docs/matmul.md).
+constexpr double kStreamKFixupSlices = 4;
+constexpr double kStreamKGain = 0.95;
+
+// Tiles of 128 x bn that stream-K takes (0: none).
+int64_t stream_k_tiles(const GemmArgs& p, int num_sms, int bn) {
+  const int64_t tiles = cdiv(p.M, kTileM) * cdiv(p.N, bn);
+  if (tiles < 2 * int64_t{num_sms} || tiles % num_sms == 0) return 0;
+  // The kernel's work list counts the stream-K slices in 32 bits.
+  if ((num_sms + tiles % num_sms) * cdiv(p.K, slice_k(p)) > INT_MAX) return 0;
+  const double num_kb = static_cast<double>(cdiv(p.K, slice_k(p)));
+  const double whole = static_cast<double>(cdiv(tiles, num_sms)) * num_kb;
+  const double shared = static_cast<double>(tiles) / num_sms * num_kb + kStreamKFixupSlices;
+  if (shared > kStreamKGain * whole) return 0;
+  return num_sms + tiles % num_sms;
 }
 
 // The cooperative tile width the wave model picks: 128, 192 (16-bit types)
@@ -60,8 +97,6 @@ int wave_tile_bn(const GemmArgs& p, int num_sms) {
 }
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
-
-int elem_bytes(DType t) { return t == DType::kF32 ? 4 : t == DType::kF64 ? 8 : 2; }
 
 // One operand of the TMA path: unit stride along `inner`, leading dimension
 // ld (elements of es bytes) that TMA accepts (a multiple of 16 bytes, not
@@ -87,10 +122,6 @@ bool tma_operand_ok(int64_t inner, int64_t ld, int es) {
 // nothing from a split, which only adds the sums and the second pass. A
 // split is taken only where it models kSplitGain faster than none, since the
 // second pass and the extra traffic are what the model knows least well.
-constexpr int kTileM = 128;       // tile rows (kBM of the kernel)
-constexpr int kSliceBytes = 128;  // K per pipeline stage in bytes (kBKFor<T> of the kernel)
-// K per pipeline stage in elements: 64 (16-bit types), 32 (float32 as TF32).
-int64_t slice_k(const GemmArgs& p) { return kSliceBytes / elem_bytes(p.dtype); }
 constexpr int kMaxSplits = 16;
 constexpr int kMinSlicesPerSplit = 4;        // K >= 256 per unit: the pipeline fills
 constexpr double kSplitGain = 0.8;           // modelled time at most 0.8 x the unsplit one
@@ -272,6 +303,9 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
     // The units store float32 sums from registers; the epilogue is splitk_finish's.
     plan.tma_store = false;
     plan.epi_offload = false;
+  } else if (o.splits == 0 && plan.sched == Sched::kCoop && plan.bn >= 128) {
+    // A forced split count (1 included) keeps whole tiles per CTA.
+    plan.sk_tiles = static_cast<int>(stream_k_tiles(p, num_sms, plan.bn));
   }
   plan.group = o.group == 0 ? kDefaultGroup : o.group;
   if (o.raster == Raster::kAuto) {
@@ -284,6 +318,14 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
     plan.raster_n = o.raster == Raster::kN;
   }
   return plan;
+}
+
+// Stream-K fix-up workspace: one slot of a tile's float32 sums per CTA
+// (kFixupSlotFloats of the kernel), then two int flags per CTA.
+int64_t fixup_slot_floats(const Plan& plan) { return int64_t{kTileM} * plan.bn; }
+int64_t fixup_flag_bytes(const Plan& plan) { return int64_t{2} * 4 * plan.num_sms; }
+int64_t fixup_bytes(const Plan& plan) {
+  return fixup_slot_floats(plan) * 4 * plan.num_sms + fixup_flag_bytes(plan);
 }
 
 }  // namespace
@@ -395,8 +437,9 @@ int gemm_wgmma_splits(const GemmArgs& p, int num_sms, const WgmmaOptions& opts) 
 }
 
 int64_t gemm_wgmma_workspace_bytes(const GemmArgs& p, int num_sms, const WgmmaOptions& opts) {
-  const int splits = gemm_wgmma_splits(p, num_sms, opts);
-  return splits > 1 ? int64_t{splits} * p.M * p.N * 4 : 0;
+  const sm90::Plan plan = sm90::choose_plan(p, num_sms, opts);
+  if (plan.splits > 1) return int64_t{plan.splits} * p.M * p.N * 4;
+  return plan.sk_tiles > 0 ? sm90::fixup_bytes(plan) : 0;
 }
 
 cudaError_t launch_gemm_wgmma_sm90(const GemmArgs& p, int num_sms, const WgmmaOptions& opts,
@@ -408,6 +451,14 @@ cudaError_t launch_gemm_wgmma_sm90(const GemmArgs& p, int num_sms, const WgmmaOp
       return cudaErrorInvalidValue;
     }
     plan.partial = static_cast<float*>(workspace);
+  } else if (plan.sk_tiles > 0) {
+    // 16-byte fix-up stores; the flags after the slots start at zero.
+    if (workspace == nullptr || !sm90::aligned16(workspace)) return cudaErrorInvalidValue;
+    plan.fixup = static_cast<float*>(workspace);
+    plan.fixup_flags = reinterpret_cast<int*>(plan.fixup + sm90::fixup_slot_floats(plan) * num_sms);
+    const cudaError_t err =
+        cudaMemsetAsync(plan.fixup_flags, 0, sm90::fixup_flag_bytes(plan), stream);
+    if (err != cudaSuccess) return err;
   }
   switch (p.dtype) {
     case DType::kF32:
@@ -429,6 +480,7 @@ std::string describe_gemm_wgmma_sm90(const GemmArgs& p, int num_sms, const Wgmma
     s += " splitk " + std::to_string(plan.splits);
   } else if (plan.sched == sm90::Sched::kCoop) {
     s += !plan.tma_store ? " epi direct" : plan.epi_offload ? " epi offload" : " epi tma";
+    if (plan.sk_tiles > 0) s += " streamk " + std::to_string(plan.sk_tiles);
   }
   s += plan.raster_n ? " raster n" : " raster m";
   if (plan.group != sm90::kDefaultGroup) s += " group " + std::to_string(plan.group);

@@ -7,6 +7,7 @@
 #include "matmul_device.cuh"
 #include "matmul_sm90_launch.h"
 #include "matmul_sm90_ptx.cuh"
+#include "matmul_sm90_work.cuh"
 
 namespace fastcomm {
 namespace ops {
@@ -431,15 +432,16 @@ __device__ __forceinline__ void epilogue_offload_write(const float (&acc)[1][BN 
 }
 
 // Epilogue side, run by the 96 threads of warps 1-3 of warpgroup 0 (et =
-// 0..95) over the CTA's tiles in the consumers' order (unit_tile: unit ->
-// m0, n0). Thread 0 issues the TMA stores, clipped like epilogue_tma's
-// (a chunk wholly outside C is skipped; TMA clips the rest).
+// 0..95) over the tiles the CTA stores, in the consumers' order (the items
+// of `work` but stream-K heads; tile_origin: tile -> m0, n0). Thread 0
+// issues the TMA stores, clipped like epilogue_tma's (a chunk wholly outside
+// C is skipped; TMA clips the rest).
 template <typename T, Act ACT, int BN, typename TileFn>
 __device__ __forceinline__ void epilogue_warps_offload(const GemmArgs& p, const CUtensorMap* map_c,
                                                        uint32_t buf, uint32_t full_bar,
-                                                       uint32_t empty_bar, int et, int first_unit,
-                                                       int num_units, int unit_stride,
-                                                       const TileFn& unit_tile) {
+                                                       uint32_t empty_bar, int et,
+                                                       const WorkList& work,
+                                                       const TileFn& tile_origin) {
   // none / relu: the consumers wrote the final values; only the stores remain
   // (the consumers then fence their own writes: act_has_math decides for both sides).
   constexpr bool kMath = act_has_math(ACT);
@@ -453,11 +455,14 @@ __device__ __forceinline__ void epilogue_warps_offload(const GemmArgs& p, const 
   constexpr int kChunks = 2 * kChunksPerBlock;  // 8 (128 x 256) or 4 (128 x 128)
   constexpr int kGroups = BN == 256 ? 3 : 2;    // stored as each is done
   constexpr int kGroupChunks = (kChunks + kGroups - 1) / kGroups;
-  int j = 0;
-  for (int unit = first_unit; unit < num_units; unit += unit_stride, ++j) {
+  int j = 0;  // tiles stored
+  WorkItem w;
+  for (int i = 0; work.item(i, w); ++i) {
+    if (w.head) continue;
     mbar_wait(full_bar, static_cast<uint32_t>(j & 1));
+    ++j;
     int m0, n0;
-    unit_tile(unit, m0, n0);
+    tile_origin(w.tile, m0, n0);
     // Chunk q = (BN / 64) w + c: rows m0 + 64 w, columns n0 + 64 c.
     auto store_chunks = [&](int q0, int nq) {
       for (int q = q0; q < q0 + nq; ++q) {

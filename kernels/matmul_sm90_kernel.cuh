@@ -48,6 +48,11 @@
 //    row-major) are loaded as 64-wide boxes along M/N and consumed with the
 //    wgmma transpose flag (canonical MN-major 128B-swizzle layout: LBO = 8 KB
 //    between 64-element M/N chunks, SBO = 1 KB between 8-row K groups).
+//  * Work: each CTA walks a list (matmul_sm90_work.cuh) of whole tiles, split
+//    K's units, or, where the tiles fill two or more rounds and leave the last
+//    one part-full, whole tiles and then a stream-K range of K-slices over
+//    the last round plus the remainder, two CTAs per shared tile adding their
+//    float32 sums through a workspace.
 //  * Edges: TMA zero-fills out-of-range rows / columns of a box (any M, N,
 //    K); the direct epilogue masks its stores, TMA stores clip at the edges.
 #pragma once
@@ -66,6 +71,7 @@
 #include "matmul_sm90_launch.h"
 #include "matmul_sm90_epilogue.cuh"
 #include "matmul_sm90_ptx.cuh"
+#include "matmul_sm90_work.cuh"
 #include "matmul_wgmma_ops.cuh"
 
 namespace fastcomm {
@@ -160,6 +166,13 @@ struct KernelOpts {
   // and cast are left to splitk_finish. tma_store is 0 then.
   int splits = 1;
   float* partial = nullptr;
+  // Stream-K (cooperative, splits == 1): the last sk_tiles tiles are shared
+  // out by K-slices (WorkList); a head's sums go to fixup slot `cta`
+  // (kFixupSlotFloats<BN / 2> floats each), flagged in fixup_flags (2 per
+  // CTA, zeroed before the launch).
+  int sk_tiles = 0;
+  float* fixup = nullptr;
+  int* fixup_flags = nullptr;
   // Rows of A a tile loads: BM, or for a product of fewer rows than a tile
   // (one tile row, m0 = 0) M rounded up to 8. The A box then covers only
   // those (a 1-row product moved 16 KB of zero fill per K-slice), and an m64
@@ -228,16 +241,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tiles_m = (M + BM - 1) / BM;
   const int tiles_n = (N + BN - 1) / BN;
   const int num_kb = (K + kBK - 1) / kBK;
-  // Work units: the tiles times the K splits (the splits of a tile are
-  // adjacent units), each CTA taking every gridDim.x-th.
+  // The CTA's work: data-parallel units (tiles, or split K's tiles x
+  // splits), then its stream-K range (matmul_sm90_work.cuh).
   const int splits = opts.splits;
-  const int num_units = tiles_m * tiles_n * splits;
-  const int first_unit = blockIdx.x;
-  const int unit_stride = gridDim.x;
+  const WorkList work(static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), tiles_m * tiles_n,
+                      num_kb, splits, PINGPONG ? 0 : opts.sk_tiles);
   // Tile order for L2 reuse: groups of opts.group_tiles tile rows walked
   // column by column, or of tile columns walked row by row.
-  auto unit_tile = [&](int unit, int& m0, int& n0) {
-    const int tile = splits == 1 ? unit : unit / splits;
+  auto tile_origin = [&](int tile, int& m0, int& n0) {
     int tm, tn;
     if (opts.raster_n) {
       grouped_tile(tile, tiles_n, tiles_m, opts.group_tiles, tn, tm);
@@ -247,21 +258,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     m0 = tm * BM;
     n0 = tn * BN;
   };
-  // The unit's K-slices [kb_lo, kb_hi): split s of S takes [s nkb / S, (s + 1) nkb / S).
-  auto unit_slices = [&](int unit, int& kb_lo, int& kb_hi) {
-    if (splits == 1) {
-      kb_lo = 0;
-      kb_hi = num_kb;
-      return;
-    }
-    const int sp = unit % splits;
-    kb_lo = static_cast<int>(static_cast<int64_t>(sp) * num_kb / splits);
-    kb_hi = static_cast<int>(static_cast<int64_t>(sp + 1) * num_kb / splits);
-  };
-  auto unit_num_kb = [&](int unit) {
-    int lo, hi;
-    unit_slices(unit, lo, hi);
-    return hi - lo;
+  // K-slices of item i (0 past the end of the list).
+  auto item_num_kb = [&](int i) {
+    WorkItem w;
+    return work.item(i, w) ? w.kb_hi - w.kb_lo : 0;
   };
 
   if (tid == 0) {
@@ -295,11 +295,11 @@ __global__ void __launch_bounds__(kThreads, 1)
                               : (opts.a_rows + 63) / 64 * C::BOX_BYTES;
       int s = 0;
       uint32_t phase = 0;
-      for (int unit = first_unit; unit < num_units; unit += unit_stride) {
-        int m0, n0, kb_lo, kb_hi;
-        unit_tile(unit, m0, n0);
-        unit_slices(unit, kb_lo, kb_hi);
-        for (int kb = kb_lo; kb < kb_hi; ++kb) {
+      WorkItem w;
+      for (int i = 0; work.item(i, w); ++i) {
+        int m0, n0;
+        tile_origin(w.tile, m0, n0);
+        for (int kb = w.kb_lo; kb < w.kb_hi; ++kb) {
           // First round passes at once.
           mbar_wait(empty_bar(s), phase ^ 1);
           mbar_arrive_expect_tx(full_bar(s), a_bytes + C::B_BYTES);
@@ -343,7 +343,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         // stores, under the consumers' next main loop.
         FASTCOMM_DISPATCH_ACT(p.act, (epilogue_warps_offload<T, kAct, BN>(
                                          p, &tma_c, sEpi, tile_full_bar, tile_empty_bar, tid - 32,
-                                         first_unit, num_units, unit_stride, unit_tile)));
+                                         work, tile_origin)));
       }
     }
   } else {
@@ -374,28 +374,30 @@ __global__ void __launch_bounds__(kThreads, 1)
     auto release = [&](int s) {
       if (lane == 0) mbar_arrive(empty_bar(s));
     };
-    // This warpgroup's tiles: all of the CTA's (cooperative), or every other
+    // This warpgroup's items: all of the CTA's (cooperative), or every other
     // one starting at the cw-th (ping-pong).
-    const int first = first_unit + (PINGPONG ? cw * unit_stride : 0);
-    const int stride = PINGPONG ? 2 * unit_stride : unit_stride;
+    const int first = PINGPONG ? cw : 0;
+    const int stride = PINGPONG ? 2 : 1;
     // The m64 sub-tiles of this warpgroup that hold rows of A
     // (KernelOpts::a_rows), a prefix of its MSUB: uniform over the warpgroup.
     const int live_sub = PINGPONG ? (opts.a_rows + 63) / 64 : (64 * cw < opts.a_rows ? 1 : 0);
 
     float acc[MSUB][BN / 2];
-    int j = 0;  // tiles this warpgroup has done
-    // Where the unit's first K-slice sits in the producer's stage sequence:
-    // the K-slices of the CTA's earlier units (ping-pong: of both
-    // warpgroups' units, which alternate).
-    int64_t it0 = (PINGPONG && cw == 1 && first_unit < num_units) ? unit_num_kb(first_unit) : 0;
-    for (int unit = first; unit < num_units; unit += stride, ++j) {
+    int j = 0;       // items this warpgroup has done
+    int stored = 0;  // ... of which it stored the tile (all but stream-K heads)
+    // Where the item's first K-slice sits in the producer's stage sequence:
+    // the K-slices of the CTA's earlier items (ping-pong: of both
+    // warpgroups' items, which alternate).
+    int64_t it0 = (PINGPONG && cw == 1) ? item_num_kb(0) : 0;
+    WorkItem w;
+    for (int i = first; work.item(i, w); i += stride, ++j) {
       int m0, n0;
-      unit_tile(unit, m0, n0);
-      const int num_kb_unit = unit_num_kb(unit);
+      tile_origin(w.tile, m0, n0);
+      const int num_kb_unit = w.kb_hi - w.kb_lo;
       int s = static_cast<int>(it0 % STAGES);
       uint32_t phase = static_cast<uint32_t>((it0 / STAGES) & 1);
       it0 += num_kb_unit;
-      if (PINGPONG && unit + unit_stride < num_units) it0 += unit_num_kb(unit + unit_stride);
+      if constexpr (PINGPONG) it0 += item_num_kb(i + 1);
 #pragma unroll
       for (int mi = 0; mi < MSUB; ++mi) {
 #pragma unroll
@@ -456,6 +458,22 @@ __global__ void __launch_bounds__(kThreads, 1)
       } else {
         k_loop(std::integral_constant<int, 0>{});
       }
+      if constexpr (!PINGPONG) {
+        // Stream-K: a head's sums go to this CTA's fix-up slot (the tile is
+        // stored by the next CTA); a tail adds the previous CTA's first.
+        if (w.head) {
+          retire_mmas();
+          fixup_store<BN / 2>(acc[0], opts.fixup, opts.fixup_flags, work.cta, cw, wtid, 1 + cw);
+          continue;
+        }
+        if (w.tail) {
+          // The accumulators are read; the stage goes back in the epilogue.
+          wgmma_wait<0>();
+          fence_accumulators(acc);
+          fixup_add<BN / 2>(acc[0], opts.fixup, opts.fixup_flags, work.cta - 1, cw, wtid, 1 + cw);
+        }
+      }
+      [[maybe_unused]] const int sj = stored++;  // tiles this warpgroup stored before this one
       if constexpr (OFFLOAD) {
         // Offload epilogue: the bias loads go out under the last MMAs, as in
         // the lean one; then the tile goes into the tile buffer as acc + bias
@@ -465,7 +483,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         retire_mmas();
         // Tile j - 1's stores have read the buffer (the first tile passes at
         // once; the protocol is traced above epilogue_offload_write).
-        mbar_wait(tile_empty_bar, static_cast<uint32_t>(j & 1) ^ 1u);
+        mbar_wait(tile_empty_bar, static_cast<uint32_t>(sj & 1) ^ 1u);
         const uint32_t buf = sEpi + static_cast<uint32_t>(cw) * (BN / 64) * kEpiChunkBytes;
         if (p.act == Act::kRelu) {
           epilogue_offload_write<T, true, BN>(acc, bw, buf, wtid);
@@ -494,7 +512,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           const uint32_t stage = sEpi + static_cast<uint32_t>(cw) * 2u * kEpiChunkBytes;
           // The chunks stored so far alternate the two buffers: with an odd
           // count per tile (128 x 192) the next tile starts on the other one.
-          const uint32_t first_buf = static_cast<uint32_t>(j * (BN / 64)) & 1u;
+          const uint32_t first_buf = static_cast<uint32_t>(sj * (BN / 64)) & 1u;
           FASTCOMM_DISPATCH_ACT(
               p.act, (epilogue_tma<T, kAct, BN>(p, &tma_c, acc, bw, stage, first_buf, m0 + 64 * cw,
                                                 n0, wtid, 1 + cw)));
@@ -520,7 +538,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int block_row = m0 + (PINGPONG ? 0 : 64 * cw);  // first row of our 64 * MSUB
       if (splits > 1) {
         // Split K: the float32 sums into this split's slab of the workspace.
-        epilogue_partial<MSUB, BN>(acc, opts.partial + static_cast<int64_t>(unit % splits) * M * N,
+        epilogue_partial<MSUB, BN>(acc, opts.partial + static_cast<int64_t>(w.split) * M * N,
                                    block_row, n0, wtid, M, N);
         continue;
       }
@@ -562,6 +580,19 @@ cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stre
   if (plan.splits > 1 && (plan.partial == nullptr || plan.tma_store || OFFLOAD)) {
     return cudaErrorInvalidValue;
   }
+  const int64_t tiles = ((p.M + C::BM - 1) / C::BM) * ((p.N + BN - 1) / BN);
+  if (plan.sk_tiles > 0) {
+    // The fix-up slots are one per CTA of a full persistent grid, and a CTA's
+    // range spans at least one tile's K (at most two CTAs per tile).
+    if (S != Sched::kCoop || plan.splits > 1 || plan.fixup == nullptr ||
+        plan.fixup_flags == nullptr || plan.sk_tiles > tiles || plan.sk_tiles < plan.num_sms ||
+        tiles < plan.num_sms) {
+      return cudaErrorInvalidValue;
+    }
+    opts.sk_tiles = plan.sk_tiles;
+    opts.fixup = plan.fixup;
+    opts.fixup_flags = plan.fixup_flags;
+  }
   opts.group_tiles = std::max(1, plan.raster_n ? plan.group / BN : plan.group / C::BM);
   if constexpr (OFFLOAD) {
     opts.tma_store = 2;  // the dispatcher picks OFFLOAD only where C takes TMA stores
@@ -575,7 +606,7 @@ cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stre
   } else {
     mc = mb;  // unused by the kernel; any valid map
   }
-  const int64_t units = ((p.M + C::BM - 1) / C::BM) * ((p.N + BN - 1) / BN) * plan.splits;
+  const int64_t units = tiles * plan.splits;
   if (units > INT_MAX) return cudaErrorInvalidValue;
   auto kernel = gemm_wgmma_kernel<T, S, BN, A_K, B_K, OFFLOAD, SMALL_A>;
 

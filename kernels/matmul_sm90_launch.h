@@ -42,6 +42,13 @@ struct Plan {
   // offload.
   int splits = 1;
   float* partial = nullptr;
+  // Stream-K (cooperative, splits == 1): the last sk_tiles tiles shared out
+  // by K-slices over the CTAs (0: none); `fixup` (one tile's float32 sums
+  // per CTA) and `fixup_flags` (two per CTA, zeroed before the launch) in
+  // the caller's workspace.
+  int sk_tiles = 0;
+  float* fixup = nullptr;
+  int* fixup_flags = nullptr;
 };
 
 // Encodes a 2-D TMA map over a row-major [outer][inner] matrix of dtype (16-bit, or float32) with

@@ -796,6 +796,20 @@ def _wave_tile(m: int, n: int, sms: int, half: bool = True) -> int:
     return best
 
 
+def _stream_k_tiles(m: int, n: int, k: int, bn: int, sms: int, half: bool = True) -> int:
+    """The tiles of 128 x bn that the Hopper kernel shares out by K-slices (stream-K; 0:
+    none): at least two rounds of tiles, the last one part-full, and tiles / SMs rounds plus
+    4 K-slices of fix-up at most 0.95 of ceil(tiles / SMs) rounds; then one round plus the
+    remainder."""
+    tiles = _cdiv(m, 128) * _cdiv(n, bn)
+    if tiles < 2 * sms or tiles % sms == 0:
+        return 0
+    kb = _cdiv(k, 64 if half else 32)
+    if tiles / sms * kb + 4 > 0.95 * _cdiv(tiles, sms) * kb:
+        return 0
+    return sms + tiles % sms
+
+
 # (M, N) of the decode / prefill grid and squares, with the tile width the wave model gives
 # on 132 SMs (H100 SXM, H200).
 WAVE_TILES_132 = {
@@ -803,6 +817,11 @@ WAVE_TILES_132 = {
     (256, 11008): 192, (256, 14336): 256, (512, 4096): 128, (512, 11008): 192,
     (512, 14336): 256, (1024, 1024): 128, (1024, 4096): 256, (1024, 11008): 256,
     (1024, 14336): 128, (2048, 2048): 256, (2048, 4096): 256, (4096, 4096): 256,
+}  # fmt: skip
+# (M, N) at K = 4096 -> stream-K tiles of the wave model's width on 132 SMs.
+STREAM_K_TILES_132 = {
+    (512, 11008): 0, (512, 14336): 0, (1024, 11008): 212, (1024, 14336): 0,
+    (2048, 11008): 160, (2048, 14336): 0, (4096, 4096): 0, (8192, 8192): 0,
 }  # fmt: skip
 
 
@@ -845,6 +864,8 @@ def test_cuda_default_dispatch_rule(matmul_settings):
     if sms == 132:
         for (m, n), bn in WAVE_TILES_132.items():
             assert _wave_tile(m, n, sms) == bn, (m, n, bn)
+        for (m, n), tiles in STREAM_K_TILES_132.items():
+            assert _stream_k_tiles(m, n, 4096, _wave_tile(m, n, sms), sms) == tiles, (m, n)
     shapes = [(m, n, 4096) for m in (1, 2, 8, 16, 128, 256, 512, 1024, 2048)
               for n in (4096, 11008, 14336)] + [(1024, 1024, 1024), (2048, 2048, 2048)]  # fmt: skip
     for m, n, k in shapes:
@@ -860,6 +881,8 @@ def test_cuda_default_dispatch_rule(matmul_settings):
                 continue
             bn = _wave_tile(m, n, sms)
             assert name.startswith(f"wgmma coop 128x{bn}"), (m, n, k, k_major, name)
+            sk = _stream_k_tiles(m, n, k, bn, sms)
+            assert (f" streamk {sk} " in name) == (sk > 0), (m, n, k, k_major, name)
             if bn == 128 and k == 4096 and _cdiv(m, 128) * _cdiv(n, 128) * 2 <= sms:
                 assert " splitk " in name, (m, n, k, name)  # at most half the SMs busy
 
@@ -1018,6 +1041,105 @@ def test_cuda_wgmma_split_k(matmul_settings, variant, dtype):
                           _rand(4104, 1000, dtype=dtype, device="cuda"), 3)  # fmt: skip
 
 
+# Shapes that stream-K takes (tiles of the forced width on 132 SMs): odd M, N (N % 8 != 0:
+# the direct epilogue) and K.
+STREAM_K_SHAPES = [(2100, 4100, 1000), (1100, 9000, 2000), (1000, 9100, 3000)]
+STREAM_K_VARIANTS = [
+    "coop256", "coop256_tma", "coop256_tma_rn", "coop256_offload", "coop192_tma",
+    "coop128_tma", "coop128_offload_rn",
+]  # fmt: skip
+
+
+@pytest.mark.cuda(1)
+@pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("variant", STREAM_K_VARIANTS)
+def test_cuda_wgmma_stream_k(matmul_settings, variant):
+    """Stream-K (the last round plus the remainder of the tiles shared out by K-slices, two
+    CTAs per shared tile, the float32 fix-up): every layout and activation against float64
+    in each epilogue, bitwise reproducible, and within float32 rounding of whole tiles per
+    CTA (splits=1)."""
+    settings = {"impl": "wgmma", **WGMMA_VARIANTS[variant]}
+    matmul_settings(**settings)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bn = {"large": 256, "medium": 192, "small": 128}[settings["tile"]]
+    shapes = [s for s in STREAM_K_SHAPES if _stream_k_tiles(*s, bn, sms)]
+    if not shapes:
+        pytest.skip(f"no stream-K shape on {sms} SMs")
+    bf = torch.bfloat16
+    for m, n, k in shapes:
+        a = torch.empty(m, k, device="cuda", dtype=bf)
+        name = torch.ops.fastcomm._kernel_name(a, torch.empty(k, n, device="cuda", dtype=bf))
+        assert f" streamk {_stream_k_tiles(m, n, k, bn, sms)} " in name, (m, n, k, name)
+    _check_all_layouts("cuda", bf, shapes, acts=ACTS)
+    m, n, k = shapes[0]
+    a = _rand(m, k, dtype=bf, device="cuda")
+    b = _rand(k, n, dtype=bf, device="cuda")
+    _assert_deterministic(a, b, 2)
+    shared = ops.matmul(a, b).float()
+    matmul_settings(**settings, splits="1")
+    assert " streamk " not in torch.ops.fastcomm._kernel_name(a, b)
+    whole = ops.matmul(a, b).float()
+    # the two sum the same products in another order: a few output ulps apart
+    assert (shared - whole).abs().max() <= 4 * 2**-8 * whole.abs().max(), "stream-K vs whole tiles"
+
+
+@pytest.mark.cuda(1)
+@pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
+def test_cuda_tf32_stream_k(matmul_settings, fp32_precision):
+    """Stream-K in the TF32 Hopper kernel (the direct epilogue after the fix-up): every layout
+    and activation against float64 within TF32's bound."""
+    fp32_precision("high")
+    matmul_settings(impl="wgmma", sched="coop", tile="large")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    m, n, k = STREAM_K_SHAPES[0]
+    tiles = _stream_k_tiles(m, n, k, 256, sms, half=False)
+    if not tiles:
+        pytest.skip(f"no stream-K shape on {sms} SMs")
+    a = torch.empty(m, k, device="cuda")
+    name = torch.ops.fastcomm._kernel_name(a, torch.empty(n, k, device="cuda").t())
+    assert " tf32" in name and f" streamk {tiles} " in name, name
+    _check_tf32_layouts([(m, n, k)], acts=("none", "gelu"))
+
+
+def _check_graph_replays(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, between: Callable[[int], object]
+) -> torch.Tensor:
+    """linear(x, w, b, "gelu") captured in a CUDA graph: each of 3 replays on fresh x equals
+    the eager call bit for bit, with between(r) (eager products that reuse the allocator's
+    blocks) and NaN-poisoned caches in between. Returns the graph's output."""
+    ops.linear(x, w, b, "gelu")  # warm-up outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = ops.linear(x, w, b, "gelu")
+    for r in range(3):
+        x.copy_(_rand(*x.shape, dtype=x.dtype, device="cuda"))
+        g.replay()
+        expect = ops.linear(x, w, b, "gelu")
+        between(r)
+        _poison_cuda_cache("cuda")
+        torch.cuda.synchronize()
+        assert torch.equal(y, expect), f"replay {r}"
+    return y
+
+
+@pytest.mark.cuda(1)
+@pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
+def test_cuda_wgmma_stream_k_graph_replays(matmul_settings):
+    """Stream-K captured in a CUDA graph (the fix-up workspace and its zeroed flags from the
+    graph's pool): every replay on fresh inputs equals the eager call bit for bit."""
+    matmul_settings()
+    bf = torch.bfloat16
+    x = _rand(2048, 4096, dtype=bf, device="cuda")
+    w = _rand(11008, 4096, dtype=bf, device="cuda")
+    b = _rand(11008, dtype=bf, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if not _stream_k_tiles(2048, 11008, 4096, _wave_tile(2048, 11008, sms), sms):
+        pytest.skip(f"no stream-K on {sms} SMs")
+    assert " streamk " in torch.ops.fastcomm._kernel_name(x, w.t(), "gelu"), "no stream-K"
+    _check_graph_replays(x, w, b, lambda r: ops.matmul(x[: 300 + r], w[:520].t()))
+
+
 @pytest.mark.cuda(1)
 @pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("variant", ["auto", "coop128_s2", "coop64_s3", "pingpong_s3"])
@@ -1031,19 +1153,9 @@ def test_cuda_wgmma_split_k_graph_replays(matmul_settings, variant):
     w = _rand(4096, 11008, dtype=bf, device="cuda")
     b = _rand(4096, dtype=bf, device="cuda")
     assert " splitk " in torch.ops.fastcomm._kernel_name(x, w.t()), "no split to test"
-    ops.linear(x, w, b, "gelu")  # warm-up outside the capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y = ops.linear(x, w, b, "gelu")
-    for r in range(3):
-        x.copy_(_rand(256, 11008, dtype=bf, device="cuda"))
-        g.replay()
-        expect = ops.linear(x, w, b, "gelu")
-        ops.matmul(_rand(40 + r, 1032, dtype=bf, device="cuda"), w[:1032, :1000])
-        _poison_cuda_cache("cuda")
-        torch.cuda.synchronize()
-        assert torch.equal(y, expect), f"replay {r}"
+    y = _check_graph_replays(
+        x, w, b, lambda r: ops.matmul(_rand(40 + r, 1032, dtype=bf, device="cuda"), w[:1032, :1000])
+    )
     ref = _ref_act(x.double() @ w.double().t() + b.double(), "gelu")
     assert _rel_err(y, ref) < RTOL[bf]
 

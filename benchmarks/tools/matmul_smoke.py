@@ -10,8 +10,9 @@ variant: the kernel it ran, worst error over tolerance, OK / FAIL. Exit status
 1 when any variant fails. Runs in well under a minute on an H200; ``--quick``
 (small shapes only) fits under compute-sanitizer.
 
-    python scripts/matmul_smoke.py                      # all variants for this GPU
-    python scripts/matmul_smoke.py --variants coop,pingpong --quick
+    python benchmarks/tools/matmul_smoke.py                      # all variants for this GPU
+    python benchmarks/tools/matmul_smoke.py --variants coop,pingpong --quick
+    python benchmarks/tools/matmul_smoke.py --variants coop,coop_tma,coop_off --stream-k
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ SMALL = [(1, 1, 1), (7, 13, 5), (33, 65, 17), (129, 200, 72), (130, 264, 136)]
 # Edges with TMA stores (N % 8 == 0), several tiles per CTA (ping-pong turns,
 # stage phases wrapping), long K.
 LARGE = [(300, 520, 1000), (1000, 1512, 700), (2304, 2304, 256), (257, 1024, 4096)]
+# Stream-K on the cooperative 128 x 128 and 128 x 256 tiles (561 and 289 tiles: at least two
+# rounds on 132 SMs, the last part-full); N % 8 == 0 (TMA stores), odd M and K.
+STREAM_K = [(2100, 4104, 1000)]
 # The skinny kernel's problems: at most 8 rows of A, K a multiple of 8, B K-major.
 SKINNY = [(1, 13, 8), (1, 1000, 4096), (3, 520, 1000), (8, 4104, 264)]
 LAYOUTS = (("a", "b"), ("a", "b^T"), ("a^T", "b"), ("a^T", "b^T"))
@@ -117,6 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--variants", default="", help="comma list (default: all that this GPU runs)")
     p.add_argument("--quick", action="store_true", help="small shapes only (for compute-sanitizer)")
+    p.add_argument(
+        "--stream-k",
+        action="store_true",
+        help="the stream-K shape only (for compute-sanitizer on the fix-up)",
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("matmul_smoke: needs a CUDA GPU", file=sys.stderr)
@@ -131,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         if cc == (9, 0):
             names += [v for v in Variant.SETTINGS if v not in names and v != "wgmma"]
             names += list(EXTRAS)
-    shapes = SMALL if args.quick else SMALL + LARGE
+    shapes = STREAM_K if args.stream_k else SMALL if args.quick else SMALL + LARGE
     torch.manual_seed(0)
     failed = 0
     for name in names:
