@@ -374,7 +374,8 @@ __device__ __forceinline__ void epilogue_tma(const GemmArgs& p, const CUtensorMa
 //               __syncwarp: the warp's buffer writes are done);
 //   tile_empty: 1 arrival per phase (the storing thread, after
 //               cp.async.bulk.wait_group.read 0: the stores have read the buffer).
-// The j-th tile of the CTA (j = 0, 1, ...) completes phase j of each.
+// The j-th tile the CTA stores (j = 0, 1, ...; stream-K heads store none)
+// completes phase j of each.
 // Parity rule: after k completed phases a barrier is in phase k, and a wait
 // for parity P passes iff (k & 1) != P (a fresh barrier, k = 0, passes P = 1).
 // With E, F the completed phases of tile_empty, tile_full:

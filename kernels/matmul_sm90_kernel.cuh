@@ -481,8 +481,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         uint32_t bw[BN / 8];
         prefetch_bias<T, BN>(p, n0, wtid, bias_paired, bw);
         retire_mmas();
-        // Tile j - 1's stores have read the buffer (the first tile passes at
-        // once; the protocol is traced above epilogue_offload_write).
+        // The stores of the tile stored before (sj - 1) have read the buffer
+        // (the first passes at once; the protocol is traced above
+        // epilogue_offload_write, with j counting stored tiles).
         mbar_wait(tile_empty_bar, static_cast<uint32_t>(sj & 1) ^ 1u);
         const uint32_t buf = sEpi + static_cast<uint32_t>(cw) * (BN / 64) * kEpiChunkBytes;
         if (p.act == Act::kRelu) {
