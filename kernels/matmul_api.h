@@ -133,8 +133,9 @@ bool gemm_wgmma_narrow_tile_wins(const GemmArgs& args, int num_sms);
 // fewest modelled rounds of tiles over the SMs, a wider tile's round taking
 // longer (kernels/matmul_sm90.cu).
 Tile gemm_wgmma_wave_tile(const GemmArgs& args, int num_sms);
-// Split count of the launch these options give (1: none), and the float32
-// workspace it needs (splits x M x N x 4 bytes; 0 without a split).
+// Split count of the launch these options give (1: none), and the workspace
+// it needs: split K's float32 sums (splits x M x N x 4 bytes), or stream-K's
+// fix-up (one tile of float32 sums and two int flags per SM); 0 for neither.
 int gemm_wgmma_splits(const GemmArgs& args, int num_sms, const WgmmaOptions& opts);
 int64_t gemm_wgmma_workspace_bytes(const GemmArgs& args, int num_sms, const WgmmaOptions& opts);
 // `workspace`: gemm_wgmma_workspace_bytes of float32 scratch, 8-byte aligned
