@@ -71,13 +71,13 @@ constexpr double kStreamKGain = 0.95;
 int64_t stream_k_tiles(const GemmArgs& p, int num_sms, int bn) {
   const int64_t tiles = cdiv(p.M, kTileM) * cdiv(p.N, bn);
   if (tiles < 2 * int64_t{num_sms} || tiles % num_sms == 0) return 0;
+  const int64_t sk_tiles = num_sms + tiles % num_sms;
+  const int64_t num_kb = cdiv(p.K, slice_k(p));
   // The kernel's work list counts the stream-K slices in 32 bits.
-  if ((num_sms + tiles % num_sms) * cdiv(p.K, slice_k(p)) > INT_MAX) return 0;
-  const double num_kb = static_cast<double>(cdiv(p.K, slice_k(p)));
-  const double whole = static_cast<double>(cdiv(tiles, num_sms)) * num_kb;
+  if (sk_tiles * num_kb > INT_MAX) return 0;
+  const double whole = static_cast<double>(cdiv(tiles, num_sms) * num_kb);
   const double shared = static_cast<double>(tiles) / num_sms * num_kb + kStreamKFixupSlices;
-  if (shared > kStreamKGain * whole) return 0;
-  return num_sms + tiles % num_sms;
+  return shared > kStreamKGain * whole ? 0 : sk_tiles;
 }
 
 // The cooperative tile width the wave model picks: 128, 192 (16-bit types)

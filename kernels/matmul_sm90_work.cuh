@@ -119,9 +119,11 @@ struct WorkList {
 template <int N>
 constexpr int64_t kFixupSlotFloats = 2 * 128 * int64_t{N};
 
+// The thread's first 16-byte group in slot `slot`, counted in float4 from
+// the first slot (its group g is 128 further on per g).
 template <int N>
-__device__ __forceinline__ float4* fixup_part(float* slots, int slot, int cw, int wtid) {
-  return reinterpret_cast<float4*>(slots + kFixupSlotFloats<N> * slot) + cw * (N / 4) * 128 + wtid;
+__device__ __forceinline__ int64_t fixup_part(int slot, int cw, int wtid) {
+  return kFixupSlotFloats<N> / 4 * slot + cw * (N / 4) * 128 + wtid;
 }
 
 __device__ __forceinline__ void flag_release(int* flag) {
@@ -140,7 +142,7 @@ __device__ __forceinline__ int flag_acquire(const int* flag) {
 template <int N>
 __device__ __forceinline__ void fixup_store(const float (&acc)[N], float* slots, int* flags,
                                             int slot, int cw, int wtid, int bar_id) {
-  float4* dst = fixup_part<N>(slots, slot, cw, wtid);
+  float4* dst = reinterpret_cast<float4*>(slots) + fixup_part<N>(slot, cw, wtid);
 #pragma unroll
   for (int g = 0; g < N / 4; ++g) {
     __stcg(dst + 128 * g, make_float4(acc[4 * g], acc[4 * g + 1], acc[4 * g + 2], acc[4 * g + 3]));
@@ -161,7 +163,7 @@ __device__ __forceinline__ void fixup_add(float (&acc)[N], const float* slots, c
     while (flag_acquire(flags + 2 * slot + cw) == 0) __nanosleep(64);
   }
   named_barrier_sync(bar_id, 128);
-  const float4* src = fixup_part<N>(const_cast<float*>(slots), slot, cw, wtid);
+  const float4* src = reinterpret_cast<const float4*>(slots) + fixup_part<N>(slot, cw, wtid);
 #pragma unroll
   for (int g = 0; g < N / 4; ++g) {
     const float4 v = __ldcg(src + 128 * g);
