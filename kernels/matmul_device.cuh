@@ -75,6 +75,15 @@ __device__ __forceinline__ void store_pair<float>(float* p, float v0, float v1) 
   *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
 }
 
+// float32 bits rounded to TF32 (to nearest, ties away), as a TF32 operand register.
+__device__ __forceinline__ uint32_t to_tf32(uint32_t bits) {
+  uint32_t y = bits;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(y) : "f"(__uint_as_float(bits)));
+#endif
+  return y;
+}
+
 // ---- activations -------------------------------------------------------------
 
 // x * sigmoid(2 u) == 0.5 x (1 + tanh(u)): one hardware exp2 and one

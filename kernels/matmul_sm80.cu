@@ -120,15 +120,6 @@ __device__ __forceinline__ void mma_step(float (&c)[4], const uint32_t (&a)[4],
 #endif
 }
 
-// float32 bits rounded to TF32 (to nearest, ties away), as a TF32 operand register.
-__device__ __forceinline__ uint32_t to_tf32(uint32_t bits) {
-  uint32_t y = bits;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(y) : "f"(__uint_as_float(bits)));
-#endif
-  return y;
-}
-
 __device__ __forceinline__ uint32_t lds32(const float* p) { return __float_as_uint(*p); }
 
 // ---- configuration -------------------------------------------------------------

@@ -3,7 +3,8 @@
 // maps. The kernels themselves are in matmul_sm90_kernel.cuh, instantiated by
 // matmul_sm90_{coop,pingpong}_{bf16,f16,tf32}.cu; docs/matmul.md has the
 // design. float32 operands run as TF32 (the caller decides that TF32 is
-// allowed): K-major operands only, the direct or split-K epilogue.
+// allowed): a K-major, b K-major or N-major (run as the transposed product,
+// below), the direct or split-K epilogue.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -80,9 +81,19 @@ int64_t stream_k_tiles(const GemmArgs& p, int num_sms, int bn) {
   return shared > kStreamKGain * whole ? 0 : sk_tiles;
 }
 
+// A TF32 product with A M-major (the transposed product of matmul(a, b) with
+// b N-major, below) of more than 128 columns (a's rows) takes the 128 x 256
+// tile, K split where its tiles leave SMs idle: forced against the 128 x 128
+// and 128 x 64 tiles there, it ran 15-40 % faster at 256-4096 rows (H100).
+// Per flop a 128 x 256 tile brings 3/4 of a 128 x 128 tile's operand bytes
+// into shared memory and reads half its A fragments back out of it, and
+// TF32 operands take twice the shared-memory bytes per flop of 16-bit ones.
+bool tf32_rs_wide(const GemmArgs& p) { return p.dtype == DType::kF32 && p.sak != 1 && p.N > 128; }
+
 // The cooperative tile width the wave model picks: 128, 192 (16-bit types)
 // or 256.
 int wave_tile_bn(const GemmArgs& p, int num_sms) {
+  if (tf32_rs_wide(p)) return 256;
   int best = 128;
   double best_cost = wave_cost(p, num_sms, 128);
   for (int bn : {192, 256}) {
@@ -103,6 +114,30 @@ bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15)
 // below the row).
 bool tma_operand_ok(int64_t inner, int64_t ld, int es) {
   return (ld * es) % 16 == 0 && ld >= inner && ld < (int64_t(1) << 36);
+}
+
+// ---- TF32 with b N-major -------------------------------------------------------
+//
+// The TF32 wgmma reads shared-memory operands K-major only. matmul(a, b) with
+// b [K, N] N-major runs as its transpose, C^T = B^T A^T: the kernel's A is b
+// (M-major, through registers: the RS form), its B is a (K-major), and it
+// writes its [N][M] result into C's [M][N] (matmul_sm90_epilogue.cuh). Every
+// choice of the plan (tile, split, stream-K, order) is made on that problem.
+bool tf32_transposed(const GemmArgs& p) { return p.dtype == DType::kF32 && p.sbk != 1; }
+
+// The problem the kernel computes: p itself, or its transpose (above).
+GemmArgs kernel_problem(const GemmArgs& p) {
+  if (!tf32_transposed(p)) return p;
+  GemmArgs t = p;
+  t.M = p.N;
+  t.N = p.M;
+  t.a = p.b;
+  t.sam = p.sbn;
+  t.sak = p.sbk;
+  t.b = p.a;
+  t.sbk = p.sak;
+  t.sbn = p.sam;
+  return t;
 }
 
 // ---- split K ---------------------------------------------------------------------
@@ -198,6 +233,7 @@ constexpr int64_t kNarrowMaxUnitKSmallA = 11008;
 // The K splits of the 128 x 64 tile under its rule; 0 where the rule does
 // not take the tile.
 int narrow_splits(const GemmArgs& p, int num_sms) {
+  if (tf32_rs_wide(p)) return 0;
   const int64_t tm = cdiv(p.M, kTileM), tn = cdiv(p.N, 64), tiles = tm * tn;
   const int64_t max_unit_k =
       p.M <= 64 && p.dtype != DType::kF32 ? kNarrowMaxUnitKSmallA : kNarrowMaxUnitK;
@@ -227,10 +263,12 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
   Plan plan;
   plan.num_sms = num_sms;
   const int wave_bn = wave_tile_bn(p, num_sms);
+  // TF32 with A M-major (a transposed product): the cooperative kernel only.
+  const bool rs = p.dtype == DType::kF32 && p.sak != 1;
   // Split K first: where the 128 x 128 tiles leave the SMs idle and the
   // model gains from a split, the cooperative 128 x 128 kernel with split K
   // (unless a schedule or tile is forced).
-  if (o.splits == 0 && o.sched != WgmmaSched::kPingpong &&
+  if (o.splits == 0 && (o.sched != WgmmaSched::kPingpong || rs) && !tf32_rs_wide(p) &&
       (o.tile == Tile::kAuto || o.tile == Tile::kSmall)) {
     const int s = auto_splits(p, num_sms, 128);
     if (s > 1) {
@@ -243,7 +281,9 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
     }
   }
   bool pingpong;
-  if (o.sched == WgmmaSched::kAuto) {
+  if (rs) {
+    pingpong = false;
+  } else if (o.sched == WgmmaSched::kAuto) {
     // A forced tile width means the cooperative kernel of that width.
     pingpong = o.tile == Tile::kAuto &&
                wave_cost(p, num_sms, 128) * kTimePingpong <= wave_cost(p, num_sms, wave_bn);
@@ -364,13 +404,15 @@ bool make_map(CUtensorMap* map, DType dtype, const void* ptr, int64_t inner, int
   return r == CUDA_SUCCESS;
 }
 
-// The plan's kernel for element type T, then (split K) the pass that adds
-// the splits' sums.
+// The plan's kernel for element type T on the kernel's problem kp
+// (kernel_problem(p)), then (split K) the pass that adds the splits' sums,
+// which lie in C's orientation either way.
 template <typename T>
-cudaError_t launch_typed(const GemmArgs& p, const Plan& plan, cudaStream_t stream) {
+cudaError_t launch_typed(const GemmArgs& p, const GemmArgs& kp, const Plan& plan,
+                         cudaStream_t stream) {
   const cudaError_t err = plan.sched == Sched::kPingpong
-                              ? launch_sched<T, Sched::kPingpong>(p, plan, stream)
-                              : launch_sched<T, Sched::kCoop>(p, plan, stream);
+                              ? launch_sched<T, Sched::kPingpong>(kp, plan, stream)
+                              : launch_sched<T, Sched::kCoop>(kp, plan, stream);
   if (err != cudaSuccess || plan.splits == 1) return err;
   return detail::launch_splitk_finish<T>(p, plan.partial, plan.splits, stream, /*early=*/true);
 }
@@ -385,8 +427,10 @@ bool gemm_wgmma_supported(const GemmArgs& p) {
   const int es = sm90::elem_bytes(p.dtype);
   const bool a_k = p.sak == 1 && sm90::tma_operand_ok(p.K, p.sam, es);
   const bool b_k = p.sbk == 1 && sm90::tma_operand_ok(p.K, p.sbn, es);
-  // TF32: both operands K-major (the wgmma .tf32 form has no transpose).
-  if (p.dtype == DType::kF32) return a_k && b_k;
+  // TF32: a K-major, b K-major or N-major (the transposed product).
+  if (p.dtype == DType::kF32) {
+    return a_k && (b_k || (p.sbn == 1 && sm90::tma_operand_ok(p.N, p.sbk, es)));
+  }
   const bool a_ok = a_k || (p.sam == 1 && sm90::tma_operand_ok(p.M, p.sak, es));
   const bool b_ok = b_k || (p.sbn == 1 && sm90::tma_operand_ok(p.N, p.sbk, es));
   return a_ok && b_ok;
@@ -424,20 +468,20 @@ bool gemm_wgmma_compiled() {
 }
 
 bool gemm_wgmma_narrow_tile_wins(const GemmArgs& p, int num_sms) {
-  return sm90::narrow_splits(p, num_sms) > 0;
+  return sm90::narrow_splits(sm90::kernel_problem(p), num_sms) > 0;
 }
 
 Tile gemm_wgmma_wave_tile(const GemmArgs& p, int num_sms) {
-  const int bn = sm90::wave_tile_bn(p, num_sms);
+  const int bn = sm90::wave_tile_bn(sm90::kernel_problem(p), num_sms);
   return bn == 256 ? Tile::kLarge : bn == 192 ? Tile::kMedium : Tile::kSmall;
 }
 
 int gemm_wgmma_splits(const GemmArgs& p, int num_sms, const WgmmaOptions& opts) {
-  return sm90::choose_plan(p, num_sms, opts).splits;
+  return sm90::choose_plan(sm90::kernel_problem(p), num_sms, opts).splits;
 }
 
 int64_t gemm_wgmma_workspace_bytes(const GemmArgs& p, int num_sms, const WgmmaOptions& opts) {
-  const sm90::Plan plan = sm90::choose_plan(p, num_sms, opts);
+  const sm90::Plan plan = sm90::choose_plan(sm90::kernel_problem(p), num_sms, opts);
   if (plan.splits > 1) return int64_t{plan.splits} * p.M * p.N * 4;
   return plan.sk_tiles > 0 ? sm90::fixup_bytes(plan) : 0;
 }
@@ -445,7 +489,8 @@ int64_t gemm_wgmma_workspace_bytes(const GemmArgs& p, int num_sms, const WgmmaOp
 cudaError_t launch_gemm_wgmma_sm90(const GemmArgs& p, int num_sms, const WgmmaOptions& opts,
                                    void* workspace, cudaStream_t stream) {
   if (!gemm_wgmma_supported(p) || num_sms <= 0) return cudaErrorInvalidValue;
-  sm90::Plan plan = sm90::choose_plan(p, num_sms, opts);
+  const GemmArgs kp = sm90::kernel_problem(p);
+  sm90::Plan plan = sm90::choose_plan(kp, num_sms, opts);
   if (plan.splits > 1) {
     if (workspace == nullptr || (reinterpret_cast<uintptr_t>(workspace) & 7) != 0) {
       return cudaErrorInvalidValue;
@@ -462,20 +507,20 @@ cudaError_t launch_gemm_wgmma_sm90(const GemmArgs& p, int num_sms, const WgmmaOp
   }
   switch (p.dtype) {
     case DType::kF32:
-      return sm90::launch_typed<float>(p, plan, stream);
+      return sm90::launch_typed<float>(p, kp, plan, stream);
     case DType::kBF16:
-      return sm90::launch_typed<__nv_bfloat16>(p, plan, stream);
+      return sm90::launch_typed<__nv_bfloat16>(p, kp, plan, stream);
     default:  // kF16: gemm_wgmma_supported admits no other type
-      return sm90::launch_typed<__half>(p, plan, stream);
+      return sm90::launch_typed<__half>(p, kp, plan, stream);
   }
 }
 
 std::string describe_gemm_wgmma_sm90(const GemmArgs& p, int num_sms, const WgmmaOptions& opts) {
-  const sm90::Plan plan = sm90::choose_plan(p, num_sms, opts);
+  const sm90::Plan plan = sm90::choose_plan(sm90::kernel_problem(p), num_sms, opts);
   std::string s = plan.sched == sm90::Sched::kPingpong
                       ? std::string("wgmma pingpong 128x128")
                       : "wgmma coop 128x" + std::to_string(plan.bn);
-  if (p.dtype == DType::kF32) s += " tf32";
+  if (p.dtype == DType::kF32) s += sm90::tf32_transposed(p) ? " tf32 transposed" : " tf32";
   if (plan.splits > 1) {
     s += " splitk " + std::to_string(plan.splits);
   } else if (plan.sched == sm90::Sched::kCoop) {

@@ -205,6 +205,91 @@ __device__ __forceinline__ void epilogue_partial(const float (&acc)[MSUB][BN / 2
   }
 }
 
+// ---- TF32 with A M-major (the RS form) ----------------------------------------
+//
+// The kernel then computes the transposed product C^T = B^T A^T of a caller's
+// matmul(a, b) with b N-major: its A is the caller's b, read from 32 x 32
+// float32 boxes (M-major, 128B swizzle) into registers for wgmma. A
+// warpgroup's 64 rows are permuted among its fragment rows so that each
+// thread's two rows of a k-column (fragment rows g and g + 8) are adjacent in
+// shared memory and in the caller's C: thread l of warp w holds rows
+// 32 (w / 2) + 2 p and + 1, p = (g & 3) + 8 (g >> 2) + 4 (w & 1), g = l / 4.
+// A warp's ld.shared.v2 of one k-column pair then touches each bank twice
+// (the least for 256 bytes), and the epilogue stores row pairs as float2.
+
+// First of the thread's two rows within the warpgroup's 64.
+__device__ __forceinline__ int rs_row_pair(int wtid) {
+  const int warp = wtid / 32, g = (wtid % 32) >> 2;
+  const int p = (g & 3) + 8 * (g >> 2) + 4 * (warp & 1);
+  return 32 * (warp >> 1) + 2 * p;
+}
+
+// Byte offsets, within a stage's A (from the warpgroup's first box), of the
+// thread's k-columns l % 4 (q = 0) and l % 4 + 4 (q = 1) of the first k8 step
+// at its row pair; step kk is 1024 kk bytes further (8 rows of 128 B).
+__device__ __forceinline__ void rs_fragment_offsets(int wtid, uint32_t (&off)[2]) {
+  const int row = rs_row_pair(wtid);  // 32 (w / 2) + 2 p
+  const uint32_t box = static_cast<uint32_t>(row >> 5), p = static_cast<uint32_t>((row & 31) >> 1);
+  const uint32_t t = static_cast<uint32_t>(wtid & 3);
+#pragma unroll
+  for (uint32_t q = 0; q < 2; ++q) {
+    const uint32_t k = t + 4 * q;  // the row of the box; its swizzle is k % 8 = k
+    off[q] = box * 4096u + k * 128u + ((((p >> 1) ^ k) & 7u) << 4) + (p & 1u) * 8u;
+  }
+}
+
+// The RS form's tile into C: the accumulator's element (row r, column n) is
+// C[n][r] of the caller, at dst[n * ld + r]; bias (float32, per row r, may be
+// null) and the activation applied. M / N: rows / columns of the kernel's
+// (transposed) problem; block_row / n0 its warpgroup's block. Split K's sums
+// take it with ACT = kNone, no bias, dst = the split's slab and ld = M.
+template <Act ACT, int BN>
+__device__ __forceinline__ void epilogue_rs(const float (&acc)[BN / 2], float* __restrict__ dst,
+                                            int64_t ld, const float* __restrict__ bias,
+                                            int block_row, int n0, int wtid, int M, int N) {
+  const int et = static_cast<int>(opaque_u32(static_cast<uint32_t>(wtid)));
+  const int r = block_row + rs_row_pair(et);
+  if (r >= M) return;
+  const bool two = r + 1 < M;
+  const bool paired = two && (ld % 2) == 0 && (reinterpret_cast<uintptr_t>(dst) & 7) == 0;
+  float b0 = 0.0f, b1 = 0.0f;
+  if (bias != nullptr) {
+    b0 = __ldg(bias + r);
+    if (two) b1 = __ldg(bias + r + 1);
+  }
+  const int col0 = n0 + 2 * (et & 3);
+  float* const out0 = dst + static_cast<int64_t>(col0) * ld + r;
+  if (paired && n0 + BN <= N) {
+    // Interior: unmasked float2 stores, columns ld apart.
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        *reinterpret_cast<float2*>(out0 + (8 * j + e) * ld) =
+            make_float2(activate_direct<float, ACT, false>(acc[4 * j + e] + b0),
+                        activate_direct<float, ACT, false>(acc[4 * j + 2 + e] + b1));
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      if (col0 + 8 * j + e >= N) continue;
+      float* const out = out0 + (8 * j + e) * ld;
+      const float v0 = activate_direct<float, ACT, false>(acc[4 * j + e] + b0);
+      const float v1 = activate_direct<float, ACT, false>(acc[4 * j + 2 + e] + b1);
+      if (paired) {
+        *reinterpret_cast<float2*>(out) = make_float2(v0, v1);
+      } else {
+        out[0] = v0;
+        if (two) out[1] = v1;
+      }
+    }
+  }
+}
+
 // Where a consumer thread's accumulator pairs go in a 64 x 64 output chunk
 // staged with the 128B swizzle (epilogue_tma's layout): rows r0 and r0 + 8 of
 // the warpgroup's 64, two columns of each 8-column (16-byte) unit. Derived

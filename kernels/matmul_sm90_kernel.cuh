@@ -38,8 +38,11 @@
 //  * float32 (T = float): the tensor cores multiply the operands as TF32
 //    (wgmma .tf32, m64nBNk8, four per K-slice as the 16-bit types' four k16
 //    steps), float32 accumulation, float32 output. PTX takes 32-bit operands
-//    K-major only, so only the K-major / K-major kernels exist (the
-//    dispatcher copies other operands into K-major buffers), and the
+//    in shared memory K-major only: B is K-major, and A K-major or, in the
+//    cooperative kernel, M-major, read from 32 x 32 boxes into registers for
+//    the register-A (RS) form of wgmma (kRS; the dispatcher runs matmul(a, b)
+//    with b N-major as the transposed product C^T = B^T A^T there, and the
+//    epilogue stores the transposed tile: matmul_sm90_epilogue.cuh). The
 //    epilogue stores from registers (direct, or split K's float32 sums): the
 //    TMA and offload epilogues stage 16-bit chunks.
 //  * Layouts: K-major operands are one TMA box per tile (128B swizzle, the
@@ -137,7 +140,9 @@ struct Cfg {
   // dynamic array) reads 2 KB in cuobjdump's resource usage: the cooperative
   // kernels fill the 227 KB per block exactly.
   static_assert(SMEM_BYTES + 2048 <= 227 * 1024, "over the sm_90 shared-memory limit per block");
-  static constexpr int BOX_BYTES = 64 * 64 * 2;  // one 64 x 64 box (M/N-major operands)
+  // One box of an M/N-major operand: BK x BK (64 x 64 of a 16-bit type, 32 x
+  // 32 of float32), one swizzle row wide.
+  static constexpr int BOX_BYTES = BK * BK * static_cast<int>(sizeof(T));
   // Warps that read a stage and arrive on its "empty" barrier: both consumer
   // warpgroups (cooperative) or the one that owns the tile (ping-pong).
   static constexpr int STAGE_READERS = PINGPONG ? 4 : 8;
@@ -196,9 +201,13 @@ __global__ void __launch_bounds__(kThreads, 1)
                       const KernelOpts opts) {
 #if FASTCOMM_SM90A_DEVICE
   using C = Cfg<T, S, BN, OFFLOAD, SMALL_A>;
-  // float32 runs as TF32, whose wgmma reads both operands K-major only.
+  // float32 runs as TF32, whose wgmma reads shared-memory operands K-major only.
   constexpr bool kTF32 = std::is_same<T, float>::value;
-  static_assert(!kTF32 || (A_K && B_K), "TF32 operands must be K-major");
+  // TF32 with A M-major: A's slices go through registers (the RS wgmma form).
+  constexpr bool kRS = kTF32 && !A_K;
+  static_assert(!kTF32 || B_K, "TF32: B must be K-major");
+  static_assert(!kRS || (S == Sched::kCoop && !OFFLOAD),
+                "TF32 with A M-major: the cooperative kernel, direct epilogue");
   constexpr int kBK = C::BK;
   constexpr int STAGES = C::STAGES;
   constexpr bool PINGPONG = C::PINGPONG;
@@ -290,9 +299,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       // follows these loads, which wait for that kernel to complete.
       griddep_wait();
       // Bytes of A per K-slice: a_rows rows of 128 B (K-major), or the
-      // 64-row boxes that hold them (M-major).
+      // kBK-row boxes that hold them (M-major).
       const int a_bytes = A_K ? opts.a_rows * kBK * static_cast<int>(sizeof(T))
-                              : (opts.a_rows + 63) / 64 * C::BOX_BYTES;
+                              : (opts.a_rows + kBK - 1) / kBK * C::BOX_BYTES;
       int s = 0;
       uint32_t phase = 0;
       WorkItem w;
@@ -310,19 +319,19 @@ __global__ void __launch_bounds__(kThreads, 1)
             tma_load_2d(a_dst, &tma_a, k0, m0, full_bar(s));  // box {64 k, a_rows m}
           } else {
 #pragma unroll
-            for (int j = 0; j < C::A_ROWS / 64; ++j) {
-              if (64 * j >= opts.a_rows) break;
-              tma_load_2d(a_dst + j * C::BOX_BYTES, &tma_a, m0 + 64 * j, k0,
-                          full_bar(s));  // box {64 m, 64 k}
+            for (int j = 0; j < C::A_ROWS / kBK; ++j) {
+              if (kBK * j >= opts.a_rows) break;
+              tma_load_2d(a_dst + j * C::BOX_BYTES, &tma_a, m0 + kBK * j, k0,
+                          full_bar(s));  // box {kBK m, kBK k}
             }
           }
           if constexpr (B_K) {
             tma_load_2d(b_dst, &tma_b, k0, n0, full_bar(s));  // box {64 k, BN n}
           } else {
 #pragma unroll
-            for (int j = 0; j < BN / 64; ++j) {
-              tma_load_2d(b_dst + j * C::BOX_BYTES, &tma_b, n0 + 64 * j, k0,
-                          full_bar(s));  // box {64 n, 64 k}
+            for (int j = 0; j < BN / kBK; ++j) {
+              tma_load_2d(b_dst + j * C::BOX_BYTES, &tma_b, n0 + kBK * j, k0,
+                          full_bar(s));  // box {kBK n, kBK k}
             }
           }
           if (++s == STAGES) {
@@ -381,6 +390,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     // The m64 sub-tiles of this warpgroup that hold rows of A
     // (KernelOpts::a_rows), a prefix of its MSUB: uniform over the warpgroup.
     const int live_sub = PINGPONG ? (opts.a_rows + 63) / 64 : (64 * cw < opts.a_rows ? 1 : 0);
+
+    // kRS: where the thread's A fragments lie in a stage (rs_fragment_offsets).
+    uint32_t rs_off[2] = {0u, 0u};
+    if constexpr (kRS) rs_fragment_offsets(wtid, rs_off);
 
     float acc[MSUB][BN / 2];
     int j = 0;       // items this warpgroup has done
@@ -444,6 +457,46 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       };
+      // kRS: the K loop with A from registers. Each k8 step of a slice is a
+      // wgmma group of its own, whose 4 A words per thread are read from the
+      // stage (2 ld.shared.v2, rounded to TF32 to nearest) into one of
+      // kFragSets register sets once the group that used that set last has
+      // retired (at most kFragSets - 1 groups in flight), so that the loads'
+      // latency hides under the queued groups.
+      constexpr int kFragSets = 4;
+      auto k_loop_rs = [&](auto live) {
+        constexpr bool LIVE = decltype(live)::value;
+        uint32_t frag[kFragSets][4];
+        for (int kb = 0; kb < num_kb_unit; ++kb) {
+          mbar_wait(full_bar(s), phase);
+          if constexpr (LIVE) {
+            const uint32_t a_stage = sA + a_off + static_cast<uint32_t>(s) * C::A_BYTES;
+            DescPair db = desc_advance(b_desc0, static_cast<uint32_t>(s) * C::B_BYTES);
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+              uint32_t(&f)[4] = frag[kk % kFragSets];
+              wgmma_wait<kFragSets - 1>();
+#pragma unroll
+              for (int q = 0; q < 2; ++q) {
+                ld_shared_v2(a_stage + rs_off[q] + 1024u * kk, f[2 * q], f[2 * q + 1]);
+              }
+#pragma unroll
+              for (int e = 0; e < 4; ++e) f[e] = to_tf32(f[e]);
+              wgmma_fence();
+              wgmma_m64_tf32_rs<BN>(acc[0], f, desc_u64(db), 1);
+              wgmma_commit();
+              db = desc_advance(db, kBStepK);
+            }
+          }
+          // Slice kb-1's groups have retired (the wait before step 3): its stage is free.
+          if (kb > 0) release(prev_s);
+          prev_s = s;
+          if (++s == STAGES) {
+            s = 0;
+            phase ^= 1;
+          }
+        }
+      };
       // The tile's last MMAs have retired: the accumulators may be read and
       // the last stage goes back to the producer.
       auto retire_mmas = [&] {
@@ -451,7 +504,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         fence_accumulators(acc);
         if (num_kb_unit > 0) release(prev_s);
       };
-      if (live_sub >= MSUB) {
+      if constexpr (kRS) {
+        if (live_sub > 0) {
+          k_loop_rs(std::true_type{});
+        } else {
+          k_loop_rs(std::false_type{});
+        }
+      } else if (live_sub >= MSUB) {
         k_loop(std::integral_constant<int, MSUB>{});
       } else if (MSUB > 1 && live_sub > 0) {
         k_loop(std::integral_constant<int, 1>{});
@@ -474,6 +533,21 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
       [[maybe_unused]] const int sj = stored++;  // tiles this warpgroup stored before this one
+      if constexpr (kRS) {
+        // The tile of C^T goes to C (or split K's sums, in C's orientation).
+        retire_mmas();
+        const int block_row = m0 + 64 * cw;
+        if (splits > 1) {
+          epilogue_rs<Act::kNone, BN>(acc[0], opts.partial + static_cast<int64_t>(w.split) * M * N,
+                                      M, nullptr, block_row, n0, wtid, M, N);
+        } else {
+          FASTCOMM_DISPATCH_ACT(
+              p.act, (epilogue_rs<kAct, BN>(acc[0], static_cast<float*>(p.c), p.ldc,
+                                            static_cast<const float*>(p.bias), block_row, n0, wtid,
+                                            M, N)));
+        }
+        continue;
+      }
       if constexpr (OFFLOAD) {
         // Offload epilogue: the bias loads go out under the last MMAs, as in
         // the lean one; then the tile goes into the tile buffer as acc + bias
@@ -569,9 +643,9 @@ cudaError_t launch_kernel(const GemmArgs& p, const Plan& plan, cudaStream_t stre
   // A product of fewer rows than a tile loads only its rows (KernelOpts::a_rows).
   const int a_rows = p.M < C::BM ? static_cast<int>((p.M + 7) / 8 * 8) : C::BM;
   const bool ok_a = A_K ? make_map(&ma, p.dtype, p.a, p.K, p.M, p.sam, kBK, a_rows)
-                        : make_map(&ma, p.dtype, p.a, p.M, p.K, p.sak, 64, kBK);
+                        : make_map(&ma, p.dtype, p.a, p.M, p.K, p.sak, kBK, kBK);
   const bool ok_b = B_K ? make_map(&mb, p.dtype, p.b, p.K, p.N, p.sbn, kBK, BN)
-                        : make_map(&mb, p.dtype, p.b, p.N, p.K, p.sbk, 64, kBK);
+                        : make_map(&mb, p.dtype, p.b, p.N, p.K, p.sbk, kBK, kBK);
   if (!ok_a || !ok_b) return cudaErrorInvalidValue;
   KernelOpts opts;
   opts.a_rows = a_rows;
@@ -659,9 +733,15 @@ template <typename T, Sched S, int BN, bool OFFLOAD = false, bool SMALL_A = fals
 cudaError_t launch_layout(const GemmArgs& p, const Plan& plan, cudaStream_t stream) {
   const bool a_k = p.sak == 1, b_k = p.sbk == 1;
   if constexpr (std::is_same<T, float>::value) {
-    // TF32: K-major operands only (gemm_wgmma_supported).
-    if (!a_k || !b_k) return cudaErrorInvalidValue;
-    return launch_kernel<T, S, BN, true, true, false, SMALL_A>(p, plan, stream);
+    // TF32: B K-major; A K-major, or M-major in the cooperative kernel (the
+    // transposed product of kernels/matmul_sm90.cu).
+    if (!b_k) return cudaErrorInvalidValue;
+    if (a_k) return launch_kernel<T, S, BN, true, true, false, SMALL_A>(p, plan, stream);
+    if constexpr (S == Sched::kCoop) {
+      return launch_kernel<T, S, BN, false, true, false, SMALL_A>(p, plan, stream);
+    } else {
+      return cudaErrorInvalidValue;
+    }
   } else {
     if (a_k && b_k) return launch_kernel<T, S, BN, true, true, OFFLOAD, SMALL_A>(p, plan, stream);
     if (a_k) return launch_kernel<T, S, BN, true, false, OFFLOAD, SMALL_A>(p, plan, stream);

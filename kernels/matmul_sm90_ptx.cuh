@@ -144,6 +144,12 @@ __device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {
 #endif
 }
 
+__device__ __forceinline__ void ld_shared_v2(uint32_t addr, uint32_t& x, uint32_t& y) {
+#if FASTCOMM_SM90A_DEVICE
+  asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(x), "=r"(y) : "r"(addr) : "memory");
+#endif
+}
+
 __device__ __forceinline__ void ld_shared_v4(uint32_t addr, uint32_t (&v)[4]) {
 #if FASTCOMM_SM90A_DEVICE
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"

@@ -128,6 +128,45 @@ __device__ __forceinline__ void wgmma_m64(float (&d)[N / 2], uint64_t desc_a, ui
 #endif
 }
 
+// One wgmma.mma_async .tf32 with A from registers (the RS form): a[0..3] hold
+// the thread's part of the 64 x 8 A slice as float32 words, (row, k) =
+// (16 w + l / 4, l % 4), (+8, l % 4), (l / 4, l % 4 + 4), (+8, l % 4 + 4) for
+// lane l of warp w of the warpgroup; B K-major from shared memory. The
+// registers must stay unchanged until a wgmma.wait_group retires this one.
+template <int N>
+__device__ __forceinline__ void wgmma_m64_tf32_rs(float (&d)[N / 2], const uint32_t (&a)[4],
+                                                  uint64_t desc_b, int scale_d) {
+  static_assert(N == 64 || N == 128 || N == 256, "wgmma_m64_tf32_rs: N must be 64, 128 or 256");
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  // SCALE: the scale_d placeholder; TAIL: those of a[0..3] and desc_b.
+#define FASTCOMM_WGMMA_RS_ASM(SHAPE, REGS, ACCS, SCALE, TAIL)                 \
+  asm volatile(                                                               \
+      "{\n"                                                                   \
+      ".reg .pred p;\n"                                                       \
+      "setp.ne.b32 p, " SCALE                                                 \
+      ", 0;\n"                                                                \
+      "wgmma.mma_async.sync.aligned." SHAPE                                   \
+      ".f32.tf32.tf32\n"                                                      \
+      "{" REGS "},\n" TAIL                                                    \
+      ", p, 1, 1;\n"                                                          \
+      "}\n"                                                                   \
+      : ACCS                                                                  \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d) \
+      : "memory")
+  if constexpr (N == 256) {
+    FASTCOMM_WGMMA_RS_ASM("m64n256k8", FASTCOMM_WGMMA_D128, FASTCOMM_WGMMA_ACC128, "%133",
+                          "{%128, %129, %130, %131}, %132");
+  } else if constexpr (N == 128) {
+    FASTCOMM_WGMMA_RS_ASM("m64n128k8", FASTCOMM_WGMMA_D64, FASTCOMM_WGMMA_ACC64, "%69",
+                          "{%64, %65, %66, %67}, %68");
+  } else {
+    FASTCOMM_WGMMA_RS_ASM("m64n64k8", FASTCOMM_WGMMA_D32, FASTCOMM_WGMMA_ACC32, "%37",
+                          "{%32, %33, %34, %35}, %36");
+  }
+#undef FASTCOMM_WGMMA_RS_ASM
+#endif
+}
+
 #undef FASTCOMM_WGMMA_ASM
 #undef FASTCOMM_WGMMA_ACC128
 #undef FASTCOMM_WGMMA_ACC96

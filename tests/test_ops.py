@@ -1281,8 +1281,8 @@ def test_fp32_precision_does_not_change_cpu_results(fp32_precision):
 def test_cuda_fp32_precision_selects_kernel(fp32_precision):
     """The kernel follows the precision at each call: "highest" and allow_tf32 = False the
     CUDA-core kernel; "high", "medium" and allow_tf32 = True a TF32 kernel: on sm_90 the
-    Hopper kernel, or the mma.sync kernel for a small M with b N-major; the mma.sync kernel
-    on other sm_80+ GPUs; float64 and the half types are unaffected."""
+    Hopper kernel (the transposed product where b is N-major); the mma.sync kernel on other
+    sm_80+ GPUs; float64 and the half types are unaffected."""
     a = torch.empty(4096, 4096, device="cuda")
     small = torch.empty(64, 64, device="cuda")
 
@@ -1295,8 +1295,9 @@ def test_cuda_fp32_precision_selects_kernel(fp32_precision):
         fp32_precision(setting)
         tf32 = setting != "highest"
         if tf32 and _is_sm90:
-            assert name().startswith("wgmma coop 128x256 tf32 "), (setting, name())
-            assert name(small).startswith("mma 64x128 tf32"), (setting, name(small))
+            assert name().startswith("wgmma coop 128x256 tf32 transposed "), (setting, name())
+            assert name(a, a.t()).startswith("wgmma coop 128x256 tf32 "), (setting, name(a, a.t()))
+            assert name(small).startswith("wgmma coop 128x64 tf32 transposed "), name(small)
             assert name(small, small.t()).startswith("wgmma coop 128x64 tf32 "), setting
         elif tf32 and _tf32_tc:
             assert name().startswith("mma 128x128 tf32"), (setting, name())
@@ -1415,8 +1416,9 @@ def test_cuda_tf32_matches_float64(matmul_settings, fp32_precision):
 @_skip_no_cuda
 def test_cuda_tf32_small_m(matmul_settings, fp32_precision):
     """TF32 allowed, default dispatch, every small M on odd N and K, every layout, against
-    float64; the kernel it names: on sm_90 the mma.sync kernel's TF32 form (split K) where b
-    is N-major, the Hopper kernel where both operands are K-major."""
+    float64; the kernel it names: on sm_90 the Hopper kernel's 128 x 64 tile, as the
+    transposed product where b is N-major; the mma.sync kernel's TF32 form (split K) on other
+    sm_80+ GPUs."""
     matmul_settings()
     fp32_precision("high")
     shapes = [(m, n, k) for m in SMALL_M for n, k in ((1000, 1032), (257, 4104), (4099, 520))]
@@ -1424,11 +1426,12 @@ def test_cuda_tf32_small_m(matmul_settings, fp32_precision):
     a = torch.empty(16, 4096, device="cuda")
     b = torch.empty(4096, 4096, device="cuda")
     name = torch.ops.fastcomm._kernel_name(a, b)
-    if _tf32_tc:
-        assert name.startswith("mma 16x128 tf32 splitk "), name
     if _is_sm90:
+        assert name.startswith("wgmma coop 128x64 tf32 transposed "), name
         name = torch.ops.fastcomm._kernel_name(a, b.t())
         assert name.startswith("wgmma coop 128x64 tf32 "), name
+    elif _tf32_tc:
+        assert name.startswith("mma 16x128 tf32 splitk "), name
 
 
 @pytest.mark.cuda(1)
@@ -1447,6 +1450,50 @@ def test_cuda_tf32_mma(matmul_settings, fp32_precision, tile):
     _check_tf32_layouts(shapes, acts=("none", "relu", "gelu_tanh"))
     _assert_deterministic(_rand(31, 4100, dtype=torch.float32, device="cuda"),
                           _rand(4100, 1000, dtype=torch.float32, device="cuda"), 2)  # fmt: skip
+
+
+# Forced settings for the transposed TF32 product (b N-major: C^T = B^T A^T, b through
+# registers) and the kernel-name part each must give: its default tile, the 128 x 64 tile
+# (64 rows of A per stage where N <= 64), split K, and whole tiles (no stream-K).
+TF32_TRANSPOSED_SETTINGS = [
+    ({}, ""),
+    ({"tile": "narrow"}, "128x64"),
+    ({"tile": "small", "splits": 3}, "splitk 3"),
+    ({"tile": "large", "splits": 1}, "128x256"),
+]
+
+
+@pytest.mark.cuda(1)
+@pytest.mark.skipif(not _is_sm90, reason="wgmma/TMA kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("forced", range(len(TF32_TRANSPOSED_SETTINGS)))
+def test_cuda_tf32_transposed(matmul_settings, fp32_precision, forced):
+    """TF32 with b N-major on the Hopper kernel, run as C^T = B^T A^T with b read into
+    registers: every small M, odd N and K, each layout of a, linear with an N-major weight
+    and every activation, against float64; split K deterministic."""
+    fp32_precision("high")
+    settings, part = TF32_TRANSPOSED_SETTINGS[forced]
+    matmul_settings(impl="wgmma", **settings)
+    probe = torch.empty(64, 4096, device="cuda")
+    name = torch.ops.fastcomm._kernel_name(probe, torch.empty(4096, 4096, device="cuda"))
+    assert " tf32 transposed" in name and part in name, name
+    shapes = [(m, 1000, 1032) for m in SMALL_M] + [(300, 520, 1001), (1000, 1500, 700), (7, 40, 5)]
+    dt = torch.float32
+    for m, n, k in shapes:
+        b = _rand(k, n, dtype=dt, device="cuda")
+        for a in (_rand(m, k, dtype=dt, device="cuda"), _rand(k, m, dtype=dt, device="cuda").t()):
+            _poison_cuda_cache("cuda")
+            out = ops.matmul(a, b)
+            _tf32_check(out, a.double() @ b.double(), _tf32_scale(a, b), k, (m, n, k, settings))
+        x = _rand(m, k, dtype=dt, device="cuda")
+        w = b.t()  # [n, k] with k-stride n: linear multiplies by w.t() = b, N-major
+        bias = _rand(n, dtype=dt, device="cuda")
+        for act in ACTS:
+            _poison_cuda_cache("cuda")
+            y = ops.linear(x, w, bias, act)
+            ref = _ref_act(x.double() @ b.double() + bias.double(), act)
+            _tf32_check(y, ref, _tf32_scale(x, b, bias), k, (m, n, k, act, settings))
+    _assert_deterministic(_rand(31, 4100, dtype=dt, device="cuda"),
+                          _rand(4100, 1000, dtype=dt, device="cuda"), 2)  # fmt: skip
 
 
 @pytest.mark.cuda(1)
@@ -1506,7 +1553,7 @@ def test_cuda_tf32_wgmma_variants(matmul_settings, fp32_precision, variant):
     settings = TF32_VARIANTS[variant]
     matmul_settings(impl="wgmma", epi="tma", **settings)
     probe = torch.empty(4096, 4096, device="cuda")
-    name = torch.ops.fastcomm._kernel_name(probe, probe)
+    name = torch.ops.fastcomm._kernel_name(probe, probe.t())  # b K-major
     assert name.startswith(f"wgmma {settings['sched']}") and " tf32" in name, name
     if settings.get("tile") == "medium":
         assert name.startswith("wgmma coop 128x256 "), name
@@ -1522,13 +1569,13 @@ def test_cuda_tf32_wgmma_variants(matmul_settings, fp32_precision, variant):
 @pytest.mark.cuda(1)
 @pytest.mark.skipif(not _is_sm90, reason="the TF32 packing kernel runs for the sm_90 kernel")
 def test_cuda_tf32_packed_operand_longer_than_a_grid_column(matmul_settings, fp32_precision):
-    """matmul's N-major b is packed K-major in 32-wide K tiles; more K tiles than a grid's
+    """matmul's M-major a is packed K-major in 32-wide K tiles; more K tiles than a grid's
     y dimension holds (65535) are walked by the same blocks, none left out."""
     fp32_precision("high")
-    matmul_settings(impl="wgmma")  # the default takes the mma.sync kernel at this M
+    matmul_settings()
     m, n, k = 8, 24, 65535 * 32 + 1000
-    a = _rand(m, k, dtype=torch.float32, device="cuda")
-    b = _rand(k, n, dtype=torch.float32, device="cuda")
+    a = _rand(k, m, dtype=torch.float32, device="cuda").t()
+    b = _rand(n, k, dtype=torch.float32, device="cuda").t()
     assert torch.ops.fastcomm._kernel_name(a, b).startswith("wgmma ")
     _tf32_check(ops.matmul(a, b), a.double() @ b.double(), _tf32_scale(a, b), k, (m, n, k))
 
@@ -1538,9 +1585,9 @@ def test_cuda_tf32_packed_operand_longer_than_a_grid_column(matmul_settings, fp3
 def test_cuda_tf32_default_dispatch_rule(matmul_settings, fp32_precision):
     """TF32 allowed: float32 on K-major operands takes the half types' Hopper rows (the
     128 x 64 tile where its rule takes the problem, else the wave model's cooperative tile,
-    K split where its tiles leave SMs idle), never the skinny kernel; with b N-major, up to
-    128 rows take the mma.sync kernel's TF32 form (row tiles up to 64 rows), more the same
-    Hopper rows; "highest" keeps the CUDA-core kernel."""
+    K split where its tiles leave SMs idle), never the skinny kernel; with b N-major the same
+    rows on the transposed problem (M and N swapped) up to 128 rows, the 128 x 256 tile above;
+    "highest" keeps the CUDA-core kernel."""
     matmul_settings()
     fp32_precision("high")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -1548,18 +1595,20 @@ def test_cuda_tf32_default_dispatch_rule(matmul_settings, fp32_precision):
         a = torch.empty(m, k, device="cuda")
         for b in (torch.empty(k, n, device="cuda"), torch.empty(n, k, device="cuda").t()):
             name = torch.ops.fastcomm._kernel_name(a, b)
-            if b.stride(1) == 1 and m <= 128:
-                rows = 16 if m <= 16 else 64
-                assert name.startswith(f"mma {rows}x128 tf32"), (m, n, k, name)
+            transposed = b.stride(1) == 1
+            km, kn = (n, m) if transposed else (m, n)  # the kernel's problem
+            tf32 = " tf32 transposed " if transposed else " tf32 "
+            if transposed and kn > 128:  # the 128 x 256 tile, split where it leaves SMs idle
+                assert name.startswith("wgmma coop 128x256" + tf32), (m, n, k, name)
                 continue
-            splits = _narrow_splits(m, n, k, sms, half=False)
+            splits = _narrow_splits(km, kn, k, sms, half=False)
             if splits > 0:
-                assert name.startswith("wgmma coop 128x64 tf32 "), (m, n, k, name)
+                assert name.startswith("wgmma coop 128x64" + tf32), (m, n, k, name)
                 assert (" splitk " in name) == (splits > 1), (m, n, k, name)
                 continue
-            bn = _wave_tile(m, n, sms, half=False)
-            assert name.startswith(f"wgmma coop 128x{bn} tf32 "), (m, n, k, name)
-            if bn == 128 and _cdiv(m, 128) * _cdiv(n, 128) * 2 <= sms:
+            bn = _wave_tile(km, kn, sms, half=False)
+            assert name.startswith(f"wgmma coop 128x{bn}" + tf32), (m, n, k, name)
+            if bn == 128 and _cdiv(km, 128) * _cdiv(kn, 128) * 2 <= sms:
                 assert " splitk " in name, (m, n, k, name)
     fp32_precision("highest")
     a = torch.empty(8192, 4096, device="cuda")

@@ -13,6 +13,7 @@ variant: the kernel it ran, worst error over tolerance, OK / FAIL. Exit status
     python benchmarks/tools/matmul_smoke.py                      # all variants for this GPU
     python benchmarks/tools/matmul_smoke.py --variants coop,pingpong --quick
     python benchmarks/tools/matmul_smoke.py --variants coop,coop_tma,coop_off --stream-k
+    python benchmarks/tools/matmul_smoke.py --tf32 --quick        # float32 as TF32 only
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench_matmul import Variant
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.2e-2, torch.float32: 1e-5}
+# float32 with TF32 allowed (--tf32): operands rounded to 10 mantissa bits.
+TOL_TF32 = 2e-3
 ACTS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 SMALL = [(1, 1, 1), (7, 13, 5), (33, 65, 17), (129, 200, 72), (130, 264, 136)]
 # Edges with TMA stores (N % 8 == 0), several tiles per CTA (ping-pong turns,
@@ -71,6 +74,7 @@ def check(
     dtypes: list[torch.dtype],
     shapes: list[tuple[int, int, int]],
     layouts: tuple[tuple[str, str], ...] = LAYOUTS,
+    tol: dict[torch.dtype, float] = TOL,
 ) -> tuple[float, list[str]]:
     """Worst error / tolerance of both ops over shapes, layouts and activations, and a line
     per case over tolerance (dtype, shape, layout or activation, the kernel that ran it)."""
@@ -95,7 +99,7 @@ def check(
                 aa, bb = operands[name_a], operands[name_b]
                 poison()
                 out = torch.ops.fastcomm.matmul(aa, bb)
-                ratio = rel_err(out, aa.double() @ bb.double()) / TOL[dt]
+                ratio = rel_err(out, aa.double() @ bb.double()) / tol[dt]
                 record(ratio, f"{dt} {m}x{n}x{k} matmul {name_a} @ {name_b}", aa, bb, "none")
             w, bias = bt.t(), torch.randn(n, device="cuda").to(dt)
             pre = a.double() @ w.double().t() + bias.double()
@@ -109,7 +113,7 @@ def check(
                     "silu": F.silu(pre),
                     "gelu_tanh": F.gelu(pre, approximate="tanh"),
                 }[act]
-                ratio = rel_err(y, ref) / TOL[dt]
+                ratio = rel_err(y, ref) / tol[dt]
                 record(ratio, f"{dt} {m}x{n}x{k} linear {act}", a, w.t(), act)
     torch.cuda.synchronize()
     return worst, failures
@@ -125,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
         "--stream-k",
         action="store_true",
         help="the stream-K shape only (for compute-sanitizer on the fix-up)",
+    )
+    p.add_argument(
+        "--tf32",
+        action="store_true",
+        help="float32 only, with TF32 allowed (the tensor-core kernels' TF32 forms)",
     )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -142,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             names += list(EXTRAS)
     shapes = STREAM_K if args.stream_k else SMALL if args.quick else SMALL + LARGE
     torch.manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
+    tol = {**TOL, torch.float32: TOL_TF32} if args.tf32 else TOL
     failed = 0
     for name in names:
         base, extra = EXTRAS.get(name, (name, {}))
@@ -151,17 +162,20 @@ def main(argv: list[str] | None = None) -> int:
             dtypes = [torch.float16, torch.bfloat16]
             if base in ("auto", "simt", "simt_wide"):
                 dtypes.append(torch.float32)
+            if args.tf32:
+                dtypes = [torch.float32]
             try:
-                probe = torch.empty(4096, 4096, device="cuda", dtype=torch.bfloat16)
+                probe_dtype = torch.float32 if args.tf32 else torch.bfloat16
+                probe = torch.empty(4096, 4096, device="cuda", dtype=probe_dtype)
                 if base == "skinny":  # one row of A, B K-major
                     kernel = torch.ops.fastcomm._kernel_name(probe[:1], probe.t())
                 else:
                     kernel = torch.ops.fastcomm._kernel_name(probe, probe)
                 t0 = time.perf_counter()
                 if base == "skinny":
-                    worst, failures = check(dtypes, SKINNY, (("a", "b^T"),))
+                    worst, failures = check(dtypes, SKINNY, (("a", "b^T"),), tol)
                 else:
-                    worst, failures = check(dtypes, shapes)
+                    worst, failures = check(dtypes, shapes, LAYOUTS, tol)
                 status = "OK" if worst < 1 else "FAIL"
                 msg = f"worst error / tolerance {worst:.3f}  ({time.perf_counter() - t0:.1f} s)"
             except RuntimeError as e:

@@ -13,13 +13,11 @@
 //     where its rule takes the problem, else 128 x 128 tile
 //     (K split over CTAs where its tiles leave SMs idle) or 128 x 256 tile,
 //     whichever a wave model finds faster;
-//     float32 runs there as TF32 on K-major operands (copied where they are
-//     not);
+//     float32 runs there as TF32 with A K-major (copied where it is not) and
+//     B K-major or N-major (as the transposed product);
 //   * the mma.sync tensor-core kernel (kernels/matmul_sm80.cu) on sm_80+,
-//     with its own K split for small M: the 16-bit types off sm_90, float32 as
-//     TF32 off sm_90 and, on sm_90, for small M where an operand is not
-//     K-major (it reads B N-major in place, where the TF32 wgmma kernel would
-//     first copy all of B K-major);
+//     with its own K split for small M: the 16-bit types and float32 as TF32
+//     off sm_90;
 //   * otherwise the CUDA-core kernel (kernels/matmul_simt.cu).
 // The FASTCOMM_MATMUL_* settings (common/config.hpp, MatmulConfig; read once,
 // ops/matmul_config.hpp) force a path, tile, schedule, epilogue or tile order,
@@ -168,9 +166,9 @@ bool try_layout(const at::Tensor& t, int unit_dim, Operand& op) {
 // that is the GEMM's K (1 for A [M][K], 0 for B [K][N]); K-major (unit
 // stride along k_dim) or, unless `k_major_only`, M/N-major is taken as it
 // is, anything else is copied into a K-major buffer with a padded leading
-// dimension. k_major_only: the TF32 kernel, whose wgmma reads 32-bit
-// operands K-major only; matmul's b [K, N] (N-major) is then transposed
-// into an [N, K] buffer, K x N x 4 bytes read and written once per call.
+// dimension. k_major_only: A of the TF32 kernel, whose wgmma reads a 32-bit
+// A from shared memory K-major only; an M-major a (matmul(x.t(), b)) is then
+// transposed into an [M, K] buffer, rounded to TF32.
 Operand prepare_tc_operand(const at::Tensor& t, int k_dim, bool k_major_only = false) {
   {
     Operand op;
@@ -208,13 +206,6 @@ void fill_ab(kc::GemmArgs& args, const Operand& a, const Operand& b) {
   args.sbn = b.s1;
 }
 
-// Whether A and B are both K-major as the tensor-core kernels take them,
-// without a copy.
-bool k_major_in_place(const GemmProblem& p) {
-  Operand a, b;
-  return try_layout(p.A, 1, a) && try_layout(p.B, 0, b);
-}
-
 // The CUDA-core kernel reads A and B through their strides, any layout.
 cudaError_t launch_simt(kc::GemmArgs& args, const GemmProblem& p, int num_sms, kc::Tile tile,
                         cudaStream_t stream) {
@@ -228,9 +219,18 @@ cudaError_t launch_simt(kc::GemmArgs& args, const GemmProblem& p, int num_sms, k
 }
 
 // The problem's sizes and types as the kernels see them; operand pointers
-// and strides are filled in per kernel.
+// and strides are filled in per kernel. The strides set here say only which
+// way the Hopper kernel would take each operand (A K-major, B K-major or
+// N-major in place), for the choice of kernel: a TF32 product with B
+// N-major runs transposed there, with its own tiles.
 kc::GemmArgs problem_args(const GemmProblem& p, Activation act) {
   kc::GemmArgs args;
+  Operand b;
+  const bool b_n_major = !try_layout(p.B, 0, b) && try_layout(p.B, 1, b);
+  args.sam = p.K;
+  args.sak = 1;
+  args.sbk = b_n_major ? p.N : 1;
+  args.sbn = b_n_major ? 1 : p.K;
   args.ldc = p.N;
   args.M = p.M;
   args.N = p.N;
@@ -251,7 +251,6 @@ enum class When {
   kWgmmaTile128,  // sm_90: the wave model picks the 128 x 128 tile (gemm_wgmma_wave_tile)
   kWgmmaTile192,  // sm_90: ... the 128 x 192 tile (16-bit types)
   kWgmma,         // sm_90
-  kTf32Copy,      // sm_80+, float32 as TF32 with an operand that is not K-major in place
   kSm80,          // sm_80+
   kAlways,
 };
@@ -272,12 +271,11 @@ enum class When {
 //     (16-bit types) or the 128 x 256 tile, by the Hopper kernel's wave
 //     model; split counts are the Hopper kernel's (kernels/matmul_sm90.cu);
 //   * float32 with TF32 allowed takes the same Hopper rows (the TF32 kernel:
-//     same tiles and stage bytes, half the K per stage) where both operands
-//     are K-major in place; where one is not (matmul's b [K, N]), products of
-//     up to kTf32CopyMaxM rows take the mma.sync kernel's TF32 form, which
-//     reads it as it is: the K-major copy the wgmma kernel needs reads and
-//     writes all of B, longer than a small product itself. Off sm_90 float32
-//     with TF32 takes the mma.sync kernel, without TF32 the CUDA-core kernel.
+//     same tiles and stage bytes, half the K per stage), matmul's N-major b
+//     as the transposed product with b read through registers, at every M:
+//     from 32 rows ahead of the mma.sync kernel's TF32 form, within a few
+//     percent of it below (docs/matmul.md). Off sm_90 float32 with TF32
+//     takes the mma.sync kernel, without TF32 the CUDA-core kernel.
 struct AutoRule {
   int64_t max_m;
   When when;
@@ -287,10 +285,8 @@ struct AutoRule {
 };
 constexpr int64_t kAnyM = INT64_MAX;
 constexpr int64_t kSkinnyAutoMaxM = 1;
-constexpr int64_t kTf32CopyMaxM = 128;
 constexpr AutoRule kAutoRules[] = {
     {kSkinnyAutoMaxM, When::kSkinnyLayout, Path::kSkinny, kc::WgmmaSched::kAuto, kc::Tile::kAuto},
-    {kTf32CopyMaxM, When::kTf32Copy, Path::kMma, kc::WgmmaSched::kAuto, kc::Tile::kAuto},
     {kAnyM, When::kWgmmaTile64, Path::kWgmma, kc::WgmmaSched::kCoop, kc::Tile::kNarrow},
     {kAnyM, When::kWgmmaTile128, Path::kWgmma, kc::WgmmaSched::kCoop, kc::Tile::kSmall},
     {kAnyM, When::kWgmmaTile192, Path::kWgmma, kc::WgmmaSched::kCoop, kc::Tile::kMedium},
@@ -334,10 +330,9 @@ bool skinny_considered(const MatmulConfig& cfg, const GemmProblem& p, const cuda
 }
 
 // The row of kAutoRules for a problem (always found: the last row matches
-// everything). tf32_copy: float32 as TF32 with an operand that is not K-major
-// in place.
+// everything).
 const AutoRule& auto_rule(const kc::GemmArgs& args, const cudaDeviceProp* prop, bool skinny,
-                          bool tf32_copy, bool wgmma_ok, bool mma_ok) {
+                          bool wgmma_ok, bool mma_ok) {
   for (const AutoRule& r : kAutoRules) {
     if (args.M > r.max_m) continue;
     bool ok = false;
@@ -359,9 +354,6 @@ const AutoRule& auto_rule(const kc::GemmArgs& args, const cudaDeviceProp* prop, 
       case When::kWgmma:
         ok = wgmma_ok;
         break;
-      case When::kTf32Copy:
-        ok = tf32_copy && mma_ok;
-        break;
       case When::kSm80:
         ok = mma_ok;
         break;
@@ -377,11 +369,11 @@ const AutoRule& auto_rule(const kc::GemmArgs& args, const cudaDeviceProp* prop, 
 // The kernel for a problem on the current device (see the top of the file);
 // raises where a forced kernel cannot run. `skinny`: the skinny kernel is
 // considered (skinny_considered) and the problem has its shape and layout.
-// `tf32`: float32 may run as TF32 (tf32_allowed()). `k_major`: both operands
-// are K-major in place. `wopts`: the Hopper options, from the settings, which
-// the default dispatch may complete (schedule and tile of its row).
+// `tf32`: float32 may run as TF32 (tf32_allowed()). `wopts`: the Hopper
+// options, from the settings, which the default dispatch may complete
+// (schedule and tile of its row).
 Path choose_path(const kc::GemmArgs& args, const MatmulConfig& cfg, const cudaDeviceProp* prop,
-                 bool skinny, bool tf32, bool k_major, kc::WgmmaOptions* wopts) {
+                 bool skinny, bool tf32, kc::WgmmaOptions* wopts) {
   const bool half = args.dtype == kc::DType::kF16 || args.dtype == kc::DType::kBF16;
   // float32 with TF32 allowed: a tensor-core kernel's TF32 form where one
   // runs; else, and with TF32 not allowed, the exact CUDA-core kernel.
@@ -401,7 +393,7 @@ Path choose_path(const kc::GemmArgs& args, const MatmulConfig& cfg, const cudaDe
               ") and an extension built for sm_90a (TORCH_CUDA_ARCH_LIST containing 9.0a)");
   if (cfg.impl == "wgmma") return Path::kWgmma;
   if (cfg.impl == "auto") {
-    const AutoRule& r = auto_rule(args, prop, skinny, f32_tc && !k_major, wgmma_ok, mma_ok);
+    const AutoRule& r = auto_rule(args, prop, skinny, wgmma_ok, mma_ok);
     if (r.path == Path::kWgmma) {
       // The row's schedule and tile where the settings leave them auto.
       if (wopts->sched == kc::WgmmaSched::kAuto && wopts->tile == kc::Tile::kAuto) {
@@ -460,8 +452,7 @@ at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias
   const std::optional<SkinnyOperands> skinny =
       skinny_considered(cfg, p, prop) ? skinny_operands(p) : std::nullopt;
   kc::WgmmaOptions wopts = wgmma_options(cfg);
-  switch (choose_path(args, cfg, prop, skinny.has_value(), tf32_allowed(), k_major_in_place(p),
-                      &wopts)) {
+  switch (choose_path(args, cfg, prop, skinny.has_value(), tf32_allowed(), &wopts)) {
     case Path::kSkinny: {
       fill_ab(args, skinny->a, skinny->b);
       TORCH_INTERNAL_ASSERT(kc::gemm_skinny_supported(args));
@@ -469,10 +460,10 @@ at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias
       break;
     }
     case Path::kWgmma: {
-      // float32 (TF32): K-major operands only.
+      // float32 (TF32): A K-major; B K-major or N-major (kernels/matmul_sm90.cu).
       const bool k_major_only = args.dtype == kc::DType::kF32;
       Operand a = prepare_tc_operand(p.A, 1, k_major_only);
-      Operand b = prepare_tc_operand(p.B, 0, k_major_only);
+      Operand b = prepare_tc_operand(p.B, 0);
       fill_ab(args, a, b);
       TORCH_INTERNAL_ASSERT(kc::gemm_wgmma_supported(args));
       const int64_t scratch =
@@ -522,8 +513,7 @@ std::string kernel_name_cuda(const at::Tensor& a, const at::Tensor& b,
   const std::optional<SkinnyOperands> skinny =
       skinny_considered(cfg, p, prop) ? skinny_operands(p) : std::nullopt;
   kc::WgmmaOptions wopts = wgmma_options(cfg);
-  switch (choose_path(args, cfg, prop, skinny.has_value(), tf32_allowed(), k_major_in_place(p),
-                      &wopts)) {
+  switch (choose_path(args, cfg, prop, skinny.has_value(), tf32_allowed(), &wopts)) {
     case Path::kSkinny:
       fill_ab(args, skinny->a, skinny->b);
       return "skinny k-major splits " +
