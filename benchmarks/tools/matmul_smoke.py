@@ -31,8 +31,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench_matmul import Variant
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.2e-2, torch.float32: 1e-5}
-# float32 with TF32 allowed (--tf32): operands rounded to 10 mantissa bits.
-TOL_TF32 = 2e-3
+# float32 with TF32 allowed (--tf32): operands rounded or truncated to 10 mantissa bits, a
+# product off by up to 2^-9, and a single-element output (1x1x1) relative to itself, where
+# the bias may cancel most of the product.
+TOL_TF32 = 1e-2
 ACTS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 SMALL = [(1, 1, 1), (7, 13, 5), (33, 65, 17), (129, 200, 72), (130, 264, 136)]
 # Edges with TMA stores (N % 8 == 0), several tiles per CTA (ping-pong turns,
