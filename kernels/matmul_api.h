@@ -88,7 +88,8 @@ cudaError_t launch_gemm_skinny(const GemmArgs& args, int num_sms, cudaStream_t s
 // Hopper kernel: TMA loads, wgmma, warp-specialised producer / consumers,
 // persistent tile loop (sm_90a only; see kernels/matmul_sm90_kernel.cuh).
 // Same operand requirements as the mma.sync kernel, plus the TMA ones
-// (leading dimension >= the contiguous extent and below 2^31 elements).
+// (leading dimension >= the contiguous extent and below 2^31 elements); float32
+// (TF32) takes A K-major only (B N-major runs as the transposed product).
 bool gemm_wgmma_supported(const GemmArgs& args);
 // True when the loaded module carries the sm_90a kernel for the current device.
 bool gemm_wgmma_compiled();

@@ -1,7 +1,7 @@
 // K-major copies of float32 operands for the TF32 form of the Hopper kernel,
-// which reads both operands K-major only (kernels/matmul_sm90_kernel.cuh):
-// dst[r][k] = tf32(src[k][r]), where the source is K-contiguous in neither
-// dimension the kernel wants (matmul's b [K, N] row-major, an M-major a).
+// which reads its A K-major only (kernels/matmul_sm90_kernel.cuh; matmul's
+// N-major b runs as the transposed product instead): dst[r][k] =
+// tf32(src[k][r]), for an M-major a (matmul(x.t(), b)).
 // Each value is rounded to TF32 on the way (cvt.rna: to nearest, ties away),
 // so the tensor cores multiply the rounded value instead of dropping its low
 // 13 mantissa bits. A 32 x 32 tile per block of 32 x 8 threads goes through
