@@ -81,6 +81,10 @@ int64_t stream_k_tiles(const GemmArgs& p, int num_sms, int bn) {
   return shared > kStreamKGain * whole ? 0 : sk_tiles;
 }
 
+// TF32 with A M-major: the kernel with A through registers (the transposed
+// product of matmul(a, b) with b N-major, below).
+bool tf32_rs(const GemmArgs& p) { return p.dtype == DType::kF32 && p.sak != 1; }
+
 // A TF32 product with A M-major (the transposed product of matmul(a, b) with
 // b N-major, below) of more than 128 columns (a's rows) takes the 128 x 256
 // tile, K split where its tiles leave SMs idle: forced against the 128 x 128
@@ -88,7 +92,7 @@ int64_t stream_k_tiles(const GemmArgs& p, int num_sms, int bn) {
 // Per flop a 128 x 256 tile brings 3/4 of a 128 x 128 tile's operand bytes
 // into shared memory and reads half its A fragments back out of it, and
 // TF32 operands take twice the shared-memory bytes per flop of 16-bit ones.
-bool tf32_rs_wide(const GemmArgs& p) { return p.dtype == DType::kF32 && p.sak != 1 && p.N > 128; }
+bool tf32_rs_wide(const GemmArgs& p) { return tf32_rs(p) && p.N > 128; }
 
 // The cooperative tile width the wave model picks: 128, 192 (16-bit types)
 // or 256.
@@ -264,7 +268,7 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
   plan.num_sms = num_sms;
   const int wave_bn = wave_tile_bn(p, num_sms);
   // TF32 with A M-major (a transposed product): the cooperative kernel only.
-  const bool rs = p.dtype == DType::kF32 && p.sak != 1;
+  const bool rs = tf32_rs(p);
   // Split K first: where the 128 x 128 tiles leave the SMs idle and the
   // model gains from a split, the cooperative 128 x 128 kernel with split K
   // (unless a schedule or tile is forced).
