@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -273,6 +274,39 @@ def test_split_asked_twice_or_named_differently_per_rank() -> None:
     on each rank after a new_group not every rank joined: one child per split, and its ranks
     meet whatever the name."""
     run_ranks(2, split_fn, timeout_s=120)
+
+
+def drop_with_callback_pending_fn(rank: int, ws: int) -> None:
+    chk = Checker(f"rank {rank}")
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    opts = backend._copy_options()
+    opts.group_name = "dropped"
+    store = dist.PrefixStore("dropped/", dist.distributed_c10d._get_default_store())
+    child = backend.split(store, [0, 1], opts)
+    t = gen("dropped", rank, (7,), torch.float32, "SUM")
+    if rank == 1:
+        time.sleep(1.0)  # rank 0's all_reduce is still waiting when it drops its group
+    callback_threads: list[int] = []
+    fut = child.allreduce([t]).get_future()
+    # The callback runs where the all_reduce completes, a thread of the group, and takes
+    # the GIL there: the group's destruction below must not hold the GIL while it waits.
+    done = fut.then(lambda f: callback_threads.append(threading.get_ident()))
+    del child  # returns once the group's work is done
+    chk.true(len(callback_threads) == 1, "the callback had run when the group was gone")
+    done.wait()
+    ins = [gen("dropped", r, (7,), torch.float32, "SUM") for r in range(ws)]
+    chk.reduced(t, ins, "SUM", "all_reduce completed by the group's destruction")
+    dist.destroy_process_group()
+    chk.raise_if_failed()
+
+
+@pytest.mark.skipif(is_gloo(), reason="gloo: tests fastcomm's destruction")
+def test_group_dropped_with_a_python_callback_pending() -> None:
+    """The last reference to a split group dropped in Python while its all_reduce is in
+    flight with a Python callback on its future: the group's work drains as the reference
+    goes (not later, with its parent), and the callback, which needs the GIL on the
+    group's thread, runs meanwhile; nothing deadlocks."""
+    run_ranks(2, drop_with_callback_pending_fn, timeout_s=60)
 
 
 def send_to_self_alone_fn(rank: int, ws: int, device: str) -> None:

@@ -115,6 +115,8 @@ void ProcessGroupFastComm::shutdown() {
   if (g_.trace) g_.trace->unregister();
 }
 
+void ProcessGroupFastComm::release_resources() { shutdown(); }
+
 void ProcessGroupFastComm::abort() {
   try {
     throwCommError("fastcomm: process group aborted");

@@ -100,6 +100,10 @@ class ProcessGroupFastComm : public c10d::Backend {
 
   void shutdown() override;
   void abort() override;
+  // The last strong reference went while a weak one remains (the parent's
+  // lastSplit_ keeps the memory until its next split): the threads, sockets
+  // and shared memory go now, not when the memory does.
+  void release_resources() override;
 
   Stats& stats() { return g_.stats; }
   const Topology& topology() const { return g_.topo; }
