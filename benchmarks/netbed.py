@@ -69,6 +69,7 @@ NET_ENV = {"NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket"}
 NETEM_LIMIT_PACKETS = 100000  # netem holds a delay's worth of packets; never the bottleneck
 MAX_GSO_BYTES = 64 << 10  # veth passes TCP segments of up to 64 KiB through the qdiscs
 MIN_QUEUE_BYTES = 4 << 20
+MIN_MTU, MAX_MTU = 576, 65535  # IPv4's smallest datagram every host takes; veth's largest
 RATE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 TIME_UNITS = {"us": 1.0, "µs": 1.0, "usec": 1.0, "ms": 1e3, "msec": 1e3, "s": 1e6, "sec": 1e6}
 
@@ -168,10 +169,24 @@ class Link:
         }
 
 
+def parse_mtu(text: str) -> int:
+    """'9000' -> 9000: an Ethernet MTU a veth takes (IPv4's 576 to 65535)."""
+    if not re.fullmatch(r"\s*\d+\s*", text) or not MIN_MTU <= int(text) <= MAX_MTU:
+        raise ValueError(f"not an MTU: {text!r} ({MIN_MTU} to {MAX_MTU}, e.g. 1500 or 9000)")
+    return int(text)
+
+
 def parse_link(text: str) -> Link:
-    """'25gbit' or '25gbit,20us' (RATE[,DELAY]) -> Link."""
-    rate, _, delay = text.partition(",")
-    return Link(parse_rate(rate), parse_delay(delay) if delay.strip() else 0.0)
+    """'25gbit', '25gbit,20us', '25gbit,mtu9000' or '100gbit,20us,mtu9000'
+    (RATE[,DELAY][,mtuMTU]) -> Link."""
+    rate, *parts = text.split(",")
+    settings: dict[str, Any] = {}
+    for part in filter(str.strip, parts):
+        key = "mtu" if part.strip().lower().startswith("mtu") else "delay_us"
+        if key in settings:
+            raise ValueError(f"link {text!r} gives the {key.removesuffix('_us')} twice")
+        settings[key] = parse_mtu(part.strip()[3:]) if key == "mtu" else parse_delay(part)
+    return Link(parse_rate(rate), **settings)
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -1049,7 +1064,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             parse_delay(args.delay),
             int(args.burst) if args.burst else None,
             parse_delay(args.queue),
-            args.mtu,
+            parse_mtu(str(args.mtu)),
         )
     except ValueError as exc:
         p.error(str(exc))

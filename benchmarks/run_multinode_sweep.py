@@ -236,11 +236,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--netbed",
-        metavar="RATE[,DELAY]",
+        metavar="RATE[,DELAY][,mtuMTU]",
         type=_link,
         help="run every launch across --sim-nodes network namespaces joined by links of this "
-        "rate and one-way delay (e.g. 25gbit or 100gbit,20us; benchmarks/netbed.py, needs "
-        "root), one torchrun per node, instead of one torchrun on TCP loopback",
+        "rate, one-way delay and MTU (e.g. 25gbit, 100gbit,20us or 25gbit,mtu9000; "
+        "benchmarks/netbed.py, needs root), one torchrun per node, instead of one torchrun on "
+        "TCP loopback",
     )
     p.add_argument(
         "--iproute2",
@@ -313,9 +314,11 @@ def env_label(env: dict[str, str]) -> str:
 
 
 def _link_text(link: nb.Link) -> str:
-    """'25 Gbit/s' or '25 Gbit/s, 20 us delay'."""
-    rate = nb.format_rate(link.rate_bps)
-    return f"{rate}, {link.delay_us:g} us delay" if link.delay_us else rate
+    """'25 Gbit/s', '25 Gbit/s, 20 us delay' or '25 Gbit/s, 20 us delay, MTU 9000'."""
+    text = nb.format_rate(link.rate_bps)
+    if link.delay_us:
+        text += f", {link.delay_us:g} us delay"
+    return text + (f", MTU {link.mtu}" if link.mtu != nb.Link.mtu else "")
 
 
 def _link(text: str) -> nb.Link:

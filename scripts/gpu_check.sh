@@ -18,8 +18,9 @@
 #   netbed       the sweep's launches on the shaped-link testbed: 2 nodes as network namespaces
 #                joined by a veth pair shaped with tc, 256 KiB..1 GiB, one sweep per link in
 #                NETBED_LINKS (default "25gbit"; e.g. "25gbit 100gbit"; a delay such as
-#                "25gbit,20us" needs the kernel's netem, which the lent machines lack); ip and
-#                tc from the Debian debs in build/iproute2-debs (carried; unpacked with dpkg -x)
+#                "25gbit,20us" needs the kernel's netem, which the lent machines lack; jumbo
+#                frames: "25gbit,mtu9000"); ip and tc from the Debian debs in
+#                build/iproute2-debs (carried; unpacked with dpkg -x)
 #                                                          -> netbed_2x<k>_<link>.{json,md}
 #   netbedcpu    CPU tensors on the same testbed, 2 nodes x NETBED_CPU_RANKS ranks (default 2),
 #                fastcomm (float32, bf16 and int8 wires) beside Gloo  -> netbed_cpu_2x<r>_<link>.{json,md}

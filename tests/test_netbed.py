@@ -83,6 +83,14 @@ def test_rates_delays_and_link_settings() -> None:
     assert link.burst == 200_000
     assert link.limit == 25_000_000 + 200_000  # 2 ms at 12.5 GB/s, plus the burst
     assert nb.parse_link("1gbit").limit == (4 << 20) + (128 << 10)  # the queue's floor
+    assert (link.mtu, nb.parse_link("25gbit").mtu) == (1500, 1500)
+    jumbo = nb.parse_link("100gbit,20us,mtu9000")
+    assert (jumbo.rate_bps, jumbo.delay_us, jumbo.mtu) == (10**11, 20.0, 9000)
+    assert nb.parse_link("25gbit, MTU 9000").mtu == 9000 and not nb.parse_link("25gbit,").delay_us
+    for bad in ("25gbit,mtu", "25gbit,mtu100", "25gbit,mtu70000", "25gbit,9000", "25gbit,1us,2us",
+                "25gbit,mtu9000,mtu1500"):  # fmt: skip
+        with pytest.raises(ValueError):
+            nb.parse_link(bad)
 
 
 def test_tcp_counters_parse_snmp_and_netstat() -> None:
@@ -139,6 +147,11 @@ def test_plan_of_a_veth_pair() -> None:
     # without a delay: the tbf alone, as the root
     plain = nb.make_plan(2, nb.parse_link("10gbit"), tag="1-abcd").setup_commands()
     assert [c[c.index("root") + 3] for c in plain if c[0] == "tc"] == ["tbf", "tbf"]
+    # every veth end takes the link's MTU
+    mtus = [c[c.index("mtu") + 1] for c in cmds if c[0] == "ip" and "mtu" in c]
+    assert mtus == ["1500", "1500"]
+    jumbo = nb.make_plan(2, nb.parse_link("10gbit,mtu9000"), tag="1-abcd").setup_commands()
+    assert [c[c.index("mtu") + 1] for c in jumbo if c[0] == "ip" and "mtu" in c] == ["9000"] * 2
     # both ends receive with RPS over every CPU
     rps = [c for c in cmds if c[:3] == ["ip", "netns", "exec"]]
     assert [c[3] for c in rps] == [n.netns for n in plan.nodes]
