@@ -25,9 +25,9 @@ On a machine without GPUs the driver can be exercised with Gloo as the peer:
     python benchmarks/run_multinode_sweep.py --device cpu --nproc-per-node 2 --sim-nodes 2 \
         --peer gloo --no-fastcomm --max-bytes 1M --json /tmp/sweep.json
 
-With --netbed RATE[,DELAY] every launch runs across --sim-nodes network namespaces joined by
-links shaped with tc (benchmarks/netbed.py; needs root): one torchrun per node, each with
---nproc-per-node / --sim-nodes ranks, over a real (if simulated) network instead of TCP
+With --netbed RATE[,DELAY][,mtuMTU] every launch runs across --sim-nodes network namespaces
+joined by links shaped with tc (benchmarks/netbed.py; needs root): one torchrun per node, each
+with --nproc-per-node / --sim-nodes ranks, over a real (if simulated) network instead of TCP
 loopback inside one namespace. The link settings and the bytes that crossed the links go
 into the JSON metadata and the Markdown report.
 
