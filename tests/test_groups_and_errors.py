@@ -309,6 +309,42 @@ def test_group_dropped_with_a_python_callback_pending() -> None:
     run_ranks(2, drop_with_callback_pending_fn, timeout_s=60)
 
 
+def last_reference_in_callback_fn(rank: int, ws: int) -> None:
+    chk = Checker(f"rank {rank}")
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    opts = backend._copy_options()
+    opts.group_name = "released-by-callback"
+    store = dist.PrefixStore("released-by-callback/", dist.distributed_c10d._get_default_store())
+    child = backend.split(store, [0, 1], opts)
+    t = gen("released", rank, (7,), torch.float32, "SUM")
+    if rank == 1:
+        time.sleep(1.0)  # rank 0's all_reduce completes on the group's own thread
+    holder = [child]
+    fut = child.allreduce([t]).get_future()
+    # The callback drops the group's last reference: on rank 0 on the thread that completed
+    # the all_reduce, which the group's destruction then cannot join.
+    done = fut.then(lambda f: holder.clear())
+    del child
+    done.wait()
+    ins = [gen("released", r, (7,), torch.float32, "SUM") for r in range(ws)]
+    chk.reduced(t, ins, "SUM", "all_reduce of a group released by its callback")
+    chk.true(not holder, "the callback ran")
+    t2 = gen("after", rank, (5,), torch.float32, "SUM")
+    dist.all_reduce(t2)
+    ins2 = [gen("after", r, (5,), torch.float32, "SUM") for r in range(ws)]
+    chk.reduced(t2, ins2, "SUM", "all_reduce on the parent afterwards")
+    dist.destroy_process_group()
+    chk.raise_if_failed()
+
+
+@pytest.mark.skipif(is_gloo(), reason="gloo: tests fastcomm's destruction")
+def test_group_released_by_its_own_callback() -> None:
+    """A Python callback on a split group's work holds the group's last reference and drops it
+    on the thread that completed the work, one of the group's own: the group is destroyed
+    there without joining that thread from itself, and the process goes on."""
+    run_ranks(2, last_reference_in_callback_fn, timeout_s=60)
+
+
 def send_to_self_alone_fn(rank: int, ws: int, device: str) -> None:
     """Rank 0 alone exchanges messages with itself as the first ops of a fresh group (as
     PyTorch's test_batch_isend_irecv_self_nccl does): nothing may wait for the other ranks,

@@ -4,6 +4,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -13,20 +14,27 @@ namespace fastcomm {
 class SerialLane {
  public:
   explicit SerialLane(std::string name);
-  ~SerialLane();  // runs the queued jobs, then joins
+  // Runs the queued jobs, then joins. On the lane's own thread (a job whose
+  // completion callback drops the last reference to the lane's owner), the
+  // queued jobs run right here and the thread is detached: it ends once the
+  // job it is in returns, with the queue it shares with the lane (State)
+  // outliving the lane.
+  ~SerialLane();
   SerialLane(const SerialLane&) = delete;
   SerialLane& operator=(const SerialLane&) = delete;
 
   void submit(std::function<void()> job);
 
  private:
-  void loop();
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<std::function<void()>> jobs;
+    bool stop = false;
+  };
+  static void loop(const std::shared_ptr<State>& state, const std::string& name);
 
-  std::string name_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> jobs_;
-  bool stop_ = false;
+  std::shared_ptr<State> state_;
   std::thread thread_;
 };
 
