@@ -92,12 +92,22 @@ bool tf32_rs(const GemmArgs& p) { return p.dtype == DType::kF32 && p.sak != 1; }
 // Per flop a 128 x 256 tile brings 3/4 of a 128 x 128 tile's operand bytes
 // into shared memory and reads half its A fragments back out of it, and
 // TF32 operands take twice the shared-memory bytes per flop of 16-bit ones.
-bool tf32_rs_wide(const GemmArgs& p) { return tf32_rs(p) && p.N > 128; }
+// Where K is at most 1024 and the 128 x 64 tiles fit in one wave, that
+// tile's rule keeps the problem: each CTA streams all of its K unsplit, while
+// the 128 x 256 tile needs a split whose slices are too short to fill the
+// pipeline (1024^3: 0.85x cuBLAS on the 128 x 64 tile, 0.80x on 128 x 256
+// with 4 splits; with K = 2048 the 128 x 256 tile is ahead, 0.97 / 1.06x
+// against 0.78 / 0.89x at 512 x 2048 / 256 x 4096 rows; H200).
+constexpr int64_t kTf32NarrowMaxK = 1024;
+bool tf32_rs_wide(const GemmArgs& p, int num_sms) {
+  const bool narrow_wave = cdiv(p.M, kTileM) * cdiv(p.N, 64) <= num_sms;
+  return tf32_rs(p) && p.N > 128 && !(narrow_wave && p.K <= kTf32NarrowMaxK);
+}
 
 // The cooperative tile width the wave model picks: 128, 192 (16-bit types)
 // or 256.
 int wave_tile_bn(const GemmArgs& p, int num_sms) {
-  if (tf32_rs_wide(p)) return 256;
+  if (tf32_rs_wide(p, num_sms)) return 256;
   int best = 128;
   double best_cost = wave_cost(p, num_sms, 128);
   for (int bn : {192, 256}) {
@@ -237,7 +247,7 @@ constexpr int64_t kNarrowMaxUnitKSmallA = 11008;
 // The K splits of the 128 x 64 tile under its rule; 0 where the rule does
 // not take the tile.
 int narrow_splits(const GemmArgs& p, int num_sms) {
-  if (tf32_rs_wide(p)) return 0;
+  if (tf32_rs_wide(p, num_sms)) return 0;
   const int64_t tm = cdiv(p.M, kTileM), tn = cdiv(p.N, 64), tiles = tm * tn;
   const int64_t max_unit_k =
       p.M <= 64 && p.dtype != DType::kF32 ? kNarrowMaxUnitKSmallA : kNarrowMaxUnitK;
@@ -272,7 +282,7 @@ Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
   // Split K first: where the 128 x 128 tiles leave the SMs idle and the
   // model gains from a split, the cooperative 128 x 128 kernel with split K
   // (unless a schedule or tile is forced).
-  if (o.splits == 0 && (o.sched != WgmmaSched::kPingpong || rs) && !tf32_rs_wide(p) &&
+  if (o.splits == 0 && (o.sched != WgmmaSched::kPingpong || rs) && !tf32_rs_wide(p, num_sms) &&
       (o.tile == Tile::kAuto || o.tile == Tile::kSmall)) {
     const int s = auto_splits(p, num_sms, 128);
     if (s > 1) {

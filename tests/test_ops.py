@@ -1586,19 +1586,24 @@ def test_cuda_tf32_default_dispatch_rule(matmul_settings, fp32_precision):
     """TF32 allowed: float32 on K-major operands takes the half types' Hopper rows (the
     128 x 64 tile where its rule takes the problem, else the wave model's cooperative tile,
     K split where its tiles leave SMs idle), never the skinny kernel; with b N-major the same
-    rows on the transposed problem (M and N swapped) up to 128 rows, the 128 x 256 tile above;
-    "highest" keeps the CUDA-core kernel."""
+    rows on the transposed problem (M and N swapped) up to 128 rows, the 128 x 256 tile above
+    unless K is at most 1024 and the 128 x 64 tiles fit in one wave; "highest" keeps the
+    CUDA-core kernel."""
     matmul_settings()
     fp32_precision("high")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for m, n, k in [(m, n, 4096) for m in (1, 16, 256, 1024, 8192) for n in (4096, 11008)]:
+    shapes = [(m, n, 4096) for m in (1, 16, 256, 1024, 8192) for n in (4096, 11008)]
+    shapes += [(1024, 1024, 1024), (512, 2048, 1024), (512, 2048, 2048), (2048, 2048, 1024)]
+    for m, n, k in shapes:
         a = torch.empty(m, k, device="cuda")
         for b in (torch.empty(k, n, device="cuda"), torch.empty(n, k, device="cuda").t()):
             name = torch.ops.fastcomm._kernel_name(a, b)
             transposed = b.stride(1) == 1
             km, kn = (n, m) if transposed else (m, n)  # the kernel's problem
             tf32 = " tf32 transposed " if transposed else " tf32 "
-            if transposed and kn > 128:  # the 128 x 256 tile, split where it leaves SMs idle
+            short_k_wave = k <= 1024 and _cdiv(km, 128) * _cdiv(kn, 64) <= sms
+            if transposed and kn > 128 and not short_k_wave:
+                # the 128 x 256 tile, split where it leaves SMs idle
                 assert name.startswith("wgmma coop 128x256" + tf32), (m, n, k, name)
                 continue
             splits = _narrow_splits(km, kn, k, sms, half=False)
