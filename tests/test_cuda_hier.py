@@ -2,9 +2,10 @@
 (FASTCOMM_HOST_ID), intra-node NCCL reduce-scatter -> rail exchange over fastcomm's transport
 through pinned staging -> intra-node NCCL all-gather.
 
-Every test needs 4 GPUs (one per rank) and is skipped without them, but the 2x1 cases of
-test_wire_dtype, test_three_streams, test_killed_peer_fails_everyone_clearly and
-test_staging_modes (2 GPUs as 2 nodes of 1). The path's use is proven by its proxy's timeline events (FASTCOMM_TIMELINE=1), so a
+Every test needs 4 GPUs (one per rank) and is skipped without them, but
+test_nccl_socket_parallelism_across_hosts and the 2x1 cases of test_wire_dtype,
+test_three_streams, test_killed_peer_fails_everyone_clearly and test_staging_modes (2 GPUs as 2
+nodes of 1). The path's use is proven by its proxy's timeline events (FASTCOMM_TIMELINE=1), so a
 silent fallback to the flat NCCL communicator fails the tests. References come from fresh random
 data every rank regenerates (tests/_harness.py gen), computed in float64 / int64.
 
@@ -13,6 +14,7 @@ Run on the GPU machine:  python -m pytest -q tests/test_cuda_hier.py
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 from datetime import timedelta
@@ -795,3 +797,36 @@ def test_staging_modes(extra: dict[str, str], staging: str, nodes: list[int]) ->
         **extra,
     )
     run_ranks(len(nodes), staging_modes_fn, staging, env=env, timeout_s=600)
+
+
+SOCKET_VARS = ("NCCL_SOCKET_NTHREADS", "NCCL_NSOCKS_PERTHREAD")
+
+
+def nccl_socket_vars_fn(rank: int, ws: int) -> dict[str, str | None]:
+    """A small all_reduce (the flat NCCL communicator), checked; the socket variables after."""
+    dev = _device(rank)
+    x = gen("nccl_sockets", rank, (4099,), torch.float32)
+    t = x.to(dev)
+    dist.all_reduce(t)
+    ref = sum(gen("nccl_sockets", r, (4099,), torch.float32).double() for r in range(ws))
+    torch.testing.assert_close(t.cpu().double(), ref, rtol=1e-5, atol=1e-5)
+    # The process's environment as C sees it (os.environ is a copy made at start-up).
+    libc_getenv = ctypes.CDLL(None).getenv
+    libc_getenv.restype = ctypes.c_char_p
+    values = {name: libc_getenv(name.encode()) for name in SOCKET_VARS}
+    return {name: v.decode() if v is not None else None for name, v in values.items()}
+
+
+@pytest.mark.cuda(world_size=2)
+def test_nccl_socket_parallelism_across_hosts() -> None:
+    """fastcomm's NCCL communicator across hosts sets NCCL's socket transport to 4 threads x 4
+    sockets where the environment sets neither variable; a variable the user set keeps both
+    as they were; on one host nothing is set."""
+    if any(name in os.environ for name in SOCKET_VARS):
+        pytest.skip(f"this environment sets {SOCKET_VARS}")
+    got = run_ranks(2, nccl_socket_vars_fn, env=nodes_env([0, 1]))
+    assert got == [dict.fromkeys(SOCKET_VARS, "4")] * 2, got
+    got = run_ranks(2, nccl_socket_vars_fn, env=nodes_env([0, 1], NCCL_NSOCKS_PERTHREAD="2"))
+    assert got == [{"NCCL_SOCKET_NTHREADS": None, "NCCL_NSOCKS_PERTHREAD": "2"}] * 2, got
+    got = run_ranks(2, nccl_socket_vars_fn, env=nodes_env([0, 0]))
+    assert got == [dict.fromkeys(SOCKET_VARS)] * 2, got

@@ -323,6 +323,10 @@ CudaCollectives::Impl::Impl(const c10::intrusive_ptr<c10d::Store>& store, int ra
   c10::cuda::CUDAGuard guard(device_);
   std::vector<int> everyone(size_);
   std::iota(everyone.begin(), everyone.end(), 0);
+  if (topo_.numNodes() > 1 && preferNcclSocketParallelism()) {
+    FASTCOMM_LOG(Info, "NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4 set for NCCL's socket "
+                           << "transport across hosts (neither was set; they apply process-wide)");
+  }
   comm_ = ncclCommFromStore(store_, "fastcomm/nccl/", size_, rank_, everyone, rank_, timeout_,
                             "NCCL communicator setup");
   if (topo_.numNodes() > 1) {

@@ -1,7 +1,9 @@
 #include "intra/nccl/nccl_utils.hpp"
 
+#include <mutex>
 #include <thread>
 
+#include <cstdlib>
 #include <cstring>
 
 #include "common/deadline.hpp"
@@ -77,6 +79,21 @@ ncclRedOp_t ncclRedOp(RedOp op, at::ScalarType t, NcclAvg avg) {
       break;
   }
   TORCH_CHECK(false, "fastcomm: internal: no NCCL op for ", redOpName(op));
+}
+
+bool preferNcclSocketParallelism() {
+  static std::once_flag once;
+  bool setNow = false;
+  std::call_once(once, [&setNow] {
+    if (std::getenv("NCCL_SOCKET_NTHREADS") != nullptr ||
+        std::getenv("NCCL_NSOCKS_PERTHREAD") != nullptr) {
+      return;
+    }
+    // Process-wide and never undone: NCCL keeps the first values it read.
+    setNow =
+        setenv("NCCL_SOCKET_NTHREADS", "4", 0) == 0 && setenv("NCCL_NSOCKS_PERTHREAD", "4", 0) == 0;
+  });
+  return setNow;
 }
 
 ncclComm_t ncclCommFromStore(const c10::intrusive_ptr<c10d::Store>& store,

@@ -47,6 +47,17 @@ void ncclAbortAll(const std::vector<ncclComm_t>& comms);
 // would wait forever. ncclCommAbort frees the same resources locally.
 void ncclRelease(ncclComm_t comm);
 
+// Before the first NCCL communicator that spans hosts: NCCL's socket
+// transport with 4 threads x 4 sockets per connection (NCCL_SOCKET_NTHREADS,
+// NCCL_NSOCKS_PERTHREAD) where the environment sets neither. NCCL reads both
+// once per process, at its first socket connection, so this also reaches
+// NCCL communicators the process creates later (ProcessGroupNCCL's) and none
+// it already connected. Below the staged rail's sizes fastcomm's CUDA
+// all_reduce across hosts is NCCL's, and on the shaped-link testbed the 4 x 4
+// setting beat NCCL's default socket setting there on 100 Gbit/s and matched
+// it on 25 Gbit/s (benchmarks/RESULTS.md). True on the one call that set them.
+bool preferNcclSocketParallelism();
+
 // Creates a communicator of `nranks` ranks (this one being `rank`) from a
 // unique id that rank 0 publishes under `prefix` + "uid". Each of
 // `readyRanks` (group ranks) announces itself under `prefix` + "ready/<r>"
