@@ -276,16 +276,23 @@ def test_split_asked_twice_or_named_differently_per_rank() -> None:
     run_ranks(2, split_fn, timeout_s=120)
 
 
-def drop_with_callback_pending_fn(rank: int, ws: int) -> None:
-    chk = Checker(f"rank {rank}")
+def _split_with_late_peer(rank: int, name: str) -> tuple[Any, torch.Tensor]:
+    """A split of both ranks named `name`, and this rank's all_reduce input; rank 1 returns a
+    second late, so rank 0's all_reduce on the split waits for it."""
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))
     opts = backend._copy_options()
-    opts.group_name = "dropped"
-    store = dist.PrefixStore("dropped/", dist.distributed_c10d._get_default_store())
+    opts.group_name = name
+    store = dist.PrefixStore(f"{name}/", dist.distributed_c10d._get_default_store())
     child = backend.split(store, [0, 1], opts)
-    t = gen("dropped", rank, (7,), torch.float32, "SUM")
     if rank == 1:
-        time.sleep(1.0)  # rank 0's all_reduce is still waiting when it drops its group
+        time.sleep(1.0)
+    return child, gen(name, rank, (7,), torch.float32, "SUM")
+
+
+def drop_with_callback_pending_fn(rank: int, ws: int) -> None:
+    chk = Checker(f"rank {rank}")
+    # rank 0's all_reduce is still waiting when it drops its group
+    child, t = _split_with_late_peer(rank, "dropped")
     callback_threads: list[int] = []
     fut = child.allreduce([t]).get_future()
     # The callback runs where the all_reduce completes, a thread of the group, and takes
@@ -311,14 +318,8 @@ def test_group_dropped_with_a_python_callback_pending() -> None:
 
 def last_reference_in_callback_fn(rank: int, ws: int) -> None:
     chk = Checker(f"rank {rank}")
-    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
-    opts = backend._copy_options()
-    opts.group_name = "released-by-callback"
-    store = dist.PrefixStore("released-by-callback/", dist.distributed_c10d._get_default_store())
-    child = backend.split(store, [0, 1], opts)
-    t = gen("released", rank, (7,), torch.float32, "SUM")
-    if rank == 1:
-        time.sleep(1.0)  # rank 0's all_reduce completes on the group's own thread
+    # rank 0's all_reduce completes on the group's own thread
+    child, t = _split_with_late_peer(rank, "released")
     holder = [child]
     fut = child.allreduce([t]).get_future()
     # The callback drops the group's last reference: on rank 0 on the thread that completed
