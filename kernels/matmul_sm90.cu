@@ -97,7 +97,7 @@ bool tf32_rs(const GemmArgs& p) { return p.dtype == DType::kF32 && p.sak != 1; }
 // the 128 x 256 tile needs a split whose slices are too short to fill the
 // pipeline (1024^3: 0.85x cuBLAS on the 128 x 64 tile, 0.80x on 128 x 256
 // with 4 splits; with K = 2048 the 128 x 256 tile is ahead, 0.97 / 1.06x
-// against 0.78 / 0.89x at 512 x 2048 / 256 x 4096 rows; H200).
+// against 0.78 / 0.89x at M x N = 512 x 2048 / 256 x 4096; H200).
 constexpr int64_t kTf32NarrowMaxK = 1024;
 bool tf32_rs_wide(const GemmArgs& p, int num_sms) {
   const bool narrow_wave = cdiv(p.M, kTileM) * cdiv(p.N, 64) <= num_sms;
