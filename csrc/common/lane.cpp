@@ -20,16 +20,7 @@ SerialLane::~SerialLane() {
   }
   // On the lane itself: the jobs still queued run now, in order, while their
   // owner is still alive (it is destroying this lane).
-  while (true) {
-    std::function<void()> job;
-    {
-      std::lock_guard<std::mutex> lock(state_->mu);
-      if (state_->jobs.empty()) break;
-      job = std::move(state_->jobs.front());
-      state_->jobs.pop_front();
-    }
-    job();
-  }
+  while (auto job = next(*state_, /*wait=*/false)) job();
   thread_.detach();
 }
 
@@ -41,19 +32,19 @@ void SerialLane::submit(std::function<void()> job) {
   state_->cv.notify_one();
 }
 
+std::function<void()> SerialLane::next(State& state, bool wait) {
+  std::unique_lock<std::mutex> lock(state.mu);
+  if (wait) state.cv.wait(lock, [&] { return state.stop || !state.jobs.empty(); });
+  if (state.jobs.empty()) return {};
+  std::function<void()> job = std::move(state.jobs.front());
+  state.jobs.pop_front();
+  return job;
+}
+
 void SerialLane::loop(const std::shared_ptr<State>& state, const std::string& name) {
   nameThisThread(name);
-  while (true) {
-    std::function<void()> job;
-    {
-      std::unique_lock<std::mutex> lock(state->mu);
-      state->cv.wait(lock, [&] { return state->stop || !state->jobs.empty(); });
-      if (state->jobs.empty()) return;  // stopped and drained
-      job = std::move(state->jobs.front());
-      state->jobs.pop_front();
-    }
-    job();  // jobs catch their own exceptions
-  }
+  // Ends once stopped and drained; jobs catch their own exceptions.
+  while (auto job = next(*state, /*wait=*/true)) job();
 }
 
 }  // namespace fastcomm

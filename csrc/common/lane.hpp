@@ -32,6 +32,9 @@ class SerialLane {
     std::deque<std::function<void()>> jobs;
     bool stop = false;
   };
+  // The next queued job, or an empty one when there is none; with `wait`,
+  // first waits until a job is queued or the lane is stopped.
+  static std::function<void()> next(State& state, bool wait);
   static void loop(const std::shared_ptr<State>& state, const std::string& name);
 
   std::shared_ptr<State> state_;
