@@ -76,14 +76,23 @@ cudaError_t launch_pack_kmajor_tf32(const float* src, int64_t ld_src, float* dst
                                     int64_t rows, int64_t ks, cudaStream_t stream);
 
 // Skinny products (kernels/matmul_skinny.cu): at most kSkinnyMaxM rows of A,
-// float16 / bfloat16, K a multiple of 8, A K-major (sak == 1), B K-major
-// (sbk == 1; the weight of F.linear as it is), row strides multiples of 8
-// elements, 16-byte aligned bases. They stream B once, at the memory's rate.
+// A K-major (sak == 1) with a row stride of whole 16-byte loads and a 16-byte
+// aligned base; B either K-major (sbk == 1; the weight of F.linear as it is;
+// float16, bfloat16 or float32, K and B's column stride whole 16-byte loads,
+// 16-byte aligned base) or N-major (sbn == 1, sbk != 1; float32, any row
+// stride). They stream B once, at the memory's rate, accumulating in float32
+// (exact float32 products for float32).
 constexpr int kSkinnyMaxM = 8;
 bool gemm_skinny_supported(const GemmArgs& args);
-// How K is split: warps per output column (1, 2, 4 or 8).
+// How K is split: B K-major, warps per output column (1, 2, 4 or 8); B
+// N-major, blocks along K (1: none).
 int gemm_skinny_splits(const GemmArgs& args, int num_sms);
-cudaError_t launch_gemm_skinny(const GemmArgs& args, int num_sms, cudaStream_t stream);
+// The float32 scratch of an N-major launch whose K is split (splits x M x N x
+// 4 bytes; 0 for none), on the stream's device and not in use until the
+// launch's work on `stream` is done.
+int64_t gemm_skinny_workspace_bytes(const GemmArgs& args, int num_sms);
+cudaError_t launch_gemm_skinny(const GemmArgs& args, int num_sms, void* workspace,
+                               cudaStream_t stream);
 
 // Hopper kernel: TMA loads, wgmma, warp-specialised producer / consumers,
 // persistent tile loop (sm_90a only; see kernels/matmul_sm90_kernel.cuh).

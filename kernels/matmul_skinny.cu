@@ -1,21 +1,41 @@
-// Skinny products, M <= kSkinnyMaxM rows (decode-time linear layers):
-// C[M, N] = act(A[M, K] @ B[K, N] + bias) with B K-major (the weight of
-// F.linear, [N, K] contiguous) is a matrix-vector product per row of A, bound
-// by reading B once from memory, where a tensor-core tile of 64+ rows would
-// compute mostly padding.
+// Skinny products, M <= kSkinnyMaxM rows (decode-time linear layers, and
+// float32 products of a few rows): C[M, N] = act(A[M, K] @ B[K, N] + bias).
+// Such a product reads B once and does 2 flops per element of it per row of
+// A, so it is bound by reading B from memory, where a tensor-core tile of 64+
+// rows would compute mostly padding. Two layouts of B, each streamed once at
+// the memory's rate, accumulating in float32 (exact float32 FMAs for float32
+// operands, under every matmul precision):
 //
-// One warp reduces one output column for every row of A: each lane loads 16
-// bytes of B's row n at a time (the warp reads 512 contiguous bytes, bypassing
-// L1 so that A stays cached there), multiplies them with the same 8 elements
-// of every row of A (read through the read-only cache: every warp reads all
-// of A) and accumulates in float32. Where N alone gives too few warps to
-// keep enough loads in flight, `splits` warps of a block share a column,
-// each taking every splits-th 256-element stretch of K, and their sums are
-// added in a fixed order through shared memory: results do not depend on
-// timing. Lane m then applies bias and activation for row m and stores once.
+// B K-major (the weight of F.linear, [N, K] contiguous; float16, bfloat16,
+// float32): one warp reduces one output column for every row of A. Each lane
+// loads 16 bytes of B's row n at a time (the warp reads 512 contiguous bytes,
+// bypassing L1 so that A stays cached there), multiplies them with the same
+// elements of every row of A (read through the read-only cache: every warp
+// reads all of A) and accumulates. Where N alone gives too few warps to keep
+// enough loads in flight, `splits` warps of a block share a column, each
+// taking every splits-th 512-byte stretch of K, and their sums are added in a
+// fixed order through shared memory. Lane m then applies bias and activation
+// for row m and stores once.
+//
+// B N-major (matmul's b, [K, N] row-major; float32): a block takes 128
+// columns, each lane 4 adjacent ones, so a warp reads 512 contiguous bytes of
+// a row of B per 16-byte load; the block's kNmajorWarps warps split its rows
+// in groups of 4 (warp w takes groups w, w + kNmajorWarps, ...), reading
+// A[m, k..k+3] as one 16-byte load that all lanes of a warp share, and add
+// their sums in warp order through shared memory. K is split over blocks too
+// (the grid's y) where the column blocks are too few for about three blocks
+// per SM, each writing float32 sums that splitk_finish adds in split order,
+// applying bias and activation (a programmatic dependent launch on sm_90).
+// With 32 columns per block instead (a warp reading 128-byte pieces of each
+// row) the same product streamed B at about half the memory's rate.
+//
+// Both are deterministic: no atomics, sums in an order fixed by the launch.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
+
+#include "dependent_launch.cuh"
 #include "matmul_api.h"
 #include "matmul_device.cuh"
 
@@ -26,19 +46,23 @@ namespace {
 
 using namespace detail;
 
-constexpr int kWarps = 8;          // per block
-constexpr int kLoadsInFlight = 4;  // 16-byte loads of B per lane per step
+constexpr int kWarps = 8;          // per block of the K-major kernel
+constexpr int kLoadsInFlight = 4;  // 16-byte loads of B per lane per step (K-major)
+constexpr int kNmajorWarps = 8;    // N-major: warps of a block, splitting its rows
+constexpr int kNmajorCols = 128;   // N-major: columns of B per block, 4 per lane
 
 struct SkinnyParams {
   const void* a;
   int64_t sam;
   const void* b;
-  int64_t sbn;  // B's stride between columns (rows of the weight)
+  int64_t sb;  // B's stride between columns (K-major) or rows (N-major)
   const void* bias;
   void* c;
   int64_t ldc;
   int M, N, K;
-  int splits;  // warps per column (1, 2, 4, 8)
+  int splits;              // K-major: warps per column (1, 2, 4, 8); N-major: blocks along K
+  int64_t rows_per_split;  // N-major: rows of B per block along K, a multiple of 4
+  float* partial;          // N-major with splits > 1: [splits][M][N] float32 sums
 };
 
 __device__ __forceinline__ uint4 load_streaming(const void* p) {
@@ -53,41 +77,51 @@ __device__ __forceinline__ uint4 load_streaming(const void* p) {
 #endif
 }
 
-// Eight 16-bit values (one 16-byte load) as four float pairs.
-template <typename T>
-__device__ __forceinline__ float2 pair_of(uint32_t bits);
-template <>
-__device__ __forceinline__ float2 pair_of<__half>(uint32_t bits) {
-  return __half22float2(*reinterpret_cast<const __half2*>(&bits));
-}
-template <>
-__device__ __forceinline__ float2 pair_of<__nv_bfloat16>(uint32_t bits) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
+__device__ __forceinline__ float load_streaming_f32(const float* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  float v;
+  asm volatile("ld.global.nc.L1::no_allocate.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+#else
+  return __ldg(p);
+#endif
 }
 
+// The elements of one 16-byte load as floats.
 template <typename T>
-__device__ __forceinline__ float dot8(float acc, uint4 x, const float2 (&w)[4]) {
-  const uint32_t xs[4] = {x.x, x.y, x.z, x.w};
+constexpr int kPerLoad = 16 / static_cast<int>(sizeof(T));
+
+template <typename T>
+__device__ __forceinline__ void unpack(uint4 v, float (&f)[kPerLoad<T>]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const float2 xv = pair_of<T>(xs[j]);
-    acc = fmaf(xv.x, w[j].x, acc);
-    acc = fmaf(xv.y, w[j].y, acc);
+    if constexpr (std::is_same_v<T, float>) {
+      f[j] = __uint_as_float(w[j]);
+    } else if constexpr (std::is_same_v<T, __half>) {
+      const float2 p = __half22float2(*reinterpret_cast<const __half2*>(&w[j]));
+      f[2 * j] = p.x;
+      f[2 * j + 1] = p.y;
+    } else {
+      const float2 p = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[j]));
+      f[2 * j] = p.x;
+      f[2 * j + 1] = p.y;
+    }
   }
-  return acc;
 }
 
-template <typename T>
-__device__ __forceinline__ void unpack(uint4 v, float2 (&w)[4]) {
-  w[0] = pair_of<T>(v.x);
-  w[1] = pair_of<T>(v.y);
-  w[2] = pair_of<T>(v.z);
-  w[3] = pair_of<T>(v.w);
+template <typename T, Act ACT>
+__device__ __forceinline__ void store_output(const SkinnyParams& p, int m, int64_t n, float v) {
+  if (p.bias != nullptr) v += load_as_float(static_cast<const T*>(p.bias) + n);
+  static_cast<T*>(p.c)[m * p.ldc + n] =
+      from_acc<T, float>(activate<ACT, !std::is_same_v<T, float>>(v));
 }
 
-// The warps of a block cover kWarps / splits adjacent columns.
+// B K-major. The warps of a block cover kWarps / splits adjacent columns.
 template <typename T, Act ACT>
 __global__ void __launch_bounds__(kWarps * 32) skinny_kmajor(SkinnyParams p) {
+  constexpr int E = kPerLoad<T>;
+  constexpr int kStretch = 32 * E;  // elements of K one warp reads per load
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int columns = kWarps / p.splits;
   const int column = warp / p.splits, part = warp % p.splits;
@@ -97,18 +131,20 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_kmajor(SkinnyParams p) {
 #pragma unroll
   for (int m = 0; m < kSkinnyMaxM; ++m) acc[m] = 0.0f;
   if (n < p.N) {
-    const T* w = static_cast<const T*>(p.b) + n * p.sbn;
-    // This lane's 8 elements of stretch s of K are at s * 256 + lane * 8.
-    const int64_t step = int64_t{p.splits} * 256;
-    int64_t k = int64_t{part} * 256 + lane * 8;
+    const T* w = static_cast<const T*>(p.b) + n * p.sb;
+    // This lane's E elements of stretch s of K are at s * kStretch + lane * E.
+    const int64_t step = int64_t{p.splits} * kStretch;
+    int64_t k = int64_t{part} * kStretch + lane * E;
     auto consume = [&](uint4 wv, int64_t kk) {
-      float2 wf[4];
+      float wf[E];
       unpack<T>(wv, wf);
 #pragma unroll
       for (int m = 0; m < kSkinnyMaxM; ++m) {
         if (m < p.M) {
-          const uint4 x = __ldg(reinterpret_cast<const uint4*>(A + m * p.sam + kk));
-          acc[m] = dot8<T>(acc[m], x, wf);
+          float xf[E];
+          unpack<T>(__ldg(reinterpret_cast<const uint4*>(A + m * p.sam + kk)), xf);
+#pragma unroll
+          for (int j = 0; j < E; ++j) acc[m] = fmaf(xf[j], wf[j], acc[m]);
         }
       }
     };
@@ -136,68 +172,238 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_kmajor(SkinnyParams p) {
   if (part != 0 || lane >= p.M || n >= p.N) return;
   float v = 0.0f;
   for (int s = 0; s < p.splits; ++s) v += sums[warp + s][lane];
-  if (p.bias != nullptr) v += load_as_float(static_cast<const T*>(p.bias) + n);
-  static_cast<T*>(p.c)[lane * p.ldc + n] = from_acc<T, float>(activate<ACT, true>(v));
+  store_output<T, ACT>(p, lane, n, v);
+}
+
+__device__ __forceinline__ float4 load_streaming_f4(const float* p) {
+  const uint4 v = load_streaming(p);
+  return make_float4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z),
+                     __uint_as_float(v.w));
+}
+
+// Columns n..n+3 of one row of B: one 16-byte load where rows are 16-byte
+// aligned (VEC) and all 4 columns exist, else one load per column there is.
+template <bool VEC>
+__device__ __forceinline__ float4 load_b4(const float* row, int64_t n, int64_t N) {
+  if (VEC && n + 3 < N) return load_streaming_f4(row + n);
+  float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (n < N) v.x = load_streaming_f32(row + n);
+  if (n + 1 < N) v.y = load_streaming_f32(row + n + 1);
+  if (n + 2 < N) v.z = load_streaming_f32(row + n + 2);
+  if (n + 3 < N) v.w = load_streaming_f32(row + n + 3);
+  return v;
+}
+
+__device__ __forceinline__ void fma4(float4& acc, float a, const float4& b) {
+  acc.x = fmaf(a, b.x, acc.x);
+  acc.y = fmaf(a, b.y, acc.y);
+  acc.z = fmaf(a, b.z, acc.z);
+  acc.w = fmaf(a, b.w, acc.w);
+}
+
+// B N-major, float32: block (x, y) takes columns x * kNmajorCols.. and rows
+// y * rows_per_split.. of B.
+template <Act ACT, bool VEC>
+__global__ void __launch_bounds__(kNmajorWarps * 32) skinny_nmajor(SkinnyParams p) {
+  __shared__ float4 sums[kNmajorWarps - 1][kSkinnyMaxM][32];
+  griddep_wait();  // launched as a dependent of the kernel before it (sm_90)
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t n = int64_t{blockIdx.x} * kNmajorCols + lane * 4;
+  const int64_t k0 = int64_t{blockIdx.y} * p.rows_per_split;
+  const int64_t rows = min(int64_t{p.K} - k0, p.rows_per_split);
+  const float* A = static_cast<const float*>(p.a) + k0;
+  const float* B = static_cast<const float*>(p.b) + k0 * p.sb;
+  float4 acc[kSkinnyMaxM];
+#pragma unroll
+  for (int m = 0; m < kSkinnyMaxM; ++m) acc[m] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  const int64_t groups = rows / 4;
+  for (int64_t g = warp; g < groups; g += kNmajorWarps) {
+    float4 bv[4];  // rows 4g..4g+3, all loads out before the first use
+#pragma unroll
+    for (int r = 0; r < 4; ++r) bv[r] = load_b4<VEC>(B + (4 * g + r) * p.sb, n, p.N);
+#pragma unroll
+    for (int m = 0; m < kSkinnyMaxM; ++m) {
+      if (m < p.M) {
+        const float4 x = __ldg(reinterpret_cast<const float4*>(A + m * p.sam + 4 * g));
+        fma4(acc[m], x.x, bv[0]);
+        fma4(acc[m], x.y, bv[1]);
+        fma4(acc[m], x.z, bv[2]);
+        fma4(acc[m], x.w, bv[3]);
+      }
+    }
+  }
+  // The last rows % 4 rows (the last split only): the warp whose turn the next group would be.
+  if (warp == groups % kNmajorWarps) {
+    for (int64_t k = 4 * groups; k < rows; ++k) {
+      const float4 bk = load_b4<false>(B + k * p.sb, n, p.N);
+#pragma unroll
+      for (int m = 0; m < kSkinnyMaxM; ++m) {
+        if (m < p.M) fma4(acc[m], __ldg(A + m * p.sam + k), bk);
+      }
+    }
+  }
+  griddep_launch_dependents();  // every load is done: splitk_finish may start its blocks
+  if (warp > 0) {
+#pragma unroll
+    for (int m = 0; m < kSkinnyMaxM; ++m) {
+      if (m < p.M) sums[warp - 1][m][lane] = acc[m];
+    }
+  }
+  __syncthreads();
+  if (warp > 0) return;
+#pragma unroll
+  for (int m = 0; m < kSkinnyMaxM; ++m) {
+    if (m >= p.M) continue;
+    float v[4] = {acc[m].x, acc[m].y, acc[m].z, acc[m].w};
+    for (int w = 0; w < kNmajorWarps - 1; ++w) {  // in warp order
+      const float4 o = sums[w][m][lane];
+      v[0] += o.x;
+      v[1] += o.y;
+      v[2] += o.z;
+      v[3] += o.w;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (n + j >= p.N) break;
+      if (p.splits > 1) {
+        p.partial[(int64_t{blockIdx.y} * p.M + m) * p.N + n + j] = v[j];
+      } else {
+        store_output<float, ACT>(p, m, n + j, v[j]);
+      }
+    }
+  }
+}
+
+// N-major: the split of K over blocks. Enough blocks for about three per SM,
+// each taking at least kMinSplitRows rows of B.
+constexpr int64_t kMinSplitRows = 64;
+void nmajor_split(const GemmArgs& args, int num_sms, int* splits, int64_t* rows_per_split) {
+  const int64_t column_blocks = (args.N + kNmajorCols - 1) / kNmajorCols;
+  const int64_t wanted = std::max<int64_t>(1, 3 * int64_t{num_sms} / column_blocks);
+  int64_t rows = (args.K + wanted - 1) / wanted;
+  rows = std::max(kMinSplitRows, (rows + 3) / 4 * 4);
+  *rows_per_split = rows;
+  *splits = static_cast<int>((args.K + rows - 1) / rows);
+}
+
+bool b_kmajor(const GemmArgs& args) { return args.sbk == 1; }
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+template <typename T, Act ACT>
+cudaError_t launch_kernel(const GemmArgs& args, const SkinnyParams& p, bool kmajor,
+                          cudaStream_t stream) {
+  if (kmajor) {
+    const int per_block = kWarps / p.splits;
+    const dim3 grid(static_cast<unsigned>((p.N + per_block - 1) / per_block));
+    skinny_kmajor<T, ACT><<<grid, kWarps * 32, 0, stream>>>(p);
+    return cudaGetLastError();
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    bool pdl = false;
+    cudaError_t err = dependent_launch_supported(&pdl);
+    if (err != cudaSuccess) return err;
+    cudaLaunchConfig_t launch{};
+    launch.gridDim = dim3(static_cast<unsigned>((p.N + kNmajorCols - 1) / kNmajorCols),
+                          static_cast<unsigned>(p.splits));
+    launch.blockDim = dim3(kNmajorWarps * 32);
+    launch.stream = stream;
+    cudaLaunchAttribute attr = programmatic_dependent_launch();
+    if (pdl) {
+      launch.attrs = &attr;
+      launch.numAttrs = 1;
+    }
+    const bool vec = p.sb % 4 == 0 && aligned16(p.b);
+    err = vec ? cudaLaunchKernelEx(&launch, skinny_nmajor<ACT, true>, p)
+              : cudaLaunchKernelEx(&launch, skinny_nmajor<ACT, false>, p);
+    if (err != cudaSuccess || p.splits == 1) return err;
+    return launch_splitk_finish<float>(args, p.partial, p.splits, stream, pdl);
+  }
+  return cudaErrorInvalidValue;  // N-major takes float32 only (gemm_skinny_supported)
 }
 
 template <typename T>
-void launch_act(Act act, const SkinnyParams& p, cudaStream_t stream) {
-  const dim3 block(kWarps * 32);
-  const int per_block = kWarps / p.splits;
-  const dim3 grid(static_cast<unsigned>((p.N + per_block - 1) / per_block));
-  switch (act) {
+cudaError_t launch_act(const GemmArgs& args, const SkinnyParams& p, bool kmajor,
+                       cudaStream_t stream) {
+  switch (args.act) {
     case Act::kNone:
-      return skinny_kmajor<T, Act::kNone><<<grid, block, 0, stream>>>(p);
+      return launch_kernel<T, Act::kNone>(args, p, kmajor, stream);
     case Act::kRelu:
-      return skinny_kmajor<T, Act::kRelu><<<grid, block, 0, stream>>>(p);
+      return launch_kernel<T, Act::kRelu>(args, p, kmajor, stream);
     case Act::kGelu:
-      return skinny_kmajor<T, Act::kGelu><<<grid, block, 0, stream>>>(p);
+      return launch_kernel<T, Act::kGelu>(args, p, kmajor, stream);
     case Act::kGeluTanh:
-      return skinny_kmajor<T, Act::kGeluTanh><<<grid, block, 0, stream>>>(p);
+      return launch_kernel<T, Act::kGeluTanh>(args, p, kmajor, stream);
     case Act::kSilu:
-      return skinny_kmajor<T, Act::kSilu><<<grid, block, 0, stream>>>(p);
+      return launch_kernel<T, Act::kSilu>(args, p, kmajor, stream);
   }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace
 
 bool gemm_skinny_supported(const GemmArgs& args) {
   const bool half = args.dtype == DType::kF16 || args.dtype == DType::kBF16;
-  auto aligned16 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
-  return half && args.M >= 1 && args.M <= kSkinnyMaxM && args.K >= 8 && args.K % 8 == 0 &&
-         args.sak == 1 && args.sam % 8 == 0 && args.sbk == 1 && args.sbn % 8 == 0 &&
-         aligned16(args.a) && aligned16(args.b);
+  const bool f32 = args.dtype == DType::kF32;
+  // A is read in 16-byte loads (K-major) in both layouts.
+  const int per_load = f32 ? 4 : 8;
+  if (!(half || f32) || args.M < 1 || args.M > kSkinnyMaxM || args.K < 1 || args.sak != 1 ||
+      args.sam % per_load != 0 || !aligned16(args.a)) {
+    return false;
+  }
+  if (b_kmajor(args)) {
+    return args.K % per_load == 0 && args.sbn % per_load == 0 && aligned16(args.b);
+  }
+  return f32 && args.sbn == 1 && args.sbk >= 1;
 }
 
 int gemm_skinny_splits(const GemmArgs& args, int num_sms) {
-  // About 32 warps per SM keep enough 16-byte loads in flight to stream B at
-  // the memory's rate; no more warps per column than K has 256-element
+  if (!b_kmajor(args)) {
+    int splits = 1;
+    int64_t rows = 0;
+    nmajor_split(args, num_sms, &splits, &rows);
+    return splits;
+  }
+  // About 32 warps per SM keep enough 16-byte loads in flight to stream B
+  // at the memory's rate; no more warps per column than K has 512-byte
   // stretches.
   const int64_t wanted = int64_t{num_sms} * 32;
-  const int64_t stretches = (args.K + 255) / 256;
+  const int64_t stretch = 32 * (args.dtype == DType::kF32 ? 4 : 8);
+  const int64_t stretches = (args.K + stretch - 1) / stretch;
   int splits = 1;
   while (splits < kWarps && args.N * splits < wanted && splits * 2 <= stretches) splits *= 2;
   return splits;
 }
 
-cudaError_t launch_gemm_skinny(const GemmArgs& args, int num_sms, cudaStream_t stream) {
+int64_t gemm_skinny_workspace_bytes(const GemmArgs& args, int num_sms) {
+  const int splits = gemm_skinny_splits(args, num_sms);
+  return b_kmajor(args) || splits == 1 ? 0 : int64_t{splits} * args.M * args.N * 4;
+}
+
+cudaError_t launch_gemm_skinny(const GemmArgs& args, int num_sms, void* workspace,
+                               cudaStream_t stream) {
+  const bool kmajor = b_kmajor(args);
   SkinnyParams p{args.a,
                  args.sam,
                  args.b,
-                 args.sbn,
+                 kmajor ? args.sbn : args.sbk,
                  args.bias,
                  args.c,
                  args.ldc,
                  static_cast<int>(args.M),
                  static_cast<int>(args.N),
                  static_cast<int>(args.K),
-                 gemm_skinny_splits(args, num_sms)};
-  if (args.dtype == DType::kF16) {
-    launch_act<__half>(args.act, p, stream);
+                 1,
+                 0,
+                 static_cast<float*>(workspace)};
+  if (kmajor) {
+    p.splits = gemm_skinny_splits(args, num_sms);
   } else {
-    launch_act<__nv_bfloat16>(args.act, p, stream);
+    nmajor_split(args, num_sms, &p.splits, &p.rows_per_split);
+    if (p.splits > 1 && workspace == nullptr) return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
+  if (args.dtype == DType::kF16) return launch_act<__half>(args, p, kmajor, stream);
+  if (args.dtype == DType::kBF16) return launch_act<__nv_bfloat16>(args, p, kmajor, stream);
+  return launch_act<float>(args, p, kmajor, stream);
 }
 
 }  // namespace cuda

@@ -586,6 +586,87 @@ def test_cuda_skinny_kernel(matmul_settings, dtype, act):
             ops.matmul(a, bb)
 
 
+# float32 problems for the skinny kernel: K a multiple of 4 (B K-major) or not (only B N-major
+# takes those), a remainder of rows below one group of 4, N below and above one block of 32.
+SKINNY_F32_SHAPES = [(1, 2, 4), (2, 7, 3), (3, 129, 264), (5, 33, 1), (8, 1000, 1030),
+                     (1, 4099, 4096), (7, 65, 4101), (1, 3, 8200)]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_skinny_shapes(dtype):
+    """The skinny kernel's problems (a few rows of A, odd N, K not a multiple of 4, a
+    remainder below one group of rows) on the CPU kernel, every layout and activation."""
+    _check_all_layouts("cpu", dtype, SKINNY_F32_SHAPES, acts=ACTS)
+
+
+def _skinny_f32_expected(m: int, k: int, k_major: bool, tf32: bool) -> bool:
+    """Whether the default dispatch gives float32 to the skinny kernel (kSkinnyRules)."""
+    if k_major and k % 4 != 0:
+        return False
+    if tf32:
+        return m <= 4 and not k_major
+    return m <= 8
+
+
+@pytest.mark.cuda(1)
+@_skip_no_cuda
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("precision", ["highest", "high"])
+def test_cuda_skinny_kernel_fp32(matmul_settings, fp32_precision, precision, act):
+    """The skinny kernel on float32, forced and in the default dispatch (every M up to 8 under
+    "highest", both layouts of B; up to 4 with b N-major under TF32): B K-major (linear's
+    weight) and N-major (matmul's b, also with an odd row stride), A K-major, M-major or at a
+    misaligned offset (copied), batch dimensions, with and without bias, against float64 at
+    float32's tolerance (the kernel is exact float32 under TF32 too), bit for bit the same
+    on repeated calls."""
+    fp32_precision(precision)
+    tf32 = precision != "highest"
+    dt = torch.float32
+    for impl in ("skinny", "auto"):
+        matmul_settings(impl=impl)
+        for m, n, k in SKINNY_F32_SHAPES:
+            x = _rand(m, k, dtype=dt, device="cuda")
+            w = _rand(n, k, dtype=dt, device="cuda")
+            b_n = _rand(k, n, dtype=dt, device="cuda")
+            b_wide = _rand(k, n + 3, dtype=dt, device="cuda")[:, :n]  # row stride n + 3
+            bias = _rand(n, dtype=dt, device="cuda")
+            x_m_major = _rand(k, m, dtype=dt, device="cuda").t()
+            x_shifted = _rand(m, k + 1, dtype=dt, device="cuda")[:, 1:]  # base 4 bytes off
+            k_major_ok = k % 4 == 0
+            for bb, k_major in ((w.t(), True), (b_n, False), (b_wide, False)):
+                if impl == "skinny" and k_major and not k_major_ok:
+                    with pytest.raises(RuntimeError, match="FASTCOMM_MATMUL_IMPL=skinny"):
+                        torch.ops.fastcomm._kernel_name(x, bb, act)
+                    continue
+                name = torch.ops.fastcomm._kernel_name(x, bb, act)
+                want = impl == "skinny" or _skinny_f32_expected(m, k, k_major, tf32)
+                layout = "skinny k-major " if k_major else "skinny n-major "
+                assert name.startswith(layout) == want, (impl, precision, m, n, k, name)
+                if not want:
+                    continue
+                for aa in (x, x_m_major, x_shifted):
+                    _poison_cuda_cache("cuda")
+                    out = ops.matmul(aa, bb)
+                    assert _rel_err(out, aa.double() @ bb.double()) < RTOL[dt], (m, n, k, name)
+                    assert torch.equal(ops.matmul(aa, bb), out), ("not deterministic", m, n, k)
+                if k_major:
+                    for bias_ in (None, bias):
+                        _poison_cuda_cache("cuda")
+                        y = ops.linear(x, w, bias_, act)
+                        pre = x.double() @ w.double().t()
+                        ref = _ref_act(pre + bias_.double() if bias_ is not None else pre, act)
+                        assert _rel_err(y, ref) < RTOL[dt], (m, n, k, bias_ is None, act)
+    matmul_settings(impl="skinny")
+    x3 = _rand(2, 3, 520, dtype=dt, device="cuda")  # M = 6 from batch dimensions
+    b = _rand(520, 333, dtype=dt, device="cuda")
+    assert torch.ops.fastcomm._kernel_name(x3[0], b).startswith("skinny n-major ")
+    assert _rel_err(ops.matmul(x3, b), x3.double() @ b.double()) < RTOL[dt], "batch dims"
+    with pytest.raises(RuntimeError, match="FASTCOMM_MATMUL_IMPL=skinny"):
+        ops.matmul(_rand(9, 64, dtype=dt, device="cuda"), b[:64])  # 9 rows of A
+    with pytest.raises(RuntimeError, match="FASTCOMM_MATMUL_IMPL=skinny"):
+        ops.linear(_rand(2, 62, dtype=dt, device="cuda"), _rand(5, 62, dtype=dt, device="cuda"))
+
+
 @pytest.mark.cuda(1)
 @_skip_no_cuda
 @pytest.mark.parametrize("tile", ["auto", "large", "small"])
@@ -1585,14 +1666,14 @@ def test_cuda_tf32_packed_operand_longer_than_a_grid_column(matmul_settings, fp3
 def test_cuda_tf32_default_dispatch_rule(matmul_settings, fp32_precision):
     """TF32 allowed: float32 on K-major operands takes the half types' Hopper rows (the
     128 x 64 tile where its rule takes the problem, else the wave model's cooperative tile,
-    K split where its tiles leave SMs idle), never the skinny kernel; with b N-major the same
-    rows on the transposed problem (M and N swapped) up to 128 rows, the 128 x 256 tile above
-    unless K is at most 1024 and the 128 x 64 tiles fit in one wave; "highest" keeps the
-    CUDA-core kernel."""
+    K split where its tiles leave SMs idle), never the skinny kernel; with b N-major the
+    skinny kernel up to 4 rows of a, the same rows on the transposed problem (M and N swapped)
+    up to 128 rows, the 128 x 256 tile above unless K is at most 1024 and the 128 x 64 tiles
+    fit in one wave; "highest" keeps the CUDA-core kernel."""
     matmul_settings()
     fp32_precision("high")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    shapes = [(m, n, 4096) for m in (1, 16, 256, 1024, 8192) for n in (4096, 11008)]
+    shapes = [(m, n, 4096) for m in (1, 4, 5, 16, 256, 1024, 8192) for n in (4096, 11008)]
     shapes += [(1024, 1024, 1024), (512, 2048, 1024), (512, 2048, 2048), (2048, 2048, 1024)]
     for m, n, k in shapes:
         a = torch.empty(m, k, device="cuda")
@@ -1601,6 +1682,9 @@ def test_cuda_tf32_default_dispatch_rule(matmul_settings, fp32_precision):
             transposed = b.stride(1) == 1
             km, kn = (n, m) if transposed else (m, n)  # the kernel's problem
             tf32 = " tf32 transposed " if transposed else " tf32 "
+            if transposed and m <= 4:
+                assert name.startswith("skinny n-major "), (m, n, k, name)
+                continue
             short_k_wave = k <= 1024 and _cdiv(km, 128) * _cdiv(kn, 64) <= sms
             if transposed and kn > 128 and not short_k_wave:
                 # the 128 x 256 tile, split where it leaves SMs idle

@@ -43,8 +43,10 @@ LARGE = [(300, 520, 1000), (1000, 1512, 700), (2304, 2304, 256), (257, 1024, 409
 # Stream-K on the cooperative 128 x 128 and 128 x 256 tiles (561 and 289 tiles: at least two
 # rounds on 132 SMs, the last part-full); N % 8 == 0 (TMA stores), odd M and K.
 STREAM_K = [(2100, 4104, 1000)]
-# The skinny kernel's problems: at most 8 rows of A, K a multiple of 8, B K-major.
+# The skinny kernel's problems: at most 8 rows of A, K a multiple of 8, B K-major; float32
+# also with B N-major, there on any K.
 SKINNY = [(1, 13, 8), (1, 1000, 4096), (3, 520, 1000), (8, 4104, 264)]
+SKINNY_NMAJOR = [(1, 13, 7), (2, 4099, 4101), (8, 33, 3)]
 LAYOUTS = (("a", "b"), ("a", "b^T"), ("a^T", "b"), ("a^T", "b^T"))
 # Settings beyond the benchmark's variants: the other tile order.
 EXTRAS = {
@@ -77,9 +79,11 @@ def check(
     shapes: list[tuple[int, int, int]],
     layouts: tuple[tuple[str, str], ...] = LAYOUTS,
     tol: dict[torch.dtype, float] = TOL,
+    linear: bool = True,
 ) -> tuple[float, list[str]]:
-    """Worst error / tolerance of both ops over shapes, layouts and activations, and a line
-    per case over tolerance (dtype, shape, layout or activation, the kernel that ran it)."""
+    """Worst error / tolerance of matmul (and, with `linear`, of linear) over shapes, layouts
+    and activations, and a line per case over tolerance (dtype, shape, layout or activation,
+    the kernel that ran it)."""
     worst = 0.0
     failures: list[str] = []
 
@@ -103,6 +107,8 @@ def check(
                 out = torch.ops.fastcomm.matmul(aa, bb)
                 ratio = rel_err(out, aa.double() @ bb.double()) / tol[dt]
                 record(ratio, f"{dt} {m}x{n}x{k} matmul {name_a} @ {name_b}", aa, bb, "none")
+            if not linear:
+                continue
             w, bias = bt.t(), torch.randn(n, device="cuda").to(dt)
             pre = a.double() @ w.double().t() + bias.double()
             for act in ACTS:
@@ -162,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         variant.settings.update(extra)
         with variant:
             dtypes = [torch.float16, torch.bfloat16]
-            if base in ("auto", "simt", "simt_wide"):
+            if base in ("auto", "simt", "simt_wide", "skinny"):
                 dtypes.append(torch.float32)
             if args.tf32:
                 dtypes = [torch.float32]
@@ -176,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 if base == "skinny":
                     worst, failures = check(dtypes, SKINNY, (("a", "b^T"),), tol)
+                    if torch.float32 in dtypes:
+                        w32, f32 = check(
+                            [torch.float32], SKINNY_NMAJOR, (("a", "b"),), tol, linear=False
+                        )
+                        worst, failures = max(worst, w32), failures + f32
                 else:
                     worst, failures = check(dtypes, shapes, LAYOUTS, tol)
                 status = "OK" if worst < 1 else "FAIL"

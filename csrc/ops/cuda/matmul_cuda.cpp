@@ -2,12 +2,12 @@
 // checks (shared with the CPU kernels), operand preparation and the choice
 // of kernel. Kernels run on the current stream of the inputs' device.
 //
-// Kernel choice, for float16 / bfloat16, and for float32 where torch's matmul
-// precision allows TF32 (tf32_allowed(); float32 otherwise, and float64,
-// always take the tiled CUDA-core kernel): the first row of kAutoRules below
-// that matches the problem, among
-//   * off sm_90, the skinny kernel (kernels/matmul_skinny.cu) for one row of
-//     A with B K-major (decode-time linear layers), which streams B once;
+// Kernel choice: the skinny kernel (kernels/matmul_skinny.cu: a few rows of
+// A, B streamed once) where a row of kSkinnyRules takes the problem; else, for
+// float16 / bfloat16, and for float32 where torch's matmul precision allows
+// TF32 (tf32_allowed(); float32 otherwise, and float64, take the tiled
+// CUDA-core kernel), the first row of kAutoRules below that matches the
+// problem, among
 //   * on sm_90, the Hopper kernel (TMA + wgmma, warp-specialised,
 //     persistent; kernels/matmul_sm90*.cu{,h}): cooperative 128 x 64 tile
 //     where its rule takes the problem, else 128 x 128 tile
@@ -246,7 +246,6 @@ enum class Path { kSimt, kSkinny, kMma, kWgmma };
 
 // When a row of kAutoRules applies, besides its bound on M.
 enum class When {
-  kSkinnyLayout,  // A and B as the skinny kernel takes them (B K-major; skinny_considered)
   kWgmmaTile64,   // sm_90: the 128 x 64 tile's rule takes the problem
   kWgmmaTile128,  // sm_90: the wave model picks the 128 x 128 tile (gemm_wgmma_wave_tile)
   kWgmmaTile192,  // sm_90: ... the 128 x 192 tile (16-bit types)
@@ -256,13 +255,10 @@ enum class When {
 };
 
 // One row: problems with M <= max_m for which `when` holds take `path` with
-// these Hopper options (unset ones auto). Why these rows (ratios to cuBLAS
-// per shape class, H100, in docs/matmul.md):
-//   * skinny only at M == 1 with B K-major and only off sm_90: there it
-//     streams the weight at the memory's rate; on sm_90 the Hopper kernel's
-//     128 x 64 tile (64 rows of A per stage) and 128 x 128 tile are faster
-//     at M == 1 too, and with B N-major, and with 8 rows of A, elsewhere;
-//   * on sm_90 every other problem takes the Hopper kernel, small ones too:
+// these Hopper options (unset ones auto); problems of kSkinnyRules (below)
+// take the skinny kernel before any row. Why these rows (ratios to cuBLAS
+// per shape class, in docs/matmul.md):
+//   * on sm_90 every problem takes the Hopper kernel, small ones too:
 //     its 128 x 64 tile where that tile's rule takes the problem (128 x 128
 //     tiles leave SMs idle, 128 x 64 ones fit in one wave: small M on N up
 //     to 8448, squares up to 1024), ahead of a K split of the 128 x 128 tile;
@@ -272,7 +268,7 @@ enum class When {
 //     model; split counts are the Hopper kernel's (kernels/matmul_sm90.cu);
 //   * float32 with TF32 allowed takes the same Hopper rows (the TF32 kernel:
 //     same tiles and stage bytes, half the K per stage), matmul's N-major b
-//     as the transposed product with b read through registers, at every M:
+//     as the transposed product with b read through registers:
 //     from 32 rows ahead of the mma.sync kernel's TF32 form, within a few
 //     percent of it below (docs/matmul.md). Off sm_90 float32 with TF32
 //     takes the mma.sync kernel, without TF32 the CUDA-core kernel.
@@ -284,9 +280,7 @@ struct AutoRule {
   kc::Tile tile;
 };
 constexpr int64_t kAnyM = INT64_MAX;
-constexpr int64_t kSkinnyAutoMaxM = 1;
 constexpr AutoRule kAutoRules[] = {
-    {kSkinnyAutoMaxM, When::kSkinnyLayout, Path::kSkinny, kc::WgmmaSched::kAuto, kc::Tile::kAuto},
     {kAnyM, When::kWgmmaTile64, Path::kWgmma, kc::WgmmaSched::kCoop, kc::Tile::kNarrow},
     {kAnyM, When::kWgmmaTile128, Path::kWgmma, kc::WgmmaSched::kCoop, kc::Tile::kSmall},
     {kAnyM, When::kWgmmaTile192, Path::kWgmma, kc::WgmmaSched::kCoop, kc::Tile::kMedium},
@@ -295,51 +289,113 @@ constexpr AutoRule kAutoRules[] = {
     {kAnyM, When::kAlways, Path::kSimt, kc::WgmmaSched::kAuto, kc::Tile::kAuto},
 };
 
-// The skinny kernel's operands, when the problem is one for it: B K-major as
-// it is, A K-major (copied where it is not: A has at most kSkinnyMaxM rows).
-struct SkinnyOperands {
-  Operand a, b;
+// ---- the skinny kernel (a few rows of A, B streamed once) -------------------------
+
+// B as the skinny kernel takes it in place: K-major (linear's weight; K a
+// multiple of one 16-byte load) or, for float32, N-major with any row stride.
+enum class SkinnyB { kNone, kKMajor, kNMajor };
+
+// The operand types of a skinny rule.
+enum class SkinnyTypes {
+  kHalf,      // float16 / bfloat16
+  kF32Tf32,   // float32 with TF32 allowed (the kernel stays exact float32)
+  kF32Exact,  // float32, TF32 not allowed
 };
-std::optional<SkinnyOperands> skinny_operands(const GemmProblem& p) {
-  const at::ScalarType t = p.A.scalar_type();
-  if ((t != at::kHalf && t != at::kBFloat16) || p.M < 1 || p.M > kc::kSkinnyMaxM || p.K < 8 ||
-      p.K % 8 != 0) {
-    return std::nullopt;
-  }
-  SkinnyOperands o;
-  if (!try_layout(p.B, 0, o.b)) return std::nullopt;
-  if (!try_layout(p.A, 1, o.a)) {
-    at::Tensor copy = p.A.contiguous();
-    if (!try_layout(copy, 1, o.a)) return std::nullopt;
-    o.a.keep = copy;
-  }
-  return o;
-}
+
+// Problems the default dispatch gives the skinny kernel: operand types, B's
+// layout, at most max_m rows of A, and whether only off sm_90. Why (ratios to
+// cuBLAS in docs/matmul.md): it reads B once at the memory's rate, where
+//   * one row of a 16-bit A with B K-major: off sm_90; on sm_90 the Hopper
+//     kernel's 128 x 64 and 128 x 128 tiles are as fast;
+//   * up to 4 rows of a float32 A with N-major b under TF32: the Hopper
+//     kernel's transposed product computes mostly padding there (at 8 rows
+//     it is ahead again);
+//   * exact float32 up to kSkinnyMaxM rows, either layout: the CUDA-core
+//     kernel's tiles are mostly padding there.
+struct SkinnyRule {
+  SkinnyTypes types;
+  SkinnyB b;
+  int64_t max_m;
+  bool off_sm90_only;
+};
+constexpr SkinnyRule kSkinnyRules[] = {
+    {SkinnyTypes::kHalf, SkinnyB::kKMajor, 1, true},
+    {SkinnyTypes::kF32Tf32, SkinnyB::kNMajor, 4, false},
+    {SkinnyTypes::kF32Exact, SkinnyB::kKMajor, kc::kSkinnyMaxM, false},
+    {SkinnyTypes::kF32Exact, SkinnyB::kNMajor, kc::kSkinnyMaxM, false},
+};
 
 // The Hopper kernel runs here: an sm_90 device and a build with its sm_90a code.
 bool wgmma_usable(const cudaDeviceProp* prop) {
   return prop->major == 9 && prop->minor == 0 && kc::gemm_wgmma_compiled();
 }
 
-// Whether the skinny kernel is forced or the default dispatch may take it:
-// one row of A, on a device without the Hopper kernel (its operands are
-// prepared only then: A may need a copy).
-bool skinny_considered(const MatmulConfig& cfg, const GemmProblem& p, const cudaDeviceProp* prop) {
-  return cfg.impl == "skinny" ||
-         (cfg.impl == "auto" && p.M <= kSkinnyAutoMaxM && !wgmma_usable(prop));
+// B's layout for the skinny kernel (no copy: B is the large operand).
+SkinnyB skinny_b_layout(const GemmProblem& p, Operand* b) {
+  const at::ScalarType t = p.B.scalar_type();
+  const bool f32 = t == at::kFloat;
+  if (!(f32 || t == at::kHalf || t == at::kBFloat16) || p.M < 1 || p.M > kc::kSkinnyMaxM ||
+      p.K < 1) {
+    return SkinnyB::kNone;
+  }
+  if (p.K % (f32 ? 4 : 8) == 0 && try_layout(p.B, 0, *b)) return SkinnyB::kKMajor;
+  // N-major: a row stride of 1 would read as K-major (kernels/matmul_skinny.cu).
+  if (f32 && p.B.stride(1) == 1 && p.B.stride(0) != 1) {
+    b->ptr = p.B.const_data_ptr();
+    b->s0 = p.B.stride(0);
+    b->s1 = 1;
+    return SkinnyB::kNMajor;
+  }
+  return SkinnyB::kNone;
+}
+
+bool skinny_rule_takes(const GemmProblem& p, SkinnyB layout, const cudaDeviceProp* prop,
+                       bool tf32) {
+  const at::ScalarType t = p.A.scalar_type();
+  const SkinnyTypes types = t != at::kFloat ? SkinnyTypes::kHalf
+                            : tf32          ? SkinnyTypes::kF32Tf32
+                                            : SkinnyTypes::kF32Exact;
+  for (const SkinnyRule& r : kSkinnyRules) {
+    if (r.types == types && r.b == layout && p.M <= r.max_m &&
+        !(r.off_sm90_only && wgmma_usable(prop))) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// The skinny kernel's operands when it runs the problem: forced
+// (FASTCOMM_MATMUL_IMPL=skinny) and possible, or a row of kSkinnyRules takes
+// it. B as it is; A K-major with rows aligned for 16-byte loads, copied where
+// it is not (A has at most kSkinnyMaxM rows).
+struct SkinnyOperands {
+  Operand a, b;
+};
+std::optional<SkinnyOperands> skinny_operands(const MatmulConfig& cfg, const GemmProblem& p,
+                                              const cudaDeviceProp* prop, bool tf32) {
+  if (cfg.impl != "skinny" && cfg.impl != "auto") return std::nullopt;
+  SkinnyOperands o;
+  const SkinnyB layout = skinny_b_layout(p, &o.b);
+  if (layout == SkinnyB::kNone) return std::nullopt;
+  if (cfg.impl == "auto" && !skinny_rule_takes(p, layout, prop, tf32)) return std::nullopt;
+  if (!try_layout(p.A, 1, o.a)) {
+    at::Tensor copy = at::empty({p.M, round_up8(p.K)}, p.A.options()).narrow(1, 0, p.K);
+    copy.copy_(p.A);
+    const bool ok = try_layout(copy, 1, o.a);
+    TORCH_INTERNAL_ASSERT(ok, "fastcomm: K-major copy of A has an unexpected layout");
+    o.a.keep = copy;
+  }
+  return o;
 }
 
 // The row of kAutoRules for a problem (always found: the last row matches
 // everything).
-const AutoRule& auto_rule(const kc::GemmArgs& args, const cudaDeviceProp* prop, bool skinny,
-                          bool wgmma_ok, bool mma_ok) {
+const AutoRule& auto_rule(const kc::GemmArgs& args, const cudaDeviceProp* prop, bool wgmma_ok,
+                          bool mma_ok) {
   for (const AutoRule& r : kAutoRules) {
     if (args.M > r.max_m) continue;
     bool ok = false;
     switch (r.when) {
-      case When::kSkinnyLayout:
-        ok = skinny;
-        break;
       case When::kWgmmaTile64:
         ok = wgmma_ok && kc::gemm_wgmma_narrow_tile_wins(args, prop->multiProcessorCount);
         break;
@@ -367,8 +423,8 @@ const AutoRule& auto_rule(const kc::GemmArgs& args, const cudaDeviceProp* prop, 
 }
 
 // The kernel for a problem on the current device (see the top of the file);
-// raises where a forced kernel cannot run. `skinny`: the skinny kernel is
-// considered (skinny_considered) and the problem has its shape and layout.
+// raises where a forced kernel cannot run. `skinny`: the skinny kernel runs
+// the problem (skinny_operands found its operands).
 // `tf32`: float32 may run as TF32 (tf32_allowed()). `wopts`: the Hopper
 // options, from the settings, which the default dispatch may complete
 // (schedule and tile of its row).
@@ -379,10 +435,11 @@ Path choose_path(const kc::GemmArgs& args, const MatmulConfig& cfg, const cudaDe
   // runs; else, and with TF32 not allowed, the exact CUDA-core kernel.
   const bool f32_tc = args.dtype == kc::DType::kF32 && tf32;
   TORCH_CHECK(cfg.impl != "skinny" || skinny,
-              "FASTCOMM_MATMUL_IMPL=skinny: the skinny kernel needs float16 / bfloat16, at most ",
-              kc::kSkinnyMaxM, " rows of A, K a multiple of 8 and B K-major (got M=", args.M,
-              " N=", args.N, " K=", args.K, ")");
-  if (skinny && cfg.impl == "skinny") return Path::kSkinny;
+              "FASTCOMM_MATMUL_IMPL=skinny: the skinny kernel needs at most ", kc::kSkinnyMaxM,
+              " rows of A and B K-major (K a multiple of 8 for float16 / bfloat16, of 4 for "
+              "float32) or, for float32, N-major (got M=",
+              args.M, " N=", args.N, " K=", args.K, ")");
+  if (skinny) return Path::kSkinny;
   // K == 0 (bias + activation only) also goes to the CUDA-core kernel.
   if (!(half || f32_tc) || args.K == 0 || cfg.impl == "simt") return Path::kSimt;
   const bool wgmma_ok = wgmma_usable(prop);
@@ -393,7 +450,7 @@ Path choose_path(const kc::GemmArgs& args, const MatmulConfig& cfg, const cudaDe
               ") and an extension built for sm_90a (TORCH_CUDA_ARCH_LIST containing 9.0a)");
   if (cfg.impl == "wgmma") return Path::kWgmma;
   if (cfg.impl == "auto") {
-    const AutoRule& r = auto_rule(args, prop, skinny, wgmma_ok, mma_ok);
+    const AutoRule& r = auto_rule(args, prop, wgmma_ok, mma_ok);
     if (r.path == Path::kWgmma) {
       // The row's schedule and tile where the settings leave them auto.
       if (wopts->sched == kc::WgmmaSched::kAuto && wopts->tile == kc::Tile::kAuto) {
@@ -449,14 +506,17 @@ at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
 
   cudaError_t err = cudaSuccess;
-  const std::optional<SkinnyOperands> skinny =
-      skinny_considered(cfg, p, prop) ? skinny_operands(p) : std::nullopt;
+  const bool tf32 = tf32_allowed();
+  const std::optional<SkinnyOperands> skinny = skinny_operands(cfg, p, prop, tf32);
   kc::WgmmaOptions wopts = wgmma_options(cfg);
-  switch (choose_path(args, cfg, prop, skinny.has_value(), tf32_allowed(), &wopts)) {
+  switch (choose_path(args, cfg, prop, skinny.has_value(), tf32, &wopts)) {
     case Path::kSkinny: {
       fill_ab(args, skinny->a, skinny->b);
       TORCH_INTERNAL_ASSERT(kc::gemm_skinny_supported(args));
-      err = kc::launch_gemm_skinny(args, prop->multiProcessorCount, stream);
+      const at::Tensor workspace =
+          float_workspace(p, kc::gemm_skinny_workspace_bytes(args, prop->multiProcessorCount));
+      err =
+          kc::launch_gemm_skinny(args, prop->multiProcessorCount, workspace_ptr(workspace), stream);
       break;
     }
     case Path::kWgmma: {
@@ -510,14 +570,16 @@ std::string kernel_name_cuda(const at::Tensor& a, const at::Tensor& b,
   args.c = const_cast<char*>(aligned_c);
   const MatmulConfig cfg = matmulConfig();
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  const std::optional<SkinnyOperands> skinny =
-      skinny_considered(cfg, p, prop) ? skinny_operands(p) : std::nullopt;
+  const bool tf32 = tf32_allowed();
+  const std::optional<SkinnyOperands> skinny = skinny_operands(cfg, p, prop, tf32);
   kc::WgmmaOptions wopts = wgmma_options(cfg);
-  switch (choose_path(args, cfg, prop, skinny.has_value(), tf32_allowed(), &wopts)) {
-    case Path::kSkinny:
+  switch (choose_path(args, cfg, prop, skinny.has_value(), tf32, &wopts)) {
+    case Path::kSkinny: {
       fill_ab(args, skinny->a, skinny->b);
-      return "skinny k-major splits " +
-             std::to_string(kc::gemm_skinny_splits(args, prop->multiProcessorCount));
+      const int splits = kc::gemm_skinny_splits(args, prop->multiProcessorCount);
+      return args.sbk == 1 ? "skinny k-major splits " + std::to_string(splits)
+                           : "skinny n-major splitk " + std::to_string(splits);
+    }
     case Path::kWgmma:
       return kc::describe_gemm_wgmma_sm90(args, prop->multiProcessorCount, wopts);
     case Path::kMma:
