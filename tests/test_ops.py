@@ -587,7 +587,8 @@ def test_cuda_skinny_kernel(matmul_settings, dtype, act):
 
 
 # float32 problems for the skinny kernel: K a multiple of 4 (B K-major) or not (only B N-major
-# takes those), a remainder of rows below one group of 4, N below and above one block of 32.
+# takes those), a remainder of rows below one group of 4, N below and above one block of 128
+# columns.
 SKINNY_F32_SHAPES = [(1, 2, 4), (2, 7, 3), (3, 129, 264), (5, 33, 1), (8, 1000, 1030),
                      (1, 4099, 4096), (7, 65, 4101), (1, 3, 8200)]  # fmt: skip
 
