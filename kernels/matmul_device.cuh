@@ -18,6 +18,9 @@ namespace ops {
 namespace cuda {
 namespace detail {
 
+// Whether a pointer is 16-byte aligned (vector loads, TMA; host side).
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
 // ---- conversions -----------------------------------------------------------
 
 template <typename Acc>

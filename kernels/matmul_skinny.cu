@@ -287,7 +287,6 @@ void nmajor_split(const GemmArgs& args, int num_sms, int* splits, int64_t* rows_
 }
 
 bool b_kmajor(const GemmArgs& args) { return args.sbk == 1; }
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 template <typename T, Act ACT>
 cudaError_t launch_kernel(const GemmArgs& args, const SkinnyParams& p, bool kmajor,
@@ -324,19 +323,9 @@ cudaError_t launch_kernel(const GemmArgs& args, const SkinnyParams& p, bool kmaj
 template <typename T>
 cudaError_t launch_act(const GemmArgs& args, const SkinnyParams& p, bool kmajor,
                        cudaStream_t stream) {
-  switch (args.act) {
-    case Act::kNone:
-      return launch_kernel<T, Act::kNone>(args, p, kmajor, stream);
-    case Act::kRelu:
-      return launch_kernel<T, Act::kRelu>(args, p, kmajor, stream);
-    case Act::kGelu:
-      return launch_kernel<T, Act::kGelu>(args, p, kmajor, stream);
-    case Act::kGeluTanh:
-      return launch_kernel<T, Act::kGeluTanh>(args, p, kmajor, stream);
-    case Act::kSilu:
-      return launch_kernel<T, Act::kSilu>(args, p, kmajor, stream);
-  }
-  return cudaErrorInvalidValue;
+  cudaError_t err = cudaSuccess;
+  FASTCOMM_DISPATCH_ACT(args.act, err = (launch_kernel<T, kAct>(args, p, kmajor, stream)));
+  return err;
 }
 
 }  // namespace

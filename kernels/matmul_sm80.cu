@@ -448,8 +448,6 @@ cudaError_t launch_type(const GemmArgs& p, TileShape t, int splits, float* parti
   return launch_layout<T, false, false>(p, t, splits, partial, pdl, stream);
 }
 
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
-
 // K per shared-memory slice (64 bytes), in elements of the problem's type.
 int64_t slice_k(const GemmArgs& p) { return p.dtype == DType::kF32 ? 16 : 32; }
 
@@ -459,7 +457,7 @@ bool gemm_mma_supported(const GemmArgs& p) {
   if (p.dtype != DType::kF16 && p.dtype != DType::kBF16 && p.dtype != DType::kF32) return false;
   if (p.M <= 0 || p.N <= 0 || p.K <= 0 || p.M > INT_MAX || p.N > INT_MAX || p.K > INT_MAX)
     return false;
-  if (!aligned16(p.a) || !aligned16(p.b)) return false;
+  if (!detail::aligned16(p.a) || !detail::aligned16(p.b)) return false;
   const int64_t v = p.dtype == DType::kF32 ? 4 : 8;  // elements per 16 bytes
   const bool a_ok = (p.sak == 1 && p.sam % v == 0) || (p.sam == 1 && p.sak % v == 0);
   const bool b_ok = (p.sbk == 1 && p.sbn % v == 0) || (p.sbn == 1 && p.sbk % v == 0);

@@ -121,8 +121,6 @@ int wave_tile_bn(const GemmArgs& p, int num_sms) {
   return best;
 }
 
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
-
 // One operand of the TMA path: unit stride along `inner`, leading dimension
 // ld (elements of es bytes) that TMA accepts (a multiple of 16 bytes, not
 // below the row).
@@ -270,7 +268,7 @@ constexpr int64_t kOffloadMinWaves = 3;
 // float32 (TF32) outputs always take the register epilogues: the TMA
 // epilogues stage 16-bit chunks.
 bool tma_store_ok(const GemmArgs& p) {
-  return p.dtype != DType::kF32 && aligned16(p.c) && tma_operand_ok(p.N, p.ldc, 2);
+  return p.dtype != DType::kF32 && detail::aligned16(p.c) && tma_operand_ok(p.N, p.ldc, 2);
 }
 
 Plan choose_plan(const GemmArgs& p, int num_sms, const WgmmaOptions& o) {
@@ -437,7 +435,7 @@ bool gemm_wgmma_supported(const GemmArgs& p) {
   if (p.dtype != DType::kF16 && p.dtype != DType::kBF16 && p.dtype != DType::kF32) return false;
   if (p.M <= 0 || p.N <= 0 || p.K <= 0 || p.M > INT_MAX || p.N > INT_MAX || p.K > INT_MAX)
     return false;
-  if (!sm90::aligned16(p.a) || !sm90::aligned16(p.b)) return false;
+  if (!detail::aligned16(p.a) || !detail::aligned16(p.b)) return false;
   const int es = sm90::elem_bytes(p.dtype);
   const bool a_k = p.sak == 1 && sm90::tma_operand_ok(p.K, p.sam, es);
   const bool b_k = p.sbk == 1 && sm90::tma_operand_ok(p.K, p.sbn, es);
@@ -512,7 +510,7 @@ cudaError_t launch_gemm_wgmma_sm90(const GemmArgs& p, int num_sms, const WgmmaOp
     plan.partial = static_cast<float*>(workspace);
   } else if (plan.sk_tiles > 0) {
     // 16-byte fix-up stores; the flags after the slots start at zero.
-    if (workspace == nullptr || !sm90::aligned16(workspace)) return cudaErrorInvalidValue;
+    if (workspace == nullptr || !detail::aligned16(workspace)) return cudaErrorInvalidValue;
     plan.fixup = static_cast<float*>(workspace);
     plan.fixup_flags = reinterpret_cast<int*>(plan.fixup + sm90::fixup_slot_floats(plan) * num_sms);
     const cudaError_t err =

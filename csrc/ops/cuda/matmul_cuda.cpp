@@ -162,6 +162,27 @@ bool try_layout(const at::Tensor& t, int unit_dim, Operand& op) {
   return true;
 }
 
+// A copy of t [R][C] into a K-major buffer ([other][K], leading dimension
+// round_up8(K): aligned rows for 16-byte loads) as an Operand that owns it.
+// `k_dim`: the dimension of t that is the GEMM's K. round_tf32: each value
+// rounded to TF32 on the way (t contiguous along the other dimension).
+Operand kmajor_copy(const at::Tensor& t, int k_dim, bool round_tf32) {
+  const int64_t K = t.size(k_dim), other = t.size(1 - k_dim);
+  at::Tensor buf = at::empty({other, round_up8(K)}, t.options()).narrow(1, 0, K);
+  if (round_tf32) {
+    C10_CUDA_CHECK(kc::launch_pack_kmajor_tf32(
+        t.const_data_ptr<float>(), t.stride(k_dim), buf.mutable_data_ptr<float>(), buf.stride(0),
+        other, K, at::cuda::getCurrentCUDAStream(t.device().index()).stream()));
+  } else {
+    buf.copy_(k_dim == 1 ? t : t.t());
+  }
+  Operand op;
+  const bool ok = try_layout(k_dim == 1 ? buf : buf.t(), k_dim, op);
+  TORCH_INTERNAL_ASSERT(ok, "fastcomm: K-major copy of an operand has an unexpected layout");
+  op.keep = buf;
+  return op;
+}
+
 // Prepares t [R][C] for a tensor-core kernel. `k_dim` is the dimension of t
 // that is the GEMM's K (1 for A [M][K], 0 for B [K][N]); K-major (unit
 // stride along k_dim) or, unless `k_major_only`, M/N-major is taken as it
@@ -178,23 +199,10 @@ Operand prepare_tc_operand(const at::Tensor& t, int k_dim, bool k_major_only = f
     Operand op;
     if (try_layout(t, 1 - k_dim, op)) return op;
   }
-  const int64_t K = t.size(k_dim), other = t.size(1 - k_dim);
-  // buf is [other][K] with leading dimension round_up8(K): K-major.
-  at::Tensor buf = at::empty({other, round_up8(K)}, t.options()).narrow(1, 0, K);
-  if (k_major_only && t.scalar_type() == at::kFloat && t.stride(1 - k_dim) == 1) {
-    // The TF32 kernel's operand, contiguous along the other dimension: a
-    // transposing copy that rounds each value to TF32.
-    C10_CUDA_CHECK(kc::launch_pack_kmajor_tf32(
-        t.const_data_ptr<float>(), t.stride(k_dim), buf.mutable_data_ptr<float>(), buf.stride(0),
-        other, K, at::cuda::getCurrentCUDAStream(t.device().index()).stream()));
-  } else {
-    buf.copy_(k_dim == 1 ? t : t.t());
-  }
-  Operand op;
-  const bool ok = try_layout(k_dim == 1 ? buf : buf.t(), k_dim, op);
-  TORCH_INTERNAL_ASSERT(ok, "fastcomm: K-major copy of an operand has an unexpected layout");
-  op.keep = buf;
-  return op;
+  // The TF32 kernel's operand, contiguous along the other dimension: a
+  // transposing copy that rounds each value to TF32.
+  const bool round_tf32 = k_major_only && t.scalar_type() == at::kFloat && t.stride(1 - k_dim) == 1;
+  return kmajor_copy(t, k_dim, round_tf32);
 }
 
 void fill_ab(kc::GemmArgs& args, const Operand& a, const Operand& b) {
@@ -378,13 +386,7 @@ std::optional<SkinnyOperands> skinny_operands(const MatmulConfig& cfg, const Gem
   const SkinnyB layout = skinny_b_layout(p, &o.b);
   if (layout == SkinnyB::kNone) return std::nullopt;
   if (cfg.impl == "auto" && !skinny_rule_takes(p, layout, prop, tf32)) return std::nullopt;
-  if (!try_layout(p.A, 1, o.a)) {
-    at::Tensor copy = at::empty({p.M, round_up8(p.K)}, p.A.options()).narrow(1, 0, p.K);
-    copy.copy_(p.A);
-    const bool ok = try_layout(copy, 1, o.a);
-    TORCH_INTERNAL_ASSERT(ok, "fastcomm: K-major copy of A has an unexpected layout");
-    o.a.keep = copy;
-  }
+  if (!try_layout(p.A, 1, o.a)) o.a = kmajor_copy(p.A, 1, /*round_tf32=*/false);
   return o;
 }
 
