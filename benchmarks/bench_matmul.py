@@ -234,6 +234,9 @@ class Variant:
         # The CUDA-core kernel's 128x128 tiling at every size (auto takes it
         # only once its tiles fill the GPU).
         "simt_wide": {"impl": "simt", "tile": "large"},
+        # ... without its K split, and the 64x64 tiling.
+        "simt_s1": {"impl": "simt", "tile": "large", "splits": 1},
+        "simt_small": {"impl": "simt", "tile": "small"},
         "wgmma": _HOPPER,
         "coop": {**_HOPPER, "sched": "coop", "tile": "large", "epi": "direct"},
         # The TMA epilogue (bias prefetched under the last MMAs, one barrier per

@@ -45,9 +45,19 @@ struct GemmArgs {
 enum class Tile : int { kAuto = 0, kLarge = 1, kSmall = 2, kNarrow = 3, kMedium = 4 };
 
 // Generic tiled kernel (CUDA cores, any strides, any dtype, any arch).
-cudaError_t launch_gemm_simt(const GemmArgs& args, int num_sms, Tile tile, cudaStream_t stream);
-// Its tile choice: true for 128 x 128, false for 64 x 64 (always for double).
+// Its tile choice: true for the wide kernel (tiles of gemm_simt_wide_rows x
+// 128), false for 64 x 64 (always for double).
 bool gemm_simt_large_tile(const GemmArgs& args, int num_sms, Tile tile);
+// The wide kernel's tile rows: 32, 64 (for as few rows of A) or 128.
+int gemm_simt_wide_rows(const GemmArgs& args);
+// K split over blocks of the wide kernel where its tiles leave SMs idle (1:
+// none), and the float32 scratch the launch then needs (splits x M x N x 4
+// bytes; 0 for none). forced_splits: 0 for the launcher's choice, n >= 1
+// forced (clamped to K's slices and to 16).
+int gemm_simt_splits(const GemmArgs& args, int num_sms, Tile tile, int forced_splits);
+int64_t gemm_simt_workspace_bytes(const GemmArgs& args, int num_sms, Tile tile, int forced_splits);
+cudaError_t launch_gemm_simt(const GemmArgs& args, int num_sms, Tile tile, int forced_splits,
+                             void* workspace, cudaStream_t stream);
 
 // Tensor-core kernel with mma.sync (sm_80+): float16 / bfloat16, and float32
 // as TF32 (each operand rounded to TF32; the caller decides that TF32 is

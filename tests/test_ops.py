@@ -590,7 +590,7 @@ def test_cuda_skinny_kernel(matmul_settings, dtype, act):
 # takes those), a remainder of rows below one group of 4, N below and above one block of 128
 # columns.
 SKINNY_F32_SHAPES = [(1, 2, 4), (2, 7, 3), (3, 129, 264), (5, 33, 1), (8, 1000, 1030),
-                     (1, 4099, 4096), (7, 65, 4101), (1, 3, 8200)]  # fmt: skip
+                     (1, 4099, 4096), (7, 65, 4101), (1, 3, 8200), (9, 130, 260)]  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -635,7 +635,7 @@ def test_cuda_skinny_kernel_fp32(matmul_settings, fp32_precision, precision, act
             x_shifted = _rand(m, k + 1, dtype=dt, device="cuda")[:, 1:]  # base 4 bytes off
             k_major_ok = k % 4 == 0
             for bb, k_major in ((w.t(), True), (b_n, False), (b_wide, False)):
-                if impl == "skinny" and k_major and not k_major_ok:
+                if impl == "skinny" and (m > 8 or k_major and not k_major_ok):
                     with pytest.raises(RuntimeError, match="FASTCOMM_MATMUL_IMPL=skinny"):
                         torch.ops.fastcomm._kernel_name(x, bb, act)
                     continue
@@ -678,8 +678,62 @@ def test_cuda_fp32_fp64_paths(matmul_settings, tile, dtype):
     probe = torch.empty(300, 520, device="cuda", dtype=dtype)
     name = torch.ops.fastcomm._kernel_name(probe, probe.t())
     wide = tile == "large" and dtype == torch.float32
-    assert name == ("simt 128x128" if wide else "simt 64x64"), (tile, dtype, name)
+    assert name.startswith("simt 128x128" if wide else "simt 64x64"), (tile, dtype, name)
     _check_all_layouts("cuda", dtype, SHAPES + CUDA_SHAPES[:2])
+
+
+@pytest.mark.cuda(1)
+@_skip_no_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_simt_split_k(matmul_settings, fp32_precision, dtype):
+    """The CUDA-core kernel's wide tiles (32, 64 or 128 rows by the rows of A) and their K
+    split (tiles too few for the SMs): taken by default for float32 of tens of rows, forced
+    counts on odd K (the last split shorter, more splits asked than K has slices), every
+    layout, with bias and each activation, against float64; bit for bit the same on
+    repeated calls and in a CUDA graph."""
+    fp32_precision("highest")
+    matmul_settings(impl="simt")
+    a = torch.empty(64, 4096, device="cuda", dtype=dtype)
+    name = torch.ops.fastcomm._kernel_name(a, torch.empty(4096, 4096, device="cuda", dtype=dtype))
+    assert name.startswith("simt 64x128 splitk "), name
+    big = torch.empty(4096, 4096, device="cuda", dtype=dtype)
+    assert torch.ops.fastcomm._kernel_name(big, big) == "simt 128x128"
+    for splits in (0, 1, 2, 3, 5, 16):
+        matmul_settings(impl="simt", tile="large", splits=splits)
+        for m, n, k in ((64, 300, 1001), (129, 130, 37), (40, 1000, 2056), (1, 5, 8), (31, 3, 70)):
+            name = torch.ops.fastcomm._kernel_name(
+                torch.empty(m, k, device="cuda", dtype=dtype),
+                torch.empty(k, n, device="cuda", dtype=dtype),
+            )
+            rows = 32 if m <= 32 else 64 if m <= 64 else 128
+            assert name.startswith(f"simt {rows}x128"), (splits, m, n, k, name)
+            if splits > 1 and k >= 8 * splits:
+                assert name.endswith(f" splitk {splits}"), (splits, m, n, k, name)
+            x = _rand(m, k, dtype=dtype, device="cuda")
+            w = _rand(n, k, dtype=dtype, device="cuda")
+            bias = _rand(n, dtype=dtype, device="cuda")
+            for xx, ww in ((x, w), (x.t().contiguous().t(), w.t().contiguous().t())):
+                for act in ("none", "gelu_tanh", "relu"):
+                    _poison_cuda_cache("cuda")
+                    y = ops.linear(xx, ww, bias, act)
+                    ref = _ref_act(xx.double() @ ww.double().t() + bias.double(), act)
+                    assert _rel_err(y, ref) < RTOL[dtype], (splits, m, n, k, act)
+                    assert torch.equal(ops.linear(xx, ww, bias, act), y), ("repeat", splits)
+            out = ops.matmul(x, w.t())
+            assert _rel_err(out, x.double() @ w.double().t()) < RTOL[dtype], (splits, m, n, k)
+    matmul_settings(impl="simt")
+    x = _rand(64, 2048, dtype=dtype, device="cuda")
+    w = _rand(512, 2048, dtype=dtype, device="cuda")
+    eager = ops.linear(x, w, None, "silu")
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(g):
+        y = ops.linear(x, w, None, "silu")
+    torch.cuda.current_stream().wait_stream(s)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, eager), "graph replay"
 
 
 @pytest.mark.cuda(1)

@@ -155,9 +155,9 @@ struct MatmulConfig {
   // group of the Hopper tile order, 256..65536; 0 = auto (2048).
   int group = 0;
   // FASTCOMM_MATMUL_SPLITS: K split over blocks per output tile of the
-  // tensor-core kernels (Hopper wgmma and mma.sync): 0 = auto (where the
-  // tiles do not fill the SMs), 1 = none, 2..16 forced (fewer where K has
-  // fewer slices).
+  // tensor-core kernels (Hopper wgmma and mma.sync) and of the CUDA-core
+  // kernel's 128 x 128 tile: 0 = auto (where the tiles do not fill the SMs),
+  // 1 = none, 2..16 forced (fewer where K has fewer slices).
   int splits = 0;
 
   // Every FASTCOMM_MATMUL_* variable that is set, through set().

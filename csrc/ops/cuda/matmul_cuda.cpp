@@ -215,15 +215,13 @@ void fill_ab(kc::GemmArgs& args, const Operand& a, const Operand& b) {
 }
 
 // The CUDA-core kernel reads A and B through their strides, any layout.
-cudaError_t launch_simt(kc::GemmArgs& args, const GemmProblem& p, int num_sms, kc::Tile tile,
-                        cudaStream_t stream) {
+void fill_simt_ab(kc::GemmArgs& args, const GemmProblem& p) {
   args.a = p.A.const_data_ptr();
   args.sam = p.A.stride(0);
   args.sak = p.A.stride(1);
   args.b = p.B.const_data_ptr();
   args.sbk = p.B.stride(0);
   args.sbn = p.B.stride(1);
-  return kc::launch_gemm_simt(args, num_sms, tile, stream);
 }
 
 // The problem's sizes and types as the kernels see them; operand pointers
@@ -319,7 +317,8 @@ enum class SkinnyTypes {
 //     kernel's transposed product computes mostly padding there (at 8 rows
 //     it is ahead again);
 //   * exact float32 up to kSkinnyMaxM rows, either layout: the CUDA-core
-//     kernel's tiles are mostly padding there.
+//     kernel's tiles are mostly padding there (from 9 rows its 32-row tiles
+//     are ahead).
 struct SkinnyRule {
   SkinnyTypes types;
   SkinnyB b;
@@ -547,9 +546,15 @@ at::Tensor gemm_cuda(const GemmProblem& p, const std::optional<at::Tensor>& bias
                                      workspace_ptr(workspace), stream);
       break;
     }
-    case Path::kSimt:
-      err = launch_simt(args, p, prop->multiProcessorCount, to_tile(cfg.tile), stream);
+    case Path::kSimt: {
+      fill_simt_ab(args, p);
+      const int64_t scratch = kc::gemm_simt_workspace_bytes(args, prop->multiProcessorCount,
+                                                            to_tile(cfg.tile), cfg.splits);
+      const at::Tensor workspace = float_workspace(p, scratch);
+      err = kc::launch_gemm_simt(args, prop->multiProcessorCount, to_tile(cfg.tile), cfg.splits,
+                                 workspace_ptr(workspace), stream);
       break;
+    }
   }
   C10_CUDA_CHECK(err);
   return o.result(p);
@@ -589,9 +594,13 @@ std::string kernel_name_cuda(const at::Tensor& a, const at::Tensor& b,
     case Path::kSimt:
       break;
   }
-  return kc::gemm_simt_large_tile(args, prop->multiProcessorCount, to_tile(cfg.tile))
-             ? "simt 128x128"
-             : "simt 64x64";
+  if (!kc::gemm_simt_large_tile(args, prop->multiProcessorCount, to_tile(cfg.tile))) {
+    return "simt 64x64";
+  }
+  const int splits =
+      kc::gemm_simt_splits(args, prop->multiProcessorCount, to_tile(cfg.tile), cfg.splits);
+  const std::string tile = "simt " + std::to_string(kc::gemm_simt_wide_rows(args)) + "x128";
+  return splits > 1 ? tile + " splitk " + std::to_string(splits) : tile;
 }
 
 at::Tensor matmul_cuda(const at::Tensor& a, const at::Tensor& b) {
