@@ -398,9 +398,9 @@ int64_t slices_per_split(const GemmArgs& p, int splits) {
 // s plus a block's fixed cost (kBlockCostK, in K-elements); the count of the
 // fewest modelled time, taken where it models at least 10% below no split,
 // each split at least kMinSplitK of K (so a part-full round of tiles is
-// filled with more, shorter blocks: 32 tiles x 8 splits, 172 x 3). Forced
-// (>= 1): clamped to K's slices and to kMaxSplits. Returns the count the
-// launch runs.
+// filled with more, shorter blocks: 32 tiles of 32 x 128 take 16 splits, 172
+// of 128 x 128 take 3). Forced (>= 1): clamped to K's slices and to
+// kMaxSplits. Returns the count the launch runs.
 constexpr int64_t kBlockCostK = 32;
 int wide_splits(const GemmArgs& p, int num_sms, int forced) {
   if (p.dtype == DType::kF64 || p.K <= 0) return 1;
@@ -414,7 +414,10 @@ int wide_splits(const GemmArgs& p, int num_sms, int forced) {
     };
     want = 1;
     int64_t best = modelled(1);
-    const int64_t most = std::min<int64_t>(kMaxSplits, p.K / kMinSplitK);
+    // From two rounds of tiles on, the last round's idle slots are at most a
+    // third of the time, and the splits' float32 sums (splits x M x N) would
+    // be several times the output: no split there.
+    const int64_t most = tiles >= 2 * slots ? 1 : std::min<int64_t>(kMaxSplits, p.K / kMinSplitK);
     for (int64_t s = 2; s <= most; ++s) {
       const int64_t t = modelled(s);
       if (t < best && t * 10 <= modelled(1) * 9) {
