@@ -386,11 +386,12 @@ int wide_blocks_per_sm(int bm) {
                     : WideTile<32>::kBlocksPerSm;
 }
 
+int64_t wide_slices(const GemmArgs& p) { return (p.K + kWideBK - 1) / kWideBK; }
+
 // K-slices of the wide kernel per split when K is cut into `splits` parts;
 // the split count is then ceil(slices / that), which may be fewer.
 int64_t slices_per_split(const GemmArgs& p, int splits) {
-  const int64_t slices = (p.K + kWideBK - 1) / kWideBK;
-  return (slices + splits - 1) / splits;
+  return (wide_slices(p) + splits - 1) / splits;
 }
 
 // The K split of the wide kernel, from a model of its rounds: `s` splits run
@@ -413,14 +414,15 @@ int wide_splits(const GemmArgs& p, int num_sms, int forced) {
       return (tiles * s + slots - 1) / slots * ((p.K + s - 1) / s + kBlockCostK);
     };
     want = 1;
-    int64_t best = modelled(1);
+    const int64_t unsplit = modelled(1);
+    int64_t best = unsplit;
     // From two rounds of tiles on, the last round's idle slots are at most a
     // third of the time, and the splits' float32 sums (splits x M x N) would
     // be several times the output: no split there.
     const int64_t most = tiles >= 2 * slots ? 1 : std::min<int64_t>(kMaxSplits, p.K / kMinSplitK);
     for (int64_t s = 2; s <= most; ++s) {
       const int64_t t = modelled(s);
-      if (t < best && t * 10 <= modelled(1) * 9) {
+      if (t < best && t * 10 <= unsplit * 9) {
         best = t;
         want = s;
       }
@@ -428,7 +430,7 @@ int wide_splits(const GemmArgs& p, int num_sms, int forced) {
   }
   want = std::clamp<int64_t>(want, 1, kMaxSplits);
   const int64_t per = slices_per_split(p, static_cast<int>(want));
-  return static_cast<int>(((p.K + kWideBK - 1) / kWideBK + per - 1) / per);
+  return static_cast<int>((wide_slices(p) + per - 1) / per);
 }
 
 template <typename T, int BM>

@@ -687,7 +687,7 @@ def test_cuda_fp32_fp64_paths(matmul_settings, tile, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_simt_split_k(matmul_settings, fp32_precision, dtype):
     """The CUDA-core kernel's wide tiles (32, 64 or 128 rows by the rows of A) and their K
-    split (tiles too few for the SMs): taken by default for float32 of tens of rows, forced
+    split (tiles too few for the SMs): the launcher's own count for tens of rows, forced
     counts on odd K (the last split shorter, more splits asked than K has slices), every
     layout, with bias and each activation, against float64; bit for bit the same on
     repeated calls and in a CUDA graph."""

@@ -156,7 +156,7 @@ struct MatmulConfig {
   int group = 0;
   // FASTCOMM_MATMUL_SPLITS: K split over blocks per output tile of the
   // tensor-core kernels (Hopper wgmma and mma.sync) and of the CUDA-core
-  // kernel's 128 x 128 tile: 0 = auto (where the tiles do not fill the SMs),
+  // kernel's wide tiles: 0 = auto (where the tiles do not fill the SMs),
   // 1 = none, 2..16 forced (fewer where K has fewer slices).
   int splits = 0;
 
