@@ -23,6 +23,7 @@
 //   order before bias and activation.
 #include <algorithm>
 #include <climits>
+#include <type_traits>
 
 #include "dependent_launch.cuh"
 #include "matmul_device.cuh"
@@ -259,7 +260,11 @@ __device__ __forceinline__ void wide_store_partial(const GemmArgs& p, const Simt
   });
 }
 
-template <typename T, int BM, bool SPLIT>
+// VEC (float32, whole tiles, K a multiple of BK, each operand 16-byte
+// aligned with a unit stride and the other a multiple of 4): each operand's
+// slice is fetched as 16-byte loads along its unit-stride dimension, with no
+// bounds checks.
+template <typename T, int BM, bool SPLIT, bool VEC>
 __global__ void __launch_bounds__(WideTile<BM>::kThreads, WideTile<BM>::kBlocksPerSm)
     gemm_simt_wide_kernel(const GemmArgs p, SimtSplit sp) {
   constexpr int BN = 128, BK = 8, PAD = 4;
@@ -297,25 +302,85 @@ __global__ void __launch_bounds__(WideTile<BM>::kThreads, WideTile<BM>::kBlocksP
   const T* b_ptr = B + (k_begin + b_kk) * p.sbk + (n0 + b_nn) * p.sbn;
 
   float ra[A_PER], rb[B_PER];
+  // VEC: 16-byte pieces along the unit-stride dimension, `cq` per row of the
+  // slice; thread t takes piece t of each THREADS, whose row ("slow") steps
+  // by THREADS / cq.
+  constexpr int A4 = A_PER / 4, B4 = B_PER / 4;
+  const int a_cq = a_m_fast ? BM / 4 : BK / 4, b_cq = b_n_fast ? BN / 4 : BK / 4;
+  const int va_m = a_m_fast ? tid % a_cq * 4 : tid / a_cq;
+  const int va_k = a_m_fast ? tid / a_cq : tid % a_cq * 4;
+  const int vb_n = b_n_fast ? tid % b_cq * 4 : tid / b_cq;
+  const int vb_k = b_n_fast ? tid / b_cq : tid % b_cq * 4;
+  const int va_ds = THREADS / a_cq, vb_ds = THREADS / b_cq;
+  const int64_t va_step = va_ds * (a_m_fast ? p.sak : p.sam);
+  const int64_t vb_step = vb_ds * (b_n_fast ? p.sbk : p.sbn);
+  const float* va_ptr =
+      reinterpret_cast<const float*>(A) + (m0 + va_m) * p.sam + (k_begin + va_k) * p.sak;
+  const float* vb_ptr =
+      reinterpret_cast<const float*>(B) + (k_begin + vb_k) * p.sbk + (n0 + vb_n) * p.sbn;
   auto fetch = [&](int k0) {
+    if constexpr (VEC) {
 #pragma unroll
-    for (int i = 0; i < A_PER; ++i) {
-      const bool in = m0 + a_mm + i * a_dm < M && k0 + a_kk + i * a_dk < K;
-      ra[i] = in ? load_acc<float>(a_ptr + i * a_step) : 0.f;
-    }
+      for (int i = 0; i < A4; ++i) {
+        const float4 v = __ldg(reinterpret_cast<const float4*>(va_ptr + i * va_step));
+        ra[4 * i] = v.x;
+        ra[4 * i + 1] = v.y;
+        ra[4 * i + 2] = v.z;
+        ra[4 * i + 3] = v.w;
+      }
 #pragma unroll
-    for (int i = 0; i < B_PER; ++i) {
-      const bool in = k0 + b_kk + i * b_dk < K && n0 + b_nn + i * b_dn < N;
-      rb[i] = in ? load_acc<float>(b_ptr + i * b_step) : 0.f;
+      for (int i = 0; i < B4; ++i) {
+        const float4 v = __ldg(reinterpret_cast<const float4*>(vb_ptr + i * vb_step));
+        rb[4 * i] = v.x;
+        rb[4 * i + 1] = v.y;
+        rb[4 * i + 2] = v.z;
+        rb[4 * i + 3] = v.w;
+      }
+      va_ptr += BK * p.sak;
+      vb_ptr += BK * p.sbk;
+    } else {
+#pragma unroll
+      for (int i = 0; i < A_PER; ++i) {
+        const bool in = m0 + a_mm + i * a_dm < M && k0 + a_kk + i * a_dk < K;
+        ra[i] = in ? load_acc<float>(a_ptr + i * a_step) : 0.f;
+      }
+#pragma unroll
+      for (int i = 0; i < B_PER; ++i) {
+        const bool in = k0 + b_kk + i * b_dk < K && n0 + b_nn + i * b_dn < N;
+        rb[i] = in ? load_acc<float>(b_ptr + i * b_step) : 0.f;
+      }
+      a_ptr += BK * p.sak;
+      b_ptr += BK * p.sbk;
     }
-    a_ptr += BK * p.sak;
-    b_ptr += BK * p.sbk;
   };
   auto stash = [&](int buf) {
+    if constexpr (VEC) {
 #pragma unroll
-    for (int i = 0; i < A_PER; ++i) As[buf][a_kk + i * a_dk][a_mm + i * a_dm] = ra[i];
+      for (int i = 0; i < A4; ++i) {
+        if (a_m_fast) {
+          *reinterpret_cast<float4*>(&As[buf][va_k + i * va_ds][va_m]) =
+              make_float4(ra[4 * i], ra[4 * i + 1], ra[4 * i + 2], ra[4 * i + 3]);
+        } else {
 #pragma unroll
-    for (int i = 0; i < B_PER; ++i) Bs[buf][b_kk + i * b_dk][b_nn + i * b_dn] = rb[i];
+          for (int c = 0; c < 4; ++c) As[buf][va_k + c][va_m + i * va_ds] = ra[4 * i + c];
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < B4; ++i) {
+        if (b_n_fast) {
+          *reinterpret_cast<float4*>(&Bs[buf][vb_k + i * vb_ds][vb_n]) =
+              make_float4(rb[4 * i], rb[4 * i + 1], rb[4 * i + 2], rb[4 * i + 3]);
+        } else {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) Bs[buf][vb_k + c][vb_n + i * vb_ds] = rb[4 * i + c];
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < A_PER; ++i) As[buf][a_kk + i * a_dk][a_mm + i * a_dm] = ra[i];
+#pragma unroll
+      for (int i = 0; i < B_PER; ++i) Bs[buf][b_kk + i * b_dk][b_nn + i * b_dn] = rb[i];
+    }
   };
 
   float acc[TM][8];
@@ -433,15 +498,37 @@ int wide_splits(const GemmArgs& p, int num_sms, int forced) {
   return static_cast<int>((wide_slices(p) + per - 1) / per);
 }
 
+// Whether the wide kernel's 16-byte fetch (VEC) can run the problem.
+bool wide_vector_fetch(const GemmArgs& p, int bm) {
+  if (p.dtype != DType::kF32 || bm == 32 || p.M % bm != 0 || p.N % 128 != 0 || p.K % kWideBK != 0 ||
+      !aligned16(p.a) || !aligned16(p.b)) {
+    return false;
+  }
+  const bool a_ok = (p.sam == 1 && p.sak != 1) ? p.sak % 4 == 0 : (p.sak == 1 && p.sam % 4 == 0);
+  const bool b_ok = (p.sbk == 1 && p.sbn != 1) ? p.sbn % 4 == 0 : (p.sbn == 1 && p.sbk % 4 == 0);
+  return a_ok && b_ok;
+}
+
 template <typename T, int BM>
 cudaError_t launch_wide_tile(const GemmArgs& p, const SimtSplit& sp, cudaStream_t stream) {
   const int64_t tiles = output_tiles(p, BM, 128);
   if (tiles > INT_MAX) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(sp.splits));
+  constexpr int kThreads = WideTile<BM>::kThreads;
+  if constexpr (std::is_same_v<T, float> && BM != 32) {
+    if (wide_vector_fetch(p, BM)) {
+      if (sp.splits > 1) {
+        gemm_simt_wide_kernel<T, BM, true, true><<<grid, kThreads, 0, stream>>>(p, sp);
+      } else {
+        gemm_simt_wide_kernel<T, BM, false, true><<<grid, kThreads, 0, stream>>>(p, sp);
+      }
+      return cudaGetLastError();
+    }
+  }
   if (sp.splits > 1) {
-    gemm_simt_wide_kernel<T, BM, true><<<grid, WideTile<BM>::kThreads, 0, stream>>>(p, sp);
+    gemm_simt_wide_kernel<T, BM, true, false><<<grid, kThreads, 0, stream>>>(p, sp);
   } else {
-    gemm_simt_wide_kernel<T, BM, false><<<grid, WideTile<BM>::kThreads, 0, stream>>>(p, sp);
+    gemm_simt_wide_kernel<T, BM, false, false><<<grid, kThreads, 0, stream>>>(p, sp);
   }
   return cudaGetLastError();
 }

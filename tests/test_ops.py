@@ -738,6 +738,36 @@ def test_cuda_simt_split_k(matmul_settings, fp32_precision, dtype):
 
 @pytest.mark.cuda(1)
 @_skip_no_cuda
+def test_cuda_simt_vector_fetch(matmul_settings, fp32_precision):
+    """Whole float32 tiles with aligned operands take the 16-byte fetch; a copy of the same
+    operands one element off 16-byte alignment takes the checked fetch. Both sum in the same
+    order, so they agree bit for bit, in every layout, with and without a K split, and match
+    float64."""
+    fp32_precision("highest")
+    for splits in (0, 1, 3):
+        matmul_settings(impl="simt", splits=splits)
+        for m, n, k in ((64, 256, 64), (128, 384, 136), (256, 128, 1024), (192, 640, 48)):
+            x = _rand(m, k, dtype=torch.float32, device="cuda")
+            w = _rand(n, k, dtype=torch.float32, device="cuda")
+            for a in (x, x.t().contiguous().t()):
+                # The same values at storage offset 1: 4 bytes off 16-byte alignment.
+                a_off = torch.empty(a.numel() + 1, device="cuda")[1:].as_strided(
+                    a.shape, a.stride()
+                )
+                a_off.copy_(a)
+                for b in (w.t(), w.t().contiguous()):
+                    kernel = torch.ops.fastcomm._kernel_name(a, b)
+                    assert torch.ops.fastcomm._kernel_name(a_off, b) == kernel
+                    aligned = ops.matmul(a, b)
+                    unaligned = ops.matmul(a_off, b)
+                    where = (splits, m, n, k, a.stride(), b.stride(), kernel)
+                    assert torch.equal(aligned, unaligned), where
+                    ref = a.double() @ b.double()
+                    assert _rel_err(aligned, ref) < RTOL[torch.float32], (splits, m, n, k)
+
+
+@pytest.mark.cuda(1)
+@_skip_no_cuda
 def test_cuda_runs_on_current_stream():
     a = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(384, 256, device="cuda", dtype=torch.bfloat16)
