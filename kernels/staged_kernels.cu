@@ -264,7 +264,7 @@ __global__ void reduceStagedKernel(Op op, T* own, const char* recv, int64_t pitc
       o.e[i] = convert<T>(w.e[i]);
     }
     storeVec<false, T, V>(own + v * V, o);
-    storeVec<true, W, V>(out + v * V, w);
+    if (out != nullptr) storeVec<true, W, V>(out + v * V, w);
   }
   for (int64_t i = nv * V + first; i < n; i += step) {
     Acc acc = Num<T>::load(own[i]);
@@ -274,7 +274,7 @@ __global__ void reduceStagedKernel(Op op, T* own, const char* recv, int64_t pitc
     if (divisor > 0) acc = acc / static_cast<Acc>(divisor);
     const W w = Num<W>::store(acc);
     own[i] = convert<T>(w);
-    storeStaging(out + i, w);
+    if (out != nullptr) storeStaging(out + i, w);
   }
 }
 

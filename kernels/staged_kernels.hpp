@@ -43,9 +43,9 @@ void packToStaging(Wire wire, int64_t esize, const void* chunk, void* slots, int
 // types), double, or 64-bit integers; `divisor` > 0 divides the result (AVG;
 // integer division truncates). The result is stored in own[] and, as the
 // element type or coded for the wire, in out[] (the staging slot the
-// all-gather sends). With a wire dtype (float32 data, Sum only) the peers'
-// pieces are coded, and own[] gets the decoded result, so the owner keeps
-// exactly what its peers receive.
+// all-gather sends; null: none, without a wire dtype only). With a wire dtype
+// (float32 data, Sum only) the peers' pieces are coded, and own[] gets the
+// decoded result, so the owner keeps exactly what its peers receive.
 void reduceFromStaging(Elem elem, Op op, Wire wire, void* own, const void* recv, int64_t pitch,
                        int nPeers, int64_t n, int64_t divisor, void* out, cudaStream_t stream);
 // B(k): the peers' reduced pieces of chunk k from `slots` into place in the

@@ -58,6 +58,20 @@ struct HierLayout {
     return most;
   }
 
+  // n contiguous elements as piece 0 of chunk 0, for the steps' kernels with
+  // me = 1 (they move the pieces of the nodes other than `me`): how the
+  // two-member exchange stages and decodes a whole chunk.
+  static HierLayout wholeRange(int64_t n) {
+    HierLayout l;
+    l.shard = 2 * n;
+    l.rails = 2;
+    l.align = 1;
+    l.qMax = n;
+    l.chunkElems = 2 * n;
+    l.chunks = 1;
+    return l;
+  }
+
   FASTCOMM_HD int64_t chunkOff(int64_t k) const { return k * chunkElems; }
   FASTCOMM_HD int64_t chunkLen(int64_t k) const {
     const int64_t left = shard - k * chunkElems;

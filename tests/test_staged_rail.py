@@ -167,12 +167,14 @@ def wire_fn(rank: int, ws: int, wire: str) -> dict[str, Any]:
     return {}
 
 
+@pytest.mark.parametrize("ws", [2, 3])
 @pytest.mark.parametrize("wire", list(WIRE_STEP))
-def test_staged_rail_wire_dtype(wire: str) -> None:
+def test_staged_rail_wire_dtype(wire: str, ws: int) -> None:
     """float32 SUM/AVG over each wire dtype (fp16 and int8 block-scaled, as the kernels code
-    them): within its coding bound of the float64 reference, finite past fp16's range, and
-    bit-identical on every rank; integers exact."""
-    run_ranks(3, wire_fn, wire, init=False, timeout_s=300)
+    them), two members exchanging whole chunks and three reducing pieces: within its coding
+    bound of the float64 reference, finite past fp16's range, and bit-identical on every rank;
+    integers exact."""
+    run_ranks(ws, wire_fn, wire, init=False, timeout_s=300)
 
 
 def window_fn(rank: int, ws: int, window: int, lag: int) -> dict[str, Any]:
@@ -252,8 +254,12 @@ def small_op_chunks_fn(rank: int, ws: int) -> dict[str, Any]:
         chk.reduced(t, inputs, "SUM", f"{n} x {dt}")
         # every chunk's "d2h" event is in: the proxy recorded it before sending the chunk,
         # which the peers' pieces this rank's device waited for needed
-        seen = {e["chunk"] for e in torchext.timeline() if e["thread"] == "fc-cuda-proxy"}
+        events = [e for e in torchext.timeline() if e["thread"] == "fc-cuda-proxy"]
+        seen = {e["chunk"] for e in events}
         chk.true(seen == set(range(chunks)), f"{n} x {dt}: chunks {sorted(seen)}, not {chunks}")
+        # two members exchange whole chunks: one network hop per chunk, no all-gather
+        hops = sorted({e["name"] for e in events if e["name"].startswith("net")})
+        chk.true(hops == ["net"], f"{n} x {dt}: network steps {hops}")
     ep.close()
     _done(store, "small", rank, ws)
     chk.raise_if_failed()
@@ -262,7 +268,8 @@ def small_op_chunks_fn(rank: int, ws: int) -> dict[str, Any]:
 
 def test_staged_rail_small_op_chunks() -> None:
     """Small ops are cut into 4 chunks of at least 256 KiB (so their steps overlap), larger
-    ones keep the configured chunk: the proxy's timeline shows the chunks; results exact."""
+    ones keep the configured chunk: the proxy's timeline shows the chunks, each with one
+    network hop (two members exchange whole chunks); results exact."""
     run_ranks(2, small_op_chunks_fn, init=False, env={"FASTCOMM_TIMELINE": "1"}, timeout_s=240)
 
 

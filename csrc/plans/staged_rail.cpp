@@ -116,6 +116,7 @@ StagedRail::StagedRail(StagedDevice& device, std::vector<int> railRanks, int me,
       me_(me),
       groupRank_(groupRank),
       groupSize_(groupSize),
+      exchange_(railRanks_.size() == 2),
       chunkBytes_(chunkBytes),
       window_(window),
       // Rank 0's window may be smaller than this rank's: the lag must stay below it.
@@ -223,6 +224,10 @@ char* StagedRail::agRecvSlot(int64_t slot, int j) const {
          (2 * static_cast<int64_t>(peers_.size()) + 1 + j) * staging_.pieceBytes;
 }
 
+char* StagedRail::exchangeRecvSlot(int64_t slot) const {
+  return staging_.base + slot * staging_.slotBytes + 2 * staging_.pieceBytes;
+}
+
 bool StagedRail::anyPeerPiece(const HierLayout& l, int64_t k) const {
   for (int j = 0; j < static_cast<int>(peers_.size()); ++j)
     if (l.pieceLen(k, peerNode(j, me_)) > 0) return true;
@@ -262,6 +267,31 @@ void StagedRail::issueB(const HierLayout& l, int64_t k, int64_t slot, char* shar
                            staging_.pieceBytes, shard + l.chunkOff(k) * esize, l, k, me_);
   }
   dev_.setFlag(kFlagGathered, slot);
+}
+
+void StagedRail::issuePWhole(const HierLayout& l, int64_t k, int64_t slot, char* shard,
+                             int64_t esize, bool wire) {
+  dev_.waitFlag(kFlagFree, slot);
+  dev_.packToStaging(wire ? wire_ : WireDtype::None, esize, shard + l.chunkOff(k) * esize,
+                     sendSlot(slot, 0), 0, HierLayout::wholeRange(l.chunkLen(k)), 0, 1);
+  dev_.setFlag(kFlagPacked, slot);
+}
+
+void StagedRail::issueAWhole(const HierLayout& l, int64_t k, int64_t slot, char* shard,
+                             at::ScalarType dt, RedOp op, bool wire) {
+  dev_.waitFlag(kFlagRsIn, slot);
+  const int64_t esize = static_cast<int64_t>(c10::elementSize(dt));
+  const int64_t len = l.chunkLen(k);
+  char* own = shard + l.chunkOff(k) * esize;
+  if (wire) {
+    // This rank's operand as the peer receives it: its staged codes, decoded.
+    dev_.gatherFromStaging(wire_, esize, sendSlot(slot, 0), 0, own, HierLayout::wholeRange(len), 0,
+                           1);
+  }
+  const int64_t divisor = op == RedOp::Avg ? groupSize_ : 0;
+  dev_.reduceFromStaging(dt, op, wire ? wire_ : WireDtype::None, own, exchangeRecvSlot(slot),
+                         staging_.pieceBytes, 1, len, divisor, wire ? sendSlot(slot, 0) : nullptr);
+  dev_.setFlag(kFlagReduced, slot);
 }
 
 void StagedRail::allreduce(char* shard, int64_t shardElems, at::ScalarType dt, RedOp op,
@@ -332,6 +362,24 @@ void StagedRail::allreduce(char* shard, int64_t shardElems, at::ScalarType dt, R
     issueB(l, k, slotOf(k), shard, esize, wire);
   };
   if (lanes) dev_.forkLanes();
+  if (exchange_) {
+    // P of the first window_ chunks, then each chunk's reduction and the
+    // staging of the chunk that reuses its slot.
+    for (int64_t k = 0; k < std::min(window_, n); ++k) {
+      lane(kLaneP);
+      issuePWhole(l, k, slotOf(k), shard, esize, wire);
+    }
+    for (int64_t t2 = 0; t2 < n; ++t2) {
+      lane(kLaneA);
+      issueAWhole(l, t2, slotOf(t2), shard, dt, op, wire);
+      if (t2 + window_ < n) {
+        lane(kLaneP);
+        issuePWhole(l, t2 + window_, slotOf(t2 + window_), shard, esize, wire);
+      }
+    }
+    if (lanes) dev_.joinLanes();
+    return;
+  }
   for (int64_t k = 0; k < std::min(window_, n); ++k) P(k);
   for (int64_t t2 = 0; t2 < n; ++t2) {
     A(t2);
@@ -430,7 +478,126 @@ void StagedRail::proxyLoop() {
   }
 }
 
+void StagedRail::runExchange(Op& op) {
+  const HierLayout& l = op.layout;
+  const int64_t n = l.chunks;
+  const bool wire = op.wire != WireDtype::None;
+  struct Chunk {
+    std::unique_ptr<transport::Request> recv, send;
+    bool recvPosted = false, sendPosted = false, packed = false, released = false, reduced = false;
+    Clock::time_point tRecvPosted{}, tPacked{}, tReleased{};
+  };
+  std::vector<Chunk> cs(n);
+  auto slotOf = [&](int64_t k) { return (op.firstChunk + k) % window_; };
+  auto done = [](std::unique_ptr<transport::Request>& r) {
+    if (r && r->test()) r.reset();
+    return !r;
+  };
+  // Cursors in chunk order (each connection's messages are matched in order).
+  int64_t recvNext = 0, sendNext = 0, packedNext = 0, releasedNext = 0, reducedNext = 0,
+          freedNext = 0;
+  const auto opStart = Clock::now();
+  auto lastProgress = opStart;
+  try {
+    while (freedNext < n) {
+      if (failed_.load()) {
+        std::lock_guard<std::mutex> lock(mu_);
+        throwCommError("fastcomm: " + op.name + " (seq " + std::to_string(op.seq) +
+                       ") failed on group rank " + std::to_string(groupRank_) + ": " + abortWhy_);
+      }
+      bool progressed = false;
+      // The peer's chunk, once the slot's previous chunk was reduced (A read it).
+      while (recvNext < n && (recvNext < window_ || cs[recvNext - window_].reduced)) {
+        auto& c = cs[recvNext];
+        c.recv = rsConns_[0]->irecv(exchangeRecvSlot(slotOf(recvNext)),
+                                    op.pieceBytes(l.chunkLen(recvNext)), rsMr_.get());
+        if (!c.recv) break;  // the connection's request limit: later
+        c.recvPosted = true;
+        c.tRecvPosted = Clock::now();
+        ++recvNext;
+        progressed = true;
+      }
+      while (packedNext < n && loadFlag(dev_.hostFlag(kFlagPacked, slotOf(packedNext))) == 1) {
+        storeFlag(dev_.hostFlag(kFlagPacked, slotOf(packedNext)), 0);
+        cs[packedNext].packed = true;
+        cs[packedNext].tPacked = Clock::now();
+        record("d2h", packedNext, opStart, cs[packedNext].tPacked);
+        ++packedNext;
+        progressed = true;
+      }
+      while (sendNext < n && cs[sendNext].packed) {
+        auto& c = cs[sendNext];
+        c.send = rsConns_[0]->isend(sendSlot(slotOf(sendNext), 0),
+                                    op.pieceBytes(l.chunkLen(sendNext)), rsMr_.get());
+        if (!c.send) break;
+        c.sendPosted = true;
+        ++sendNext;
+        progressed = true;
+      }
+      // The peer's chunk arrived and this rank's was staged (A overwrites
+      // what P read; on lanes only these flags order them), and where A
+      // writes the send slot (a wire dtype) this rank's went out: let the
+      // device reduce.
+      while (releasedNext < n && cs[releasedNext].packed && cs[releasedNext].recvPosted &&
+             done(cs[releasedNext].recv) &&
+             (!wire || (cs[releasedNext].sendPosted && done(cs[releasedNext].send)))) {
+        auto& c = cs[releasedNext];
+        c.released = true;
+        c.tReleased = Clock::now();
+        storeFlag(dev_.hostFlag(kFlagRsIn, slotOf(releasedNext)), 1);
+        record("net", releasedNext, c.tPacked == Clock::time_point{} ? c.tRecvPosted : c.tPacked,
+               c.tReleased);
+        ++releasedNext;
+        progressed = true;
+      }
+      while (reducedNext < n && cs[reducedNext].released &&
+             loadFlag(dev_.hostFlag(kFlagReduced, slotOf(reducedNext))) == 1) {
+        storeFlag(dev_.hostFlag(kFlagReduced, slotOf(reducedNext)), 0);
+        cs[reducedNext].reduced = true;
+        record("h2d+reduce", reducedNext, cs[reducedNext].tReleased, Clock::now());
+        ++reducedNext;
+        progressed = true;
+      }
+      // Reduced and sent: the slot may take its next chunk.
+      while (freedNext < n && freedNext < reducedNext && cs[freedNext].sendPosted &&
+             done(cs[freedNext].send)) {
+        storeFlag(dev_.hostFlag(kFlagFree, slotOf(freedNext)), 1);
+        ++freedNext;
+        progressed = true;
+      }
+      const auto now = Clock::now();
+      if (progressed) {
+        lastProgress = now;
+        continue;
+      }
+      if (now >= op.deadline) {
+        // Waiting for the peer when a transfer of the earliest unfinished
+        // chunk is still open; otherwise for our own device.
+        const int64_t k = std::min(releasedNext, freedNext);
+        if (k < n && ((cs[k].recv && !cs[k].recv->test()) || (cs[k].send && !cs[k].send->test())))
+          failNetwork(op, {peers_[0]});
+        failDevice(op);
+      }
+      if (now - lastProgress < kSpin) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(kNap);
+      }
+    }
+  } catch (const transport::TransportError& e) {
+    throwCommError("fastcomm: " + op.name + " (seq " + std::to_string(op.seq) +
+                   ") failed on group rank " + std::to_string(groupRank_) +
+                   ": inter-node transfer with group rank [" + std::to_string(e.peer()) +
+                   "] failed (timeout " + std::to_string(op.timeout.count()) +
+                   " ms not reached): " + e.what() + peerReason(e.peer()) + laggingNote(op));
+  }
+}
+
 void StagedRail::runOp(Op& op) {
+  if (exchange_) {
+    runExchange(op);
+    return;
+  }
   const HierLayout& l = op.layout;
   const int64_t n = l.chunks;
   const int peers = static_cast<int>(peers_.size());

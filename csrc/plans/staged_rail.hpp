@@ -22,6 +22,21 @@
 // on a GPU, kernels on mapped pinned or device staging), so a chunk costs 3
 // data operations, the same for every rail size and wire dtype.
 //
+// Two members (two nodes) exchange whole chunks instead: the same bytes
+// cross the link, in one network hop per chunk instead of two.
+//   P(k): the device stages all of chunk k (coded for the wire dtype);
+//   net:  the proxy sends it to the peer and receives the peer's chunk k;
+//   A(k): the device reduces that into chunk k (with a wire dtype after
+//         putting its own staged codes back in place decoded, so both members
+//         add the same two coded values and end with identical sums; the
+//         result is coded into the send slot and decoded again, as A does
+//         with several members).
+// Results match on both members because their two operands are the same
+// (op is commutative). The slot's first half holds the staged chunk, its
+// second half the peer's. A(k) overwrites what P(k) read, so its wait is
+// released only once P(k) is done too (on lanes nothing else orders them),
+// and, where it writes the send slot (a wire dtype), once the chunk was sent.
+//
 // Streams: an eager op puts its steps on three lanes (P, A, B: each in chunk
 // order on a stream of its own, forked from the op's stream and joined back
 // at its end), so a step waiting for the network holds back only its own
@@ -170,8 +185,9 @@ class StagedDevice {
                              int64_t pitch, const HierLayout& l, int64_t k, int me) = 0;
   // A(k): reduce() with the peers' pieces read from `recv` (peer j's at
   // recv + j * pitch bytes) and the result stored both in out[] (the
-  // all-gather send slot), as dt or coded, and in own[] (with a wire dtype:
-  // decoded, so the owner keeps exactly what its peers receive).
+  // all-gather send slot; null for none, without a wire dtype), as dt or
+  // coded, and in own[] (with a wire dtype: decoded, so the owner keeps
+  // exactly what its peers receive).
   virtual void reduceFromStaging(at::ScalarType dt, RedOp op, WireDtype wire, void* own,
                                  const void* recv, int64_t pitch, int nPeers, int64_t n,
                                  int64_t divisor, void* out) = 0;
@@ -320,6 +336,7 @@ class StagedRail {
   std::string laggingNote(const Op& op);
   void publishReason(const std::string& why);
 
+  void runExchange(Op& op);  // runOp of the two-member exchange
   void issueP(const HierLayout& l, int64_t k, int64_t slot, char* shard, int64_t esize, bool wire);
   void issueA(const HierLayout& l, int64_t k, int64_t slot, char* shard, at::ScalarType dt,
               RedOp op, bool wire);
@@ -329,12 +346,20 @@ class StagedRail {
   char* recvSlot(int64_t slot, int j) const;                // this rank's piece from peer j
   char* agSendSlot(int64_t slot) const;                     // this rank's reduced piece
   char* agRecvSlot(int64_t slot, int j) const;              // the reduced piece of peer j
+  // Two-member exchange: the chunk this rank staged (sendSlot(slot, 0), two
+  // pieces long) and the peer's chunk (the slot's second half).
+  void issuePWhole(const HierLayout& l, int64_t k, int64_t slot, char* shard, int64_t esize,
+                   bool wire);
+  void issueAWhole(const HierLayout& l, int64_t k, int64_t slot, char* shard, at::ScalarType dt,
+                   RedOp op, bool wire);
+  char* exchangeRecvSlot(int64_t slot) const;
 
   StagedDevice& dev_;
   Staging staging_;
   std::vector<int> railRanks_;
   std::vector<int> peers_;  // group rank of peer slot j (node peerNode(j, me_))
   int me_, groupRank_, groupSize_;
+  bool exchange_;  // two members: whole chunks in one hop (see the header)
   int64_t chunkBytes_;
   int64_t window_;  // chunk slots (of staging and flags) in flight
   // B (the all-gather step) of chunk k is issued after A (the reduction) of

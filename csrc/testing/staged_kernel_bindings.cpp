@@ -34,14 +34,7 @@ hierk::Wire wireOf(const std::string& w) {
 // n elements of the shard: P and B then code and decode exactly those.
 HierLayout onePiece(int64_t n) {
   TORCH_CHECK(n >= 1, "fastcomm: no values to code");
-  HierLayout l;
-  l.shard = 2 * n;
-  l.rails = 2;
-  l.align = 1;
-  l.qMax = n;
-  l.chunkElems = 2 * n;
-  l.chunks = 1;
-  return l;
+  return HierLayout::wholeRange(n);
 }
 
 hierk::Elem elemOf(at::ScalarType t) {

@@ -141,7 +141,7 @@ class EmulatedDevice final : public StagedDevice {
       for (int j = 0; j < nPeers; ++j) ins.push_back(peer(j));
       reduceInto(own, ins.data(), static_cast<int>(ins.size()), n, dt, op,
                  divisor > 0 ? static_cast<int>(divisor) : 1);
-      std::memcpy(out, own, n * static_cast<int64_t>(c10::elementSize(dt)));
+      if (out != nullptr) std::memcpy(out, own, n * static_cast<int64_t>(c10::elementSize(dt)));
     });
   }
   void gatherFromStaging(WireDtype wire, int64_t esize, const void* slots, int64_t pitch,
