@@ -285,12 +285,15 @@ G_IN, G_HIDDEN, G_LAYERS, G_BATCH = 64, 128, 6, 16
 
 
 G_WIDE = 1024  # wide model: a 1024 x 1024 weight, 4 MiB of float32 gradients in one bucket
+# The staged path's threshold in the wide model's tests: the wide bucket at 16 bits is above it,
+# the small buckets below.
+WIDE_BUCKET_THRESHOLD = "2M"
 
 
 def _gpu_model(seed: int, device: torch.device, wide: bool = False) -> nn.Module:
     """Small layers; ``wide`` adds a G_WIDE x G_WIDE layer, whose bucket (4 MiB, or 2 MiB
-    compressed to 16 bits) is at or above FASTCOMM_CUDA_HIER_MIN_BYTES (2 MiB) while the others'
-    stay below it."""
+    compressed to 16 bits) is at or above WIDE_BUCKET_THRESHOLD while the others' stay below
+    it."""
     torch.manual_seed(seed)
     layers: list[nn.Module] = [nn.Linear(G_IN, G_HIDDEN), nn.Tanh()]
     for _ in range(G_LAYERS - 2):
@@ -640,7 +643,11 @@ def test_multinode_ddp_step_captured_equals_eager() -> None:
         4,
         multinode_capture_fn,
         MULTINODE_CASES,
-        env=lambda r: {"FASTCOMM_HOST_ID": f"simnode{r // 2}", "FASTCOMM_TIMELINE": "1"},
+        env=lambda r: {
+            "FASTCOMM_HOST_ID": f"simnode{r // 2}",
+            "FASTCOMM_TIMELINE": "1",
+            "FASTCOMM_CUDA_HIER_MIN_BYTES": WIDE_BUCKET_THRESHOLD,
+        },
         timeout_s=400,
     )
     print(res[0])

@@ -176,7 +176,7 @@ const std::vector<Setting>& settings() {
                       "shared-memory ring buffer per directed pair for send/recv"));
     v.push_back(onOff("FASTCOMM_CUDA_HIER", A, &Config::cudaHier, "1",
                       "`0`: CUDA all_reduces across nodes stay on the flat NCCL communicator"));
-    v.push_back(bytes("FASTCOMM_CUDA_HIER_MIN_BYTES", A, &Config::cudaHierMinBytes, "2M",
+    v.push_back(bytes("FASTCOMM_CUDA_HIER_MIN_BYTES", A, &Config::cudaHierMinBytes, "4M",
                       "CUDA all_reduces across nodes from this size take the staged rail"));
     v.push_back({{"FASTCOMM_CUDA_INTER", A, "nccl",
                   "other CUDA collectives across nodes: `nccl` (flat communicator) or `host` "
