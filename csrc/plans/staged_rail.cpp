@@ -500,11 +500,7 @@ void StagedRail::runExchange(Op& op) {
   auto lastProgress = opStart;
   try {
     while (freedNext < n) {
-      if (failed_.load()) {
-        std::lock_guard<std::mutex> lock(mu_);
-        throwCommError("fastcomm: " + op.name + " (seq " + std::to_string(op.seq) +
-                       ") failed on group rank " + std::to_string(groupRank_) + ": " + abortWhy_);
-      }
+      throwIfAborted(op);
       bool progressed = false;
       // The peer's chunk, once the slot's previous chunk was reduced (A read it).
       while (recvNext < n && (recvNext < window_ || cs[recvNext - window_].reduced)) {
@@ -517,8 +513,7 @@ void StagedRail::runExchange(Op& op) {
         ++recvNext;
         progressed = true;
       }
-      while (packedNext < n && loadFlag(dev_.hostFlag(kFlagPacked, slotOf(packedNext))) == 1) {
-        storeFlag(dev_.hostFlag(kFlagPacked, slotOf(packedNext)), 0);
+      while (packedNext < n && takeFlag(kFlagPacked, slotOf(packedNext))) {
         cs[packedNext].packed = true;
         cs[packedNext].tPacked = Clock::now();
         record("d2h", packedNext, opStart, cs[packedNext].tPacked);
@@ -551,8 +546,7 @@ void StagedRail::runExchange(Op& op) {
         progressed = true;
       }
       while (reducedNext < n && cs[reducedNext].released &&
-             loadFlag(dev_.hostFlag(kFlagReduced, slotOf(reducedNext))) == 1) {
-        storeFlag(dev_.hostFlag(kFlagReduced, slotOf(reducedNext)), 0);
+             takeFlag(kFlagReduced, slotOf(reducedNext))) {
         cs[reducedNext].reduced = true;
         record("h2d+reduce", reducedNext, cs[reducedNext].tReleased, Clock::now());
         ++reducedNext;
@@ -578,18 +572,10 @@ void StagedRail::runExchange(Op& op) {
           failNetwork(op, {peers_[0]});
         failDevice(op);
       }
-      if (now - lastProgress < kSpin) {
-        std::this_thread::yield();
-      } else {
-        std::this_thread::sleep_for(kNap);
-      }
+      pause(now - lastProgress);
     }
   } catch (const transport::TransportError& e) {
-    throwCommError("fastcomm: " + op.name + " (seq " + std::to_string(op.seq) +
-                   ") failed on group rank " + std::to_string(groupRank_) +
-                   ": inter-node transfer with group rank [" + std::to_string(e.peer()) +
-                   "] failed (timeout " + std::to_string(op.timeout.count()) +
-                   " ms not reached): " + e.what() + peerReason(e.peer()) + laggingNote(op));
+    failTransport(op, e);
   }
 }
 
@@ -619,11 +605,7 @@ void StagedRail::runOp(Op& op) {
   };
   try {
     while (gatheredNext < n || freedNext < n) {
-      if (failed_.load()) {
-        std::lock_guard<std::mutex> lock(mu_);
-        throwCommError("fastcomm: " + op.name + " (seq " + std::to_string(op.seq) +
-                       ") failed on group rank " + std::to_string(groupRank_) + ": " + abortWhy_);
-      }
+      throwIfAborted(op);
       bool progressed = false;
       // Receives, as soon as the slot's buffers are no longer read by the device.
       while (rsRecvNext < n && (rsRecvNext < window_ || cs[rsRecvNext - window_].reduced)) {
@@ -657,8 +639,7 @@ void StagedRail::runOp(Op& op) {
         progressed = true;
       }
       // The device staged a chunk's send pieces: send them.
-      while (packedNext < n && loadFlag(dev_.hostFlag(kFlagPacked, slotOf(packedNext))) == 1) {
-        storeFlag(dev_.hostFlag(kFlagPacked, slotOf(packedNext)), 0);
+      while (packedNext < n && takeFlag(kFlagPacked, slotOf(packedNext))) {
         auto& c = cs[packedNext];
         c.packed = true;
         c.tPacked = Clock::now();
@@ -700,8 +681,7 @@ void StagedRail::runOp(Op& op) {
         progressed = true;
       }
       while (reducedNext < n && cs[reducedNext].rsArrived &&
-             loadFlag(dev_.hostFlag(kFlagReduced, slotOf(reducedNext))) == 1) {
-        storeFlag(dev_.hostFlag(kFlagReduced, slotOf(reducedNext)), 0);
+             takeFlag(kFlagReduced, slotOf(reducedNext))) {
         auto& c = cs[reducedNext];
         c.reduced = true;
         c.tReduced = Clock::now();
@@ -734,8 +714,7 @@ void StagedRail::runOp(Op& op) {
         progressed = true;
       }
       while (gatheredNext < n && cs[gatheredNext].agArrived &&
-             loadFlag(dev_.hostFlag(kFlagGathered, slotOf(gatheredNext))) == 1) {
-        storeFlag(dev_.hostFlag(kFlagGathered, slotOf(gatheredNext)), 0);
+             takeFlag(kFlagGathered, slotOf(gatheredNext))) {
         auto& c = cs[gatheredNext];
         c.gathered = true;
         record("h2d (all-gather)", gatheredNext, c.tAgArrived, Clock::now());
@@ -779,18 +758,40 @@ void StagedRail::runOp(Op& op) {
         if (pending.empty()) failDevice(op);
         failNetwork(op, pending);
       }
-      if (now - lastProgress < kSpin) {
-        std::this_thread::yield();
-      } else {
-        std::this_thread::sleep_for(kNap);
-      }
+      pause(now - lastProgress);
     }
   } catch (const transport::TransportError& e) {
-    throwCommError("fastcomm: " + op.name + " (seq " + std::to_string(op.seq) +
-                   ") failed on group rank " + std::to_string(groupRank_) +
-                   ": inter-node transfer with group rank [" + std::to_string(e.peer()) +
-                   "] failed (timeout " + std::to_string(op.timeout.count()) +
-                   " ms not reached): " + e.what() + peerReason(e.peer()) + laggingNote(op));
+    failTransport(op, e);
+  }
+}
+
+bool StagedRail::takeFlag(int flag, int64_t slot) {
+  uint32_t* f = dev_.hostFlag(flag, slot);
+  if (loadFlag(f) != 1) return false;
+  storeFlag(f, 0);
+  return true;
+}
+
+void StagedRail::throwIfAborted(const Op& op) {
+  if (!failed_.load()) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  throwCommError("fastcomm: " + op.name + " (seq " + std::to_string(op.seq) +
+                 ") failed on group rank " + std::to_string(groupRank_) + ": " + abortWhy_);
+}
+
+void StagedRail::failTransport(const Op& op, const transport::TransportError& e) {
+  throwCommError("fastcomm: " + op.name + " (seq " + std::to_string(op.seq) +
+                 ") failed on group rank " + std::to_string(groupRank_) +
+                 ": inter-node transfer with group rank [" + std::to_string(e.peer()) +
+                 "] failed (timeout " + std::to_string(op.timeout.count()) +
+                 " ms not reached): " + e.what() + peerReason(e.peer()) + laggingNote(op));
+}
+
+void StagedRail::pause(Clock::duration sinceProgress) {
+  if (sinceProgress < kSpin) {
+    std::this_thread::yield();
+  } else {
+    std::this_thread::sleep_for(kNap);
   }
 }
 

@@ -328,6 +328,13 @@ class StagedRail {
   void enqueue(Op op);
   void proxyLoop();
   void runOp(Op& op);  // to completion; throws on failure
+  // The proxy loops' shared exits and idling: an abort of the group, a
+  // failed transfer, and spinning then napping while nothing progresses.
+  void throwIfAborted(const Op& op);
+  // Whether the device raised host flag `flag` of `slot`; lowers it if so.
+  bool takeFlag(int flag, int64_t slot);
+  [[noreturn]] void failTransport(const Op& op, const transport::TransportError& e);
+  static void pause(Clock::duration sinceProgress);
   [[noreturn]] void failNetwork(const Op& op, const std::vector<int>& pendingPeers);
   [[noreturn]] void failDevice(const Op& op);
   void failAll(std::exception_ptr e, Op* current);
