@@ -52,8 +52,12 @@ __device__ __forceinline__ void block_tile_origin(int M, int N, int& m0, int& n0
 
 // Whether consecutive threads should walk A along M (else along K) and B
 // along N (else along K): the operand's unit-stride dimension.
-__device__ __forceinline__ bool m_is_fast(const GemmArgs& p) { return p.sam == 1 && p.sak != 1; }
-__device__ __forceinline__ bool n_is_fast(const GemmArgs& p) { return !(p.sbk == 1 && p.sbn != 1); }
+__host__ __device__ __forceinline__ bool m_is_fast(const GemmArgs& p) {
+  return p.sam == 1 && p.sak != 1;
+}
+__host__ __device__ __forceinline__ bool n_is_fast(const GemmArgs& p) {
+  return !(p.sbk == 1 && p.sbn != 1);
+}
 
 // Thread output (i, j) is C[row0 + i * TY][col0 + j * TX].
 template <typename T, typename Acc, Act ACT, int TM, int TN, int TX, int TY>
@@ -260,6 +264,38 @@ __device__ __forceinline__ void wide_store_partial(const GemmArgs& p, const Simt
   });
 }
 
+// The 16-byte fetch of one operand's slice: N loads `step` apart from `ptr`
+// into r[4 N].
+template <int N>
+__device__ __forceinline__ void fetch16(const float* ptr, int64_t step, float* r) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const float4 v = __ldg(reinterpret_cast<const float4*>(ptr + i * step));
+    r[4 * i] = v.x;
+    r[4 * i + 1] = v.y;
+    r[4 * i + 2] = v.z;
+    r[4 * i + 3] = v.w;
+  }
+}
+
+// Those 4 N values into the slice's shared tile S[k][x]: where x (the
+// tile's fast dimension) is the operand's unit stride, piece i as one 16-byte
+// store at row k + i * ds; else its 4 values down k at column x + i * ds.
+template <int N, int R, int W>
+__device__ __forceinline__ void stash16(float (&S)[R][W], const float* r, bool x_fast, int k, int x,
+                                        int ds) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    if (x_fast) {
+      *reinterpret_cast<float4*>(&S[k + i * ds][x]) =
+          make_float4(r[4 * i], r[4 * i + 1], r[4 * i + 2], r[4 * i + 3]);
+    } else {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) S[k + c][x + i * ds] = r[4 * i + c];
+    }
+  }
+}
+
 // VEC (float32, whole tiles, K a multiple of BK, each operand 16-byte
 // aligned with a unit stride and the other a multiple of 4): each operand's
 // slice is fetched as 16-byte loads along its unit-stride dimension, with no
@@ -320,22 +356,8 @@ __global__ void __launch_bounds__(WideTile<BM>::kThreads, WideTile<BM>::kBlocksP
       reinterpret_cast<const float*>(B) + (k_begin + vb_k) * p.sbk + (n0 + vb_n) * p.sbn;
   auto fetch = [&](int k0) {
     if constexpr (VEC) {
-#pragma unroll
-      for (int i = 0; i < A4; ++i) {
-        const float4 v = __ldg(reinterpret_cast<const float4*>(va_ptr + i * va_step));
-        ra[4 * i] = v.x;
-        ra[4 * i + 1] = v.y;
-        ra[4 * i + 2] = v.z;
-        ra[4 * i + 3] = v.w;
-      }
-#pragma unroll
-      for (int i = 0; i < B4; ++i) {
-        const float4 v = __ldg(reinterpret_cast<const float4*>(vb_ptr + i * vb_step));
-        rb[4 * i] = v.x;
-        rb[4 * i + 1] = v.y;
-        rb[4 * i + 2] = v.z;
-        rb[4 * i + 3] = v.w;
-      }
+      fetch16<A4>(va_ptr, va_step, ra);
+      fetch16<B4>(vb_ptr, vb_step, rb);
       va_ptr += BK * p.sak;
       vb_ptr += BK * p.sbk;
     } else {
@@ -355,26 +377,8 @@ __global__ void __launch_bounds__(WideTile<BM>::kThreads, WideTile<BM>::kBlocksP
   };
   auto stash = [&](int buf) {
     if constexpr (VEC) {
-#pragma unroll
-      for (int i = 0; i < A4; ++i) {
-        if (a_m_fast) {
-          *reinterpret_cast<float4*>(&As[buf][va_k + i * va_ds][va_m]) =
-              make_float4(ra[4 * i], ra[4 * i + 1], ra[4 * i + 2], ra[4 * i + 3]);
-        } else {
-#pragma unroll
-          for (int c = 0; c < 4; ++c) As[buf][va_k + c][va_m + i * va_ds] = ra[4 * i + c];
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < B4; ++i) {
-        if (b_n_fast) {
-          *reinterpret_cast<float4*>(&Bs[buf][vb_k + i * vb_ds][vb_n]) =
-              make_float4(rb[4 * i], rb[4 * i + 1], rb[4 * i + 2], rb[4 * i + 3]);
-        } else {
-#pragma unroll
-          for (int c = 0; c < 4; ++c) Bs[buf][vb_k + c][vb_n + i * vb_ds] = rb[4 * i + c];
-        }
-      }
+      stash16<A4>(As[buf], ra, a_m_fast, va_k, va_m, va_ds);
+      stash16<B4>(Bs[buf], rb, b_n_fast, vb_k, vb_n, vb_ds);
     } else {
 #pragma unroll
       for (int i = 0; i < A_PER; ++i) As[buf][a_kk + i * a_dk][a_mm + i * a_dm] = ra[i];
@@ -504,8 +508,10 @@ bool wide_vector_fetch(const GemmArgs& p, int bm) {
       !aligned16(p.a) || !aligned16(p.b)) {
     return false;
   }
-  const bool a_ok = (p.sam == 1 && p.sak != 1) ? p.sak % 4 == 0 : (p.sak == 1 && p.sam % 4 == 0);
-  const bool b_ok = (p.sbk == 1 && p.sbn != 1) ? p.sbn % 4 == 0 : (p.sbn == 1 && p.sbk % 4 == 0);
+  // The kernel's fetch runs along the dimension m_is_fast / n_is_fast name:
+  // it must have stride 1, the other a multiple of 4.
+  const bool a_ok = m_is_fast(p) ? p.sak % 4 == 0 : (p.sak == 1 && p.sam % 4 == 0);
+  const bool b_ok = n_is_fast(p) ? (p.sbn == 1 && p.sbk % 4 == 0) : p.sbn % 4 == 0;
   return a_ok && b_ok;
 }
 
@@ -515,22 +521,20 @@ cudaError_t launch_wide_tile(const GemmArgs& p, const SimtSplit& sp, cudaStream_
   if (tiles > INT_MAX) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(sp.splits));
   constexpr int kThreads = WideTile<BM>::kThreads;
-  if constexpr (std::is_same_v<T, float> && BM != 32) {
-    if (wide_vector_fetch(p, BM)) {
-      if (sp.splits > 1) {
-        gemm_simt_wide_kernel<T, BM, true, true><<<grid, kThreads, 0, stream>>>(p, sp);
-      } else {
-        gemm_simt_wide_kernel<T, BM, false, true><<<grid, kThreads, 0, stream>>>(p, sp);
-      }
-      return cudaGetLastError();
+  auto launch = [&](auto vec) {
+    if (sp.splits > 1) {
+      gemm_simt_wide_kernel<T, BM, true, decltype(vec)::value>
+          <<<grid, kThreads, 0, stream>>>(p, sp);
+    } else {
+      gemm_simt_wide_kernel<T, BM, false, decltype(vec)::value>
+          <<<grid, kThreads, 0, stream>>>(p, sp);
     }
+    return cudaGetLastError();
+  };
+  if constexpr (std::is_same_v<T, float> && BM != 32) {
+    if (wide_vector_fetch(p, BM)) return launch(std::true_type{});
   }
-  if (sp.splits > 1) {
-    gemm_simt_wide_kernel<T, BM, true, false><<<grid, kThreads, 0, stream>>>(p, sp);
-  } else {
-    gemm_simt_wide_kernel<T, BM, false, false><<<grid, kThreads, 0, stream>>>(p, sp);
-  }
-  return cudaGetLastError();
+  return launch(std::false_type{});
 }
 
 template <typename T>
