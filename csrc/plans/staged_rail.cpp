@@ -351,45 +351,38 @@ void StagedRail::allreduce(char* shard, int64_t shardElems, at::ScalarType dt, R
   auto slotOf = [&](int64_t k) { return (first + k) % window_; };
   auto P = [&](int64_t k) {
     lane(kLaneP);
-    issueP(l, k, slotOf(k), shard, esize, wire);
+    if (exchange_) {
+      issuePWhole(l, k, slotOf(k), shard, esize, wire);
+    } else {
+      issueP(l, k, slotOf(k), shard, esize, wire);
+    }
   };
   auto A = [&](int64_t k) {
     lane(kLaneA);
-    issueA(l, k, slotOf(k), shard, dt, op, wire);
+    if (exchange_) {
+      issueAWhole(l, k, slotOf(k), shard, dt, op, wire);
+    } else {
+      issueA(l, k, slotOf(k), shard, dt, op, wire);
+    }
   };
   auto B = [&](int64_t k) {
     lane(kLaneB);
     issueB(l, k, slotOf(k), shard, esize, wire);
   };
+  // The two-member exchange has no all-gather step: no B, and the slot of
+  // chunk t is staged again right after its reduction (no lag).
+  const int64_t lag = exchange_ ? 0 : lag_;
   if (lanes) dev_.forkLanes();
-  if (exchange_) {
-    // P of the first window_ chunks, then each chunk's reduction and the
-    // staging of the chunk that reuses its slot.
-    for (int64_t k = 0; k < std::min(window_, n); ++k) {
-      lane(kLaneP);
-      issuePWhole(l, k, slotOf(k), shard, esize, wire);
-    }
-    for (int64_t t2 = 0; t2 < n; ++t2) {
-      lane(kLaneA);
-      issueAWhole(l, t2, slotOf(t2), shard, dt, op, wire);
-      if (t2 + window_ < n) {
-        lane(kLaneP);
-        issuePWhole(l, t2 + window_, slotOf(t2 + window_), shard, esize, wire);
-      }
-    }
-    if (lanes) dev_.joinLanes();
-    return;
-  }
   for (int64_t k = 0; k < std::min(window_, n); ++k) P(k);
   for (int64_t t2 = 0; t2 < n; ++t2) {
     A(t2);
-    if (t2 >= lag_) {
-      const int64_t b = t2 - lag_;
-      B(b);
+    if (t2 >= lag) {
+      const int64_t b = t2 - lag;
+      if (!exchange_) B(b);
       if (b + window_ < n) P(b + window_);
     }
   }
-  for (int64_t b = std::max<int64_t>(0, n - lag_); b < n; ++b) B(b);
+  for (int64_t b = std::max<int64_t>(0, n - lag); b < n; ++b) B(b);
   if (lanes) dev_.joinLanes();
 }
 
@@ -485,7 +478,7 @@ void StagedRail::runExchange(Op& op) {
   struct Chunk {
     std::unique_ptr<transport::Request> recv, send;
     bool recvPosted = false, sendPosted = false, packed = false, released = false, reduced = false;
-    Clock::time_point tRecvPosted{}, tPacked{}, tReleased{};
+    Clock::time_point tPacked{}, tReleased{};
   };
   std::vector<Chunk> cs(n);
   auto slotOf = [&](int64_t k) { return (op.firstChunk + k) % window_; };
@@ -509,7 +502,6 @@ void StagedRail::runExchange(Op& op) {
                                     op.pieceBytes(l.chunkLen(recvNext)), rsMr_.get());
         if (!c.recv) break;  // the connection's request limit: later
         c.recvPosted = true;
-        c.tRecvPosted = Clock::now();
         ++recvNext;
         progressed = true;
       }
@@ -538,10 +530,7 @@ void StagedRail::runExchange(Op& op) {
              (!wire || (cs[releasedNext].sendPosted && done(cs[releasedNext].send)))) {
         auto& c = cs[releasedNext];
         c.released = true;
-        c.tReleased = Clock::now();
-        storeFlag(dev_.hostFlag(kFlagRsIn, slotOf(releasedNext)), 1);
-        record("net", releasedNext, c.tPacked == Clock::time_point{} ? c.tRecvPosted : c.tPacked,
-               c.tReleased);
+        c.tReleased = releaseReduction(releasedNext, slotOf(releasedNext), c.tPacked);
         ++releasedNext;
         progressed = true;
       }
@@ -671,12 +660,11 @@ void StagedRail::runOp(Op& op) {
              allDone(cs[rsArrNext].rsRecv)) {
         auto& c = cs[rsArrNext];
         c.rsArrived = true;
-        c.tRsArrived = Clock::now();
-        storeFlag(dev_.hostFlag(kFlagRsIn, slotOf(rsArrNext)), 1);
         // From this rank's send (or, when the peer's pieces came first, its
         // receive) to the arrival of every peer's pieces.
-        record("net", rsArrNext, c.tPacked == Clock::time_point{} ? c.tRecvPosted : c.tPacked,
-               c.tRsArrived);
+        c.tRsArrived =
+            releaseReduction(rsArrNext, slotOf(rsArrNext),
+                             c.tPacked == Clock::time_point{} ? c.tRecvPosted : c.tPacked);
         ++rsArrNext;
         progressed = true;
       }
@@ -763,6 +751,13 @@ void StagedRail::runOp(Op& op) {
   } catch (const transport::TransportError& e) {
     failTransport(op, e);
   }
+}
+
+Clock::time_point StagedRail::releaseReduction(int64_t k, int64_t slot, Clock::time_point since) {
+  const auto now = Clock::now();
+  storeFlag(dev_.hostFlag(kFlagRsIn, slot), 1);
+  record("net", k, since, now);
+  return now;
 }
 
 bool StagedRail::takeFlag(int flag, int64_t slot) {

@@ -333,6 +333,9 @@ class StagedRail {
   void throwIfAborted(const Op& op);
   // Whether the device raised host flag `flag` of `slot`; lowers it if so.
   bool takeFlag(int flag, int64_t slot);
+  // The peers' data of chunk k is in `slot`: lets the device reduce it and
+  // records the network span from `since`; returns the time of release.
+  Clock::time_point releaseReduction(int64_t k, int64_t slot, Clock::time_point since);
   [[noreturn]] void failTransport(const Op& op, const transport::TransportError& e);
   static void pause(Clock::duration sinceProgress);
   [[noreturn]] void failNetwork(const Op& op, const std::vector<int>& pendingPeers);
