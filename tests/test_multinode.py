@@ -488,6 +488,35 @@ def test_timeline_shows_intra_and_inter_phases_overlapping(tmp_path: Any) -> Non
     assert any(e.get("ph") == "X" for e in trace["traceEvents"])
 
 
+def pipeline_chunks_fn(rank: int, ws: int, sizes: list[int]) -> dict[int, int]:
+    import torchext
+
+    chunks = {}
+    for numel in sizes:
+        t = gen(f"pipeline{numel}", rank, (numel,), torch.float32, "SUM")
+        want = sum(gen(f"pipeline{numel}", r, (numel,), torch.float64, "SUM") for r in range(ws))
+        torchext.timeline()  # drop anything earlier
+        dist.all_reduce(t)
+        events = torchext.timeline()
+        torch.testing.assert_close(t.double(), want, rtol=1e-5, atol=1e-5)
+        chunks[numel] = len({e["chunk"] for e in events if e["name"].startswith("inter all")})
+    return chunks
+
+
+def test_medium_all_reduce_is_pipelined() -> None:
+    """The hierarchical all_reduce cuts medium sizes into at least 4 chunks but keeps each
+    rank's shard of a chunk at 256 KiB or more, and large ones in shards of
+    FASTCOMM_CHUNK_BYTES (1 MiB): 2 x 2 nodes, float32, correct sums."""
+    kib = 256  # float32 elements per KiB
+    sizes = [256 * kib, 1024 * kib, 2048 * kib, 4096 * kib, 16384 * kib + 3]
+    env = nodes_env([0, 0, 1, 1], FASTCOMM_TIMELINE="1")
+    res = run_ranks(4, pipeline_chunks_fn, sizes, env=env)
+    # per size: shard = clamp(bytes / 2 ranks / 4, 256 KiB, 1 MiB), chunks = bytes / (2 shards)
+    want = {sizes[0]: 1, sizes[1]: 2, sizes[2]: 4, sizes[3]: 4, sizes[4]: 9}
+    for rank, chunks in enumerate(res):
+        assert chunks == want, (rank, chunks)
+
+
 # ----------------------------------------------------------------------------- FASTCOMM_CUDA_INTER
 
 

@@ -21,6 +21,24 @@ namespace {
 // Latency, not bandwidth.
 constexpr int64_t kSmallBytes = 64 << 10;
 
+// The hierarchical all-reduce's pipeline: a medium all-reduce is cut into at
+// least kMinPipelineChunks chunks, so that the node's shared-memory phases of
+// one chunk run while the network carries another, but no rank's shard of a
+// chunk is smaller than kMinShardBytes (below it each rail all-reduce costs
+// more in per-message latency than the overlap gains); large ones keep shards
+// of FASTCOMM_CHUNK_BYTES. Both bounds measured on the shaped-link testbed
+// (benchmarks/RESULTS.md, CPU tensors, 2 nodes x 2 ranks).
+constexpr int64_t kMinPipelineChunks = 4;
+constexpr int64_t kMinShardBytes = 256 << 10;
+
+// A rank's shard of one chunk of a `bytes` all-reduce among `localSize`
+// ranks per node.
+int64_t pipelineShardBytes(int64_t bytes, int localSize, int64_t chunkBytes) {
+  const int64_t perRank = (bytes + localSize - 1) / localSize;
+  const int64_t wanted = (perRank + kMinPipelineChunks - 1) / kMinPipelineChunks;
+  return std::min(chunkBytes, std::max(kMinShardBytes, wanted));
+}
+
 }  // namespace
 
 HierComm::HierComm(const c10::intrusive_ptr<c10d::Store>& store, const Topology& topo,
@@ -193,7 +211,8 @@ void HierComm::allreduce(void* data, int64_t count, at::ScalarType dt, RedOp op,
       // thread, after chunk k+1's reduce-scatter). The intra order is the same
       // on every rank: RS0 RS1 AG0 RS2 AG1 ... AG(n-1).
       const int L = localSize_;
-      const int64_t shard = std::max<int64_t>(1, cfg_.chunkBytes / esize);
+      const int64_t shard =
+          std::max<int64_t>(1, pipelineShardBytes(count * esize, L, cfg_.chunkBytes) / esize);
       const int64_t chunk = shard * L;
       const int64_t nChunks = (count + chunk - 1) / chunk;
       constexpr int kBuffers = 3;
