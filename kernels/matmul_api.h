@@ -94,6 +94,10 @@ cudaError_t launch_pack_kmajor_tf32(const float* src, int64_t ld_src, float* dst
 // (exact float32 products for float32).
 constexpr int kSkinnyMaxM = 8;
 bool gemm_skinny_supported(const GemmArgs& args);
+// Whether a launch runs the bulk form of the K-major kernel (float32 on
+// sm_90a, B K-major): a persistent block per SM streams its range of B's rows through
+// shared memory with bulk copies; K is not split.
+bool gemm_skinny_bulk(const GemmArgs& args);
 // How K is split: B K-major, warps per output column (1, 2, 4 or 8); B
 // N-major, blocks along K (1: none).
 int gemm_skinny_splits(const GemmArgs& args, int num_sms);

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <mutex>
 #include <type_traits>
 
 #include "dependent_launch.cuh"
@@ -20,6 +21,31 @@ namespace detail {
 
 // Whether a pointer is 16-byte aligned (vector loads, TMA; host side).
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// A yes / no question about the current device asked once per device (host
+// side): `probe(dev)` answers kYes or kNo, or kUnknown where the query failed,
+// which is not kept. A caller holds one of these per question.
+class PerDeviceAnswer {
+ public:
+  enum Answer { kUnknown = 0, kYes = 1, kNo = 2 };
+
+  template <typename Probe>
+  bool get(Probe probe) {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
+      cudaGetLastError();
+      return false;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (known_[dev] == kUnknown) known_[dev] = probe(dev);
+    return known_[dev] == kYes;
+  }
+
+ private:
+  static constexpr int kMaxDevices = 64;
+  std::mutex mu_;
+  Answer known_[kMaxDevices] = {};
+};
 
 // ---- conversions -----------------------------------------------------------
 

@@ -38,6 +38,7 @@
 #include "dependent_launch.cuh"
 #include "matmul_api.h"
 #include "matmul_device.cuh"
+#include "matmul_sm90_ptx.cuh"
 
 namespace fastcomm {
 namespace ops {
@@ -63,6 +64,7 @@ struct SkinnyParams {
   int splits;              // K-major: warps per column (1, 2, 4, 8); N-major: blocks along K
   int64_t rows_per_split;  // N-major: rows of B per block along K, a multiple of 4
   float* partial;          // N-major with splits > 1: [splits][M][N] float32 sums
+  int blocks;              // K-major bulk kernel: its persistent grid (the SMs)
 };
 
 __device__ __forceinline__ uint4 load_streaming(const void* p) {
@@ -173,6 +175,139 @@ __global__ void __launch_bounds__(kWarps * 32) skinny_kmajor(SkinnyParams p) {
   float v = 0.0f;
   for (int s = 0; s < p.splits; ++s) v += sums[warp + s][lane];
   store_output<T, ACT>(p, lane, n, v);
+}
+
+// B K-major float32 on sm_90a, at most kBulkMaxM rows of A: a persistent block per
+// SM streams a contiguous range of B's rows (output columns) through shared
+// memory with bulk copies. A stage holds one piece of kBulkPieceBytes of
+// kBulkWarps consecutive rows of B and the same piece of every row of A; the
+// producer warp's one thread fills the stages in order (an mbarrier each way),
+// and consumer warp w reduces row w of each stage: its lanes read 16 bytes of
+// B and of each row of A from shared memory at a time and accumulate over the
+// row's pieces, then add across lanes and lane m stores row m's output. The
+// block's long, in-order bulk reads keep more of the memory busy than a warp
+// per column reading its row with ordinary loads. The stages fill a fixed
+// budget of shared memory: 5 of them with one row of A, 3 with eight (two
+// stages in flight measured as fast as four). Half types stay on the warp
+// form, which measured faster for them: a byte of B holds twice the
+// elements to convert and multiply for the eight consumer warps.
+constexpr int kBulkWarps = 8;           // consumer warps, one row of B each per stage
+constexpr int kBulkMaxM = kSkinnyMaxM;  // rows of A
+constexpr int kBulkPieceBytes = 4096;   // bytes of one row per stage
+constexpr int kBulkSmemBytes = 3 * (kBulkWarps + kBulkMaxM) * kBulkPieceBytes;
+constexpr int kBulkMaxStages = kBulkSmemBytes / ((kBulkWarps + 1) * kBulkPieceBytes);
+
+// The stages of a problem with m rows of A.
+__host__ __device__ constexpr int bulk_stages(int m) {
+  return kBulkSmemBytes / ((kBulkWarps + m) * kBulkPieceBytes);
+}
+static_assert(bulk_stages(kBulkMaxM) >= 2 && bulk_stages(1) == kBulkMaxStages,
+              "the bulk form keeps two stages in flight at the most rows");
+
+template <Act ACT>
+__global__ void __launch_bounds__((kBulkWarps + 1) * 32, 1) skinny_kmajor_bulk(SkinnyParams p) {
+#if FASTCOMM_SM90A_DEVICE
+  using namespace sm90;
+  using T = float;
+  constexpr int E = kPerLoad<T>;
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ __align__(8) uint64_t full[kBulkMaxStages], empty[kBulkMaxStages];
+  const int num_stages = bulk_stages(p.M);
+  const uint32_t stage_bytes = static_cast<uint32_t>((kBulkWarps + p.M) * kBulkPieceBytes);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t n0 = int64_t{p.N} * blockIdx.x / gridDim.x;
+  const int64_t n1 = int64_t{p.N} * (blockIdx.x + 1) / gridDim.x;
+  const int64_t slabs = (n1 - n0 + kBulkWarps - 1) / kBulkWarps;
+  const int64_t row_bytes = int64_t{p.K} * static_cast<int64_t>(sizeof(T));
+  const int pieces = static_cast<int>((row_bytes + kBulkPieceBytes - 1) / kBulkPieceBytes);
+  const uint32_t stages = smem_u32(smem);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < num_stages; ++s) {
+      mbar_init(smem_u32(&full[s]), 1);
+      mbar_init(smem_u32(&empty[s]), kBulkWarps);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+  if (warp == kBulkWarps) {
+    if (lane != 0) return;
+    const char* b = static_cast<const char*>(p.b);
+    const char* a = static_cast<const char*>(p.a);
+    int64_t it = 0;
+    for (int64_t slab = 0; slab < slabs; ++slab) {
+      const int64_t first = n0 + slab * kBulkWarps;
+      const int rows = static_cast<int>(min(int64_t{kBulkWarps}, n1 - first));
+      for (int piece = 0; piece < pieces; ++piece, ++it) {
+        const int s = static_cast<int>(it % num_stages);
+        const uint32_t round = static_cast<uint32_t>(it / num_stages);
+        mbar_wait(smem_u32(&empty[s]), (round & 1) ^ 1);  // a fresh barrier passes parity 1
+        const int64_t off = int64_t{piece} * kBulkPieceBytes;
+        const uint32_t bytes =
+            static_cast<uint32_t>(min(int64_t{kBulkPieceBytes}, row_bytes - off));
+        const uint32_t bar = smem_u32(&full[s]), dst = stages + s * stage_bytes;
+        mbar_arrive_expect_tx(bar, bytes * (rows + p.M));
+        for (int r = 0; r < rows; ++r) {
+          bulk_load_1d(dst + r * kBulkPieceBytes, b + ((first + r) * p.sb) * sizeof(T) + off, bytes,
+                       bar);
+        }
+        for (int m = 0; m < p.M; ++m) {
+          bulk_load_1d(dst + (kBulkWarps + m) * kBulkPieceBytes, a + (m * p.sam) * sizeof(T) + off,
+                       bytes, bar);
+        }
+      }
+    }
+    return;
+  }
+  int64_t it = 0;
+  for (int64_t slab = 0; slab < slabs; ++slab) {
+    const int64_t n = n0 + slab * kBulkWarps + warp;
+    const bool mine = n < n1;
+    float acc[kBulkMaxM];
+#pragma unroll
+    for (int m = 0; m < kBulkMaxM; ++m) acc[m] = 0.0f;
+    for (int piece = 0; piece < pieces; ++piece, ++it) {
+      const int s = static_cast<int>(it % num_stages);
+      const uint32_t round = static_cast<uint32_t>(it / num_stages);
+      mbar_wait(smem_u32(&full[s]), round & 1);
+      if (mine) {
+        const int bytes = static_cast<int>(
+            min(int64_t{kBulkPieceBytes}, row_bytes - int64_t{piece} * kBulkPieceBytes));
+        const uint32_t stage = stages + s * stage_bytes;
+        const uint32_t row = stage + warp * kBulkPieceBytes;
+#pragma unroll 4
+        for (int at = lane * 16; at < bytes; at += 32 * 16) {
+          uint32_t wv[4];
+          ld_shared_v4(row + at, wv);
+          float wf[E];
+          unpack<T>(make_uint4(wv[0], wv[1], wv[2], wv[3]), wf);
+#pragma unroll
+          for (int m = 0; m < kBulkMaxM; ++m) {
+            if (m < p.M) {
+              uint32_t xv[4];
+              ld_shared_v4(stage + (kBulkWarps + m) * kBulkPieceBytes + at, xv);
+              float xf[E];
+              unpack<T>(make_uint4(xv[0], xv[1], xv[2], xv[3]), xf);
+#pragma unroll
+              for (int j = 0; j < E; ++j) acc[m] = fmaf(xf[j], wf[j], acc[m]);
+            }
+          }
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(smem_u32(&empty[s]));
+    }
+    if (!mine) continue;
+    float out = 0.0f;
+#pragma unroll
+    for (int m = 0; m < kBulkMaxM; ++m) {
+      float v = acc[m];
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+      if (lane == m) out = v;
+    }
+    if (lane < p.M) store_output<T, ACT>(p, lane, n, out);
+  }
+#endif
 }
 
 __device__ __forceinline__ float4 load_streaming_f4(const float* p) {
@@ -288,9 +423,38 @@ void nmajor_split(const GemmArgs& args, int num_sms, int* splits, int64_t* rows_
 
 bool b_kmajor(const GemmArgs& args) { return args.sbk == 1; }
 
+// Whether skinny_kmajor_bulk<ACT> runs on the current device: its sm_90a
+// code is in the build (its barriers are static shared memory, which the
+// empty body of other targets lacks) and it may take its shared memory. Asked
+// once per device and instantiation.
+template <Act ACT>
+bool bulk_kernel_ready() {
+  static detail::PerDeviceAnswer ready;
+  return ready.get([](int dev) {
+    int major = 0, minor = 0;
+    cudaFuncAttributes attr{};
+    const bool ok =
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess &&
+        major == 9 && minor == 0 &&
+        cudaFuncGetAttributes(&attr, skinny_kmajor_bulk<ACT>) == cudaSuccess &&
+        attr.binaryVersion >= 90 && attr.sharedSizeBytes > 0 &&
+        cudaFuncSetAttribute(skinny_kmajor_bulk<ACT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             kBulkSmemBytes) == cudaSuccess;
+    cudaGetLastError();
+    return ok ? detail::PerDeviceAnswer::kYes : detail::PerDeviceAnswer::kNo;
+  });
+}
+
 template <typename T, Act ACT>
 cudaError_t launch_kernel(const GemmArgs& args, const SkinnyParams& p, bool kmajor,
                           cudaStream_t stream) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (kmajor && p.M <= kBulkMaxM && bulk_kernel_ready<ACT>()) {
+      skinny_kmajor_bulk<ACT><<<p.blocks, (kBulkWarps + 1) * 32, kBulkSmemBytes, stream>>>(p);
+      return cudaGetLastError();
+    }
+  }
   if (kmajor) {
     const int per_block = kWarps / p.splits;
     const dim3 grid(static_cast<unsigned>((p.N + per_block - 1) / per_block));
@@ -345,6 +509,16 @@ bool gemm_skinny_supported(const GemmArgs& args) {
   return f32 && args.sbn == 1 && args.sbk >= 1;
 }
 
+bool gemm_skinny_bulk(const GemmArgs& args) {
+  if (args.dtype != DType::kF32 || !gemm_skinny_supported(args) || !b_kmajor(args) ||
+      args.M > kBulkMaxM) {
+    return false;
+  }
+  bool ready = false;
+  FASTCOMM_DISPATCH_ACT(args.act, ready = (bulk_kernel_ready<kAct>()));
+  return ready;
+}
+
 int gemm_skinny_splits(const GemmArgs& args, int num_sms) {
   if (!b_kmajor(args)) {
     int splits = 1;
@@ -383,7 +557,8 @@ cudaError_t launch_gemm_skinny(const GemmArgs& args, int num_sms, void* workspac
                  static_cast<int>(args.K),
                  1,
                  0,
-                 static_cast<float*>(workspace)};
+                 static_cast<float*>(workspace),
+                 num_sms};
   if (kmajor) {
     p.splits = gemm_skinny_splits(args, num_sms);
   } else {

@@ -12,7 +12,6 @@
 
 #include <algorithm>
 #include <climits>
-#include <mutex>
 #include <string>
 
 #include "matmul_device.cuh"
@@ -449,34 +448,25 @@ bool gemm_wgmma_supported(const GemmArgs& p) {
 }
 
 bool gemm_wgmma_compiled() {
-  static std::mutex mu;
-  static int known[64] = {0};  // 0 unknown, 1 yes, 2 no
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
-    cudaGetLastError();
-    return false;
-  }
-  std::lock_guard<std::mutex> lock(mu);
-  if (known[dev] == 0) {
+  static detail::PerDeviceAnswer compiled;
+  return compiled.get([](int) {
     // Every instantiation file is built with the same targets: probing one
     // kernel of each schedule is enough.
-    bool ok = true;
     cudaFuncAttributes attr{};
-    for (int i = 0; i < 2 && ok; ++i) {
+    for (int i = 0; i < 2; ++i) {
       const cudaError_t err =
           i == 0 ? sm90::kernel_attributes<__nv_bfloat16, sm90::Sched::kCoop>(&attr)
                  : sm90::kernel_attributes<__nv_bfloat16, sm90::Sched::kPingpong>(&attr);
-      if (err != cudaSuccess) {  // a failed query says nothing of the build: not kept
+      if (err != cudaSuccess) {  // a failed query says nothing of the build
         cudaGetLastError();
-        return false;
+        return detail::PerDeviceAnswer::kUnknown;
       }
       // The real kernel has its mbarriers in static shared memory; the empty
       // body of a build without sm_90a has none.
-      ok = attr.binaryVersion >= 90 && attr.sharedSizeBytes > 0;
+      if (attr.binaryVersion < 90 || attr.sharedSizeBytes == 0) return detail::PerDeviceAnswer::kNo;
     }
-    known[dev] = ok ? 1 : 2;
-  }
-  return known[dev] == 1;
+    return detail::PerDeviceAnswer::kYes;
+  });
 }
 
 bool gemm_wgmma_narrow_tile_wins(const GemmArgs& p, int num_sms) {

@@ -668,6 +668,41 @@ def test_cuda_skinny_kernel_fp32(matmul_settings, fp32_precision, precision, act
         ops.linear(_rand(2, 62, dtype=dt, device="cuda"), _rand(5, 62, dtype=dt, device="cuda"))
 
 
+# K-major problems of the bulk form: N below the SMs and not a multiple of its 8 rows per
+# stage, K whose rows end in a part piece (K * size not a multiple of 4096) or span one piece.
+SKINNY_BULK_SHAPES = [(1, 5, 8), (2, 131, 1032), (3, 1000, 776), (4, 4099, 4104), (1, 300, 2048),
+                      (4, 264, 11008), (5, 77, 1032), (8, 4099, 4104), (7, 1000, 776)]  # fmt: skip
+
+
+@pytest.mark.cuda(1)
+@_skip_no_cuda
+@pytest.mark.parametrize("act", ACTS)
+def test_cuda_skinny_bulk(matmul_settings, fp32_precision, act):
+    """The bulk form of the K-major skinny kernel (float32 on sm_90, 1 to 8 rows of A: 5 to
+    3 stages), forced: odd N below and above the SMs, rows of B ending in a part piece, a
+    weight with a padded row stride, with and without bias, against float64; bit for bit the
+    same on repeated calls. (Half types keep the warp form: test_cuda_skinny_kernel.)"""
+    if not _is_sm90:
+        pytest.skip("the bulk form needs sm_90")
+    fp32_precision("highest")
+    matmul_settings(impl="skinny")
+    dtype = torch.float32
+    for m, n, k in SKINNY_BULK_SHAPES:
+        x = _rand(m, k, dtype=dtype, device="cuda")
+        w = _rand(n, k, dtype=dtype, device="cuda")
+        wide = _rand(n, k + 8, dtype=dtype, device="cuda")[:, :k]  # row stride k + 8
+        bias = _rand(n, dtype=dtype, device="cuda")
+        assert torch.ops.fastcomm._kernel_name(x, w.t(), act) == "skinny k-major bulk", (m, n, k)
+        for ww in (w, wide):
+            for bias_ in (None, bias):
+                _poison_cuda_cache("cuda")
+                y = ops.linear(x, ww, bias_, act)
+                pre = x.double() @ ww.double().t()
+                ref = _ref_act(pre + bias_.double() if bias_ is not None else pre, act)
+                assert _rel_err(y, ref) < RTOL[dtype], (m, n, k, bias_ is None)
+                assert torch.equal(ops.linear(x, ww, bias_, act), y), ("not deterministic", m, n)
+
+
 @pytest.mark.cuda(1)
 @_skip_no_cuda
 @pytest.mark.parametrize("tile", ["auto", "large", "small"])

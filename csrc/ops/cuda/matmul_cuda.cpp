@@ -583,6 +583,7 @@ std::string kernel_name_cuda(const at::Tensor& a, const at::Tensor& b,
   switch (choose_path(args, cfg, prop, skinny.has_value(), tf32, &wopts)) {
     case Path::kSkinny: {
       fill_ab(args, skinny->a, skinny->b);
+      if (kc::gemm_skinny_bulk(args)) return "skinny k-major bulk";
       const int splits = kc::gemm_skinny_splits(args, prop->multiProcessorCount);
       return args.sbk == 1 ? "skinny k-major splits " + std::to_string(splits)
                            : "skinny n-major splitk " + std::to_string(splits);
