@@ -433,12 +433,14 @@ bool bulk_kernel_ready() {
   return ready.get([](int dev) {
     int major = 0, minor = 0;
     cudaFuncAttributes attr{};
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess ||
+        cudaFuncGetAttributes(&attr, skinny_kmajor_bulk<ACT>) != cudaSuccess) {
+      cudaGetLastError();  // a failed query says nothing of the device or the build
+      return detail::PerDeviceAnswer::kUnknown;
+    }
     const bool ok =
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess &&
-        major == 9 && minor == 0 &&
-        cudaFuncGetAttributes(&attr, skinny_kmajor_bulk<ACT>) == cudaSuccess &&
-        attr.binaryVersion >= 90 && attr.sharedSizeBytes > 0 &&
+        major == 9 && minor == 0 && attr.binaryVersion >= 90 && attr.sharedSizeBytes > 0 &&
         cudaFuncSetAttribute(skinny_kmajor_bulk<ACT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              kBulkSmemBytes) == cudaSuccess;
     cudaGetLastError();
@@ -446,11 +448,12 @@ bool bulk_kernel_ready() {
   });
 }
 
+// bulk: gemm_skinny_bulk(args), the one choice of the bulk form.
 template <typename T, Act ACT>
-cudaError_t launch_kernel(const GemmArgs& args, const SkinnyParams& p, bool kmajor,
+cudaError_t launch_kernel(const GemmArgs& args, const SkinnyParams& p, bool kmajor, bool bulk,
                           cudaStream_t stream) {
   if constexpr (std::is_same_v<T, float>) {
-    if (kmajor && p.M <= kBulkMaxM && bulk_kernel_ready<ACT>()) {
+    if (bulk) {
       skinny_kmajor_bulk<ACT><<<p.blocks, (kBulkWarps + 1) * 32, kBulkSmemBytes, stream>>>(p);
       return cudaGetLastError();
     }
@@ -485,10 +488,10 @@ cudaError_t launch_kernel(const GemmArgs& args, const SkinnyParams& p, bool kmaj
 }
 
 template <typename T>
-cudaError_t launch_act(const GemmArgs& args, const SkinnyParams& p, bool kmajor,
+cudaError_t launch_act(const GemmArgs& args, const SkinnyParams& p, bool kmajor, bool bulk,
                        cudaStream_t stream) {
   cudaError_t err = cudaSuccess;
-  FASTCOMM_DISPATCH_ACT(args.act, err = (launch_kernel<T, kAct>(args, p, kmajor, stream)));
+  FASTCOMM_DISPATCH_ACT(args.act, err = (launch_kernel<T, kAct>(args, p, kmajor, bulk, stream)));
   return err;
 }
 
@@ -565,9 +568,10 @@ cudaError_t launch_gemm_skinny(const GemmArgs& args, int num_sms, void* workspac
     nmajor_split(args, num_sms, &p.splits, &p.rows_per_split);
     if (p.splits > 1 && workspace == nullptr) return cudaErrorInvalidValue;
   }
-  if (args.dtype == DType::kF16) return launch_act<__half>(args, p, kmajor, stream);
-  if (args.dtype == DType::kBF16) return launch_act<__nv_bfloat16>(args, p, kmajor, stream);
-  return launch_act<float>(args, p, kmajor, stream);
+  const bool bulk = gemm_skinny_bulk(args);
+  if (args.dtype == DType::kF16) return launch_act<__half>(args, p, kmajor, bulk, stream);
+  if (args.dtype == DType::kBF16) return launch_act<__nv_bfloat16>(args, p, kmajor, bulk, stream);
+  return launch_act<float>(args, p, kmajor, bulk, stream);
 }
 
 }  // namespace cuda
