@@ -235,20 +235,47 @@ int clamp_splits(const GemmArgs& p, int splits) {
 constexpr int64_t kNarrowMinRowUnits = 64;  // CTAs per row of tiles: fewer split K
 constexpr int64_t kNarrowMinSplitK = 2048;  // no split leaves a CTA less K than this
 constexpr int64_t kNarrowMaxUnitK = 8192;   // nor more K than this
-// ... with the 64-row stages of 16-bit products of at most 64 rows (11 of
-// them: more of B in flight), where an unsplit K = 11008 measured 3-6 %
-// ahead of 2 splits (H200; the unsplit tile also keeps the TMA epilogue
-// instead of the second pass).
+// 16-bit products of one row of tiles may stream up to this much K unsplit
+// (K = 11008; the unsplit tile also keeps the TMA epilogue instead of the
+// second pass), where that measured ahead of 2 splits: at most 64 rows, whose
+// 64-row stages keep more of B in flight, on memory of 4 TB/s peak or more
+// (H200: 3-6 % ahead for either layout of B, behind at 128 rows); on slower
+// memory (H100, 3.35 TB/s) only with B N-major, to 128 rows (4-11 % ahead;
+// a K-major B, linear's weight, read 4-9 % slower unsplit).
 constexpr int64_t kNarrowMaxUnitKSmallA = 11008;
+constexpr double kFastMemoryMinBandwidth = 4e12;  // bytes/s, peak
+
+// Whether the current device's peak memory bandwidth (clock x bus width) is
+// at least kFastMemoryMinBandwidth. Asked once per device.
+bool fast_memory() {
+  static detail::PerDeviceAnswer fast;
+  return fast.get([](int dev) {
+    int clock_khz = 0, bus_bits = 0;
+    const bool ok =
+        cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, dev) == cudaSuccess &&
+        cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, dev) == cudaSuccess;
+    cudaGetLastError();
+    if (!ok) return detail::PerDeviceAnswer::kUnknown;
+    const double peak = 2.0 * clock_khz * 1e3 * bus_bits / 8;  // double data rate
+    return peak >= kFastMemoryMinBandwidth ? detail::PerDeviceAnswer::kYes
+                                           : detail::PerDeviceAnswer::kNo;
+  });
+}
+
+// Whether the 128 x 64 tile's CTAs may stream kNarrowMaxUnitKSmallA of K.
+bool narrow_small_a(const GemmArgs& p) {
+  if (p.dtype == DType::kF32) return false;
+  const bool b_kmajor = p.sbk == 1;
+  return fast_memory() ? p.M <= 64 : p.M <= kTileM && !b_kmajor;
+}
 
 // The K splits of the 128 x 64 tile under its rule; 0 where the rule does
 // not take the tile.
 int narrow_splits(const GemmArgs& p, int num_sms) {
   if (tf32_rs_wide(p, num_sms)) return 0;
   const int64_t tm = cdiv(p.M, kTileM), tn = cdiv(p.N, 64), tiles = tm * tn;
-  const int64_t max_unit_k =
-      p.M <= 64 && p.dtype != DType::kF32 ? kNarrowMaxUnitKSmallA : kNarrowMaxUnitK;
   if (tm * cdiv(p.N, 128) >= num_sms || tiles > num_sms) return 0;
+  const int64_t max_unit_k = narrow_small_a(p) ? kNarrowMaxUnitKSmallA : kNarrowMaxUnitK;
   auto can_split = [&](int s) {
     return s <= kMaxSplits && tiles * s <= num_sms && p.K / s >= kNarrowMinSplitK;
   };

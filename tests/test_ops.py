@@ -1026,21 +1026,39 @@ STREAM_K_TILES_132 = {
 }  # fmt: skip
 
 
-def _narrow_splits(m: int, n: int, k: int, sms: int, half: bool = True) -> int:
+def _narrow_splits(
+    m: int, n: int, k: int, sms: int, half: bool = True, k_major: bool = False,
+    fast_memory: bool = True,
+) -> int:  # fmt: skip
     """The K splits the 128 x 64 tile's rule gives on sm_90 (0: the rule does not take the
     problem): 128 x 128 tiles leave SMs idle and 128 x 64 ones fit in one wave; K split while a
-    row of tiles has fewer than 64 CTAs or a CTA more than 8192 of K (11008 for 16-bit types,
-    `half`, at M <= 64) (each split keeping the wave and at least 2048 of K per CTA); not
-    taken where a CTA's K stays above that."""
+    row of tiles has fewer than 64 CTAs or a CTA more than 8192 of K (each split keeping the
+    wave and at least 2048 of K per CTA); not taken where a CTA's K stays above that. For
+    16-bit types (`half`) a CTA may stream 11008 of K at M <= 64 on memory of at least 4 TB/s
+    peak (`fast_memory`), and on slower memory at M <= 128 with B N-major (not `k_major`)."""
     tm, tn = _cdiv(m, 128), _cdiv(n, 64)
     if tm * _cdiv(n, 128) >= sms or tm * tn > sms:
         return 0
-    max_k = 11008 if half and m <= 64 else 8192
+    small_a = m <= 64 if fast_memory else m <= 128 and not k_major
+    max_k = 11008 if half and small_a else 8192
     s = 1
     while (s < 16 and tm * tn * (s + 1) <= sms and k // (s + 1) >= 2048
            and (tn * s < 64 or _cdiv(k, s) > max_k)):  # fmt: skip
         s += 1
     return 0 if _cdiv(k, s) > max_k else s
+
+
+def _peak_memory_bandwidth() -> float:
+    """Device 0's peak memory bandwidth in bytes/s (double data rate x bus width), from the
+    CUDA runtime torch loaded."""
+    import ctypes
+
+    cudart = ctypes.CDLL(f"libcudart.so.{torch.version.cuda.split('.')[0]}")
+    clock_khz, bus_bits = ctypes.c_int(0), ctypes.c_int(0)
+    assert cudart.cudaDeviceGetAttribute(ctypes.byref(clock_khz), 36, 0) == 0  # MemoryClockRate
+    assert cudart.cudaDeviceGetAttribute(ctypes.byref(bus_bits), 37, 0) == 0  # MemoryBusWidth
+    assert clock_khz.value > 0 and bus_bits.value > 0
+    return 2.0 * clock_khz.value * 1e3 * bus_bits.value / 8
 
 
 # (M, N, K) -> the 128 x 64 tile's split count on 132 SMs (0: the 128 x 128 tile with split K).
@@ -1371,10 +1389,12 @@ def test_cuda_wgmma_split_k_dispatch(matmul_settings):
     bf = torch.bfloat16
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     matmul_settings()
+    fast = _peak_memory_bandwidth() >= 4e12
     for (m, n, k), splits in NARROW_SPLITS_132.items():
         assert _narrow_splits(m, n, k, 132) == splits, (m, n, k)
         if sms != 132:
             continue
+        splits = _narrow_splits(m, n, k, 132, fast_memory=fast)
         a = torch.empty(m, k, device="cuda", dtype=bf)
         name = torch.ops.fastcomm._kernel_name(a, torch.empty(k, n, device="cuda", dtype=bf))
         if splits == 0:
@@ -1388,6 +1408,18 @@ def test_cuda_wgmma_split_k_dispatch(matmul_settings):
         b = torch.empty(k, n, device="cuda", dtype=bf)
         name = torch.ops.fastcomm._kernel_name(a, b)
         assert " splitk " not in name, (m, n, k, name)
+    # K = 11008 unsplit at M <= 64 on memory of at least 4 TB/s peak; on slower memory with B
+    # N-major only (matmul's b), to 128 rows, and never with B K-major (linear's weight).
+    assert _narrow_splits(128, 4096, 11008, 132, fast_memory=False) == 1
+    w = torch.empty(4096, 11008, device="cuda", dtype=bf)
+    for m in (1, 16, 64, 128):
+        splits = _narrow_splits(m, 4096, 11008, 132, k_major=True, fast_memory=fast)
+        assert splits == (1 if fast and m <= 64 else 2), (m, fast, splits)
+        a = torch.empty(m, 11008, device="cuda", dtype=bf)
+        name = torch.ops.fastcomm._kernel_name(a, w.t())
+        if sms == 132:
+            assert name.startswith("wgmma coop 128x64"), (m, name)
+            assert (" splitk 2 " in name) == (splits == 2), (m, fast, name)
     matmul_settings(splits=1)
     a = torch.empty(16, 4096, device="cuda", dtype=bf)
     name = torch.ops.fastcomm._kernel_name(a, torch.empty(4096, 11008, device="cuda", dtype=bf))
