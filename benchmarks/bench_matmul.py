@@ -12,7 +12,11 @@ Compares, for square sizes (default 1024..8192) and LLM-like shapes
   x [M, K], w [N, K].  ``--gelu tanh`` (default) uses the tanh approximation
   everywhere, which is what ``_addmm_activation(use_gelu=True)`` computes on
   CUDA, so that all methods compute the same function; ``--gelu erf`` uses the
-  exact GELU (then ``_addmm_activation`` still uses tanh).
+  exact GELU (then ``_addmm_activation`` still uses tanh);
+* ``train`` (``--ops train``): forward + backward of linear + bias + GELU with x, w
+  and b requiring grad, ``torchext.ops.linear`` (which keeps the pre-activation
+  for the backward) and ``torch.ops.fastcomm.linear`` called directly (whose
+  backward recomputes it) vs ``F.gelu(F.linear(x, w, b))``; checked by dW.
 
 Each fastcomm kernel path listed in ``--variants`` is timed separately,
 forced through torchext._testing.set_matmul_config (see ``Variant.SETTINGS``;
@@ -120,7 +124,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="matmul,linear",
         help="which comparisons: matmul, linear (+ bias + GELU against _addmm_activation), bias "
         "(linear + bias without activation against cuBLAS's F.linear: the fused GELU's cost is "
-        "the difference)",
+        "the difference), train (forward + backward of linear + bias + GELU through "
+        "torchext.ops.linear against torch's F.gelu(F.linear) under autograd; fastcomm_op: "
+        "torch.ops.fastcomm.linear called directly, whose backward recomputes the "
+        "pre-activation)",
     )
     p.add_argument("--gelu", default="tanh", choices=["tanh", "erf"])
     p.add_argument(
@@ -383,9 +390,12 @@ def _run_shape(m: int, n: int, k: int, args, dtype, compiled_cache: dict, tf32: 
         rows.append({"M": m, "N": n, "K": k, "op": op, "method": method, "error": repr(e)[:300]})
         print(f"  {op:8s} {method:18s} FAILED: {e!r}"[:200], flush=True)
 
-    def record(op, method, fn, ref, min_bytes, kernel=None, variant=None):
+    def grad_mode(grad: bool):
+        return torch.enable_grad() if grad else torch.no_grad()
+
+    def record(op, method, fn, ref, min_bytes, kernel=None, variant=None, grad=False, fl=None):
         try:
-            with torch.no_grad():
+            with grad_mode(grad):
                 err = rel_err(fn(0), ref)
         except Exception as e:
             failed(op, method, e)
@@ -399,6 +409,8 @@ def _run_shape(m: int, n: int, k: int, args, dtype, compiled_cache: dict, tf32: 
                 "min_bytes": min_bytes,
                 "kernel": kernel,
                 "variant": variant,
+                "grad": grad,
+                "flops": fl or flops,
                 "times": [],
             }
         )
@@ -414,7 +426,7 @@ def _run_shape(m: int, n: int, k: int, args, dtype, compiled_cache: dict, tf32: 
                     Variant(entry["variant"]) if entry["variant"] else contextlib.nullcontext()
                 )
                 try:
-                    with variant, torch.no_grad():
+                    with variant, grad_mode(entry["grad"]):
                         entry["times"].append(time_calls(entry["fn"], args.reps, args.warmup_ms))
                 except Exception as e:
                     entry["error"] = e
@@ -440,12 +452,12 @@ def _run_shape(m: int, n: int, k: int, args, dtype, compiled_cache: dict, tf32: 
                     "p20_ms": p20,
                     "p80_ms": p80,
                     **({"round_ms": [t["ms"] for t in times]} if len(times) > 1 else {}),
-                    "tflops": flops / (ms * 1e-3) / 1e12,
+                    "tflops": entry["flops"] / (ms * 1e-3) / 1e12,
                     "rel_err": err,
                     "ok": err < (TOL_TF32 if tf32 else TOL[dtype]),
-                    "flops": flops,
+                    "flops": entry["flops"],
                     "min_bytes": entry["min_bytes"],
-                    "intensity": flops / entry["min_bytes"],
+                    "intensity": entry["flops"] / entry["min_bytes"],
                     **({"kernel": entry["kernel"]} if entry["kernel"] else {}),
                 }
             )
@@ -548,6 +560,59 @@ def _run_shape(m: int, n: int, k: int, args, dtype, compiled_cache: dict, tf32: 
 
             record("linear_gelu", "torch.compile", comp, ref, mb)
         del ref
+    if "train" in ops_wanted:
+        # Forward + backward of linear + bias + GELU with x, weight and bias requiring grad
+        # (views of the same inputs), checked by dW against float32 autograd.
+        tsets = [
+            {
+                **{key: s[key].detach().requires_grad_() for key in ("x", "w", "bias")},
+                "gy": torch.randn(m, n, device="cuda", dtype=dtype),
+            }
+            for s in sets
+        ]
+        t0 = tsets[0]
+        with matmul_tf32(False):
+            xr, wr, br = (t0[key].detach().float().requires_grad_() for key in ("x", "w", "bias"))
+            yr = F.gelu(F.linear(xr, wr, br), approximate=approx)
+            ref = torch.autograd.grad(yr, wr, t0["gy"].float())[0]
+            del xr, wr, br, yr
+        mb = 3 * (m * k + k * n + m * n) * elt
+
+        def train(forward):
+            def fn(i):
+                s = tsets[i % len(tsets)]
+                y = forward(s["x"], s["w"], s["bias"])
+                return torch.autograd.grad(y, (s["x"], s["w"], s["bias"]), s["gy"])[1]
+
+            return fn
+
+        from torchext import ops as fastcomm_ops
+
+        train_flops = 3 * flops  # forward, dX, dW
+        fused = train(lambda x, w, b: fastcomm_ops.linear(x, w, b, act))
+        for v in variants:
+            with Variant(v):
+                name = kernel_name(t0["x"].detach(), t0["w"].detach().t(), "none")
+                record("train_gelu", f"fastcomm[{v}]", fused, ref, mb, name, v, True, train_flops)
+        record(
+            "train_gelu",
+            "fastcomm_op",
+            train(lambda x, w, b: torch.ops.fastcomm.linear(x, w, b, act)),
+            ref,
+            mb,
+            grad=True,
+            fl=train_flops,
+        )
+        record(
+            "train_gelu",
+            "unfused",
+            train(lambda x, w, b: F.gelu(F.linear(x, w, b), approximate=approx)),
+            ref,
+            mb,
+            grad=True,
+            fl=train_flops,
+        )
+        del ref, tsets, t0
     time_all()
     del sets
     torch.cuda.empty_cache()
@@ -577,7 +642,12 @@ def best_fastcomm(rows: list[dict], op: str, label: str) -> Optional[dict]:
 
 
 # The baseline of each op: cuBLAS for the bare products, _addmm_activation for linear + GELU.
-OP_BASELINE = {"matmul": "cublas", "linear_bias": "cublas", "linear_gelu": "addmm_activation"}
+OP_BASELINE = {
+    "matmul": "cublas",
+    "linear_bias": "cublas",
+    "linear_gelu": "addmm_activation",
+    "train_gelu": "unfused",
+}
 
 
 def find(rows, op, label, method):
@@ -686,7 +756,7 @@ def print_variant_summary(rows: list[dict]) -> None:
     width = max(8, *(len(v) for v in variants))
     print(
         "\nfastcomm variants / baseline (matmul, linear_bias: cuBLAS; linear_gelu: "
-        "addmm_activation):"
+        "addmm_activation; train_gelu: unfused):"
     )
     print(f"{'M x N x K':>16s} {'op':11s} " + " ".join(f"{v:>{width}s}" for v in variants))
     for lab in dict.fromkeys(shape_label(r) for r in rows):
@@ -738,6 +808,7 @@ def plot_bars(rows: list[dict], path: str, meta: dict) -> None:
         "matmul": "matmul",
         "linear_bias": "linear + bias",
         "linear_gelu": "linear + bias + gelu",
+        "train_gelu": "linear + bias + gelu, forward + backward",
     }
     fig, axes = plt.subplots(len(ops), 1, figsize=(12, 4.2 * len(ops)), squeeze=False)
     for ax, op in zip(axes[:, 0], ops):

@@ -322,6 +322,64 @@ def test_gradcheck_float64(device):
     assert torch.autograd.gradcheck(lambda x, w: ops.linear(x, w, None, "relu"), (x, w))
 
 
+def _fastcomm_calls(fn: Callable[[], object]) -> list[tuple[str, str]]:
+    """The torch.ops.fastcomm calls fn makes, as (op, activation or "")."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "fastcomm":
+                name = func.__name__.split(".")[0]
+                # an argument left at its default is not passed on: linear's is "none"
+                act = args[3] if len(args) > 3 else (kwargs or {}).get("activation", "none")
+                calls.append((name, act if name == "linear" else ""))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return calls
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu"])
+def test_linear_keeps_pre_activation_for_backward(device, act):
+    """Under autograd, linear() runs the product with its bias and torch's activation, whose
+    saved pre-activation leaves the backward two matmuls (dX, dW); the op called directly
+    recomputes the pre-activation in its backward (a fused linear "none" more), and without
+    grad the activation stays fused. The two backwards agree."""
+    f32 = torch.float32
+    x = _rand(6, 20, dtype=f32, device=device).requires_grad_()
+    w = _rand(12, 20, dtype=f32, device=device).requires_grad_()
+    b = _rand(12, dtype=f32, device=device).requires_grad_()
+    gy = _rand(6, 12, dtype=f32, device=device)
+    y = None
+
+    def forward():
+        nonlocal y
+        y = ops.linear(x, w, b, act)
+
+    assert _fastcomm_calls(forward) == [("linear", "none")]
+    grads = []
+    assert _fastcomm_calls(lambda: grads.extend(torch.autograd.grad(y, [x, w, b], gy))) == [
+        ("matmul", ""),
+        ("matmul", ""),
+    ]
+    y_op = torch.ops.fastcomm.linear(x, w, b, act)
+    torch.testing.assert_close(y_op, y, rtol=1e-5, atol=1e-6)
+    op_grads = []
+    backward = _fastcomm_calls(lambda: op_grads.extend(torch.autograd.grad(y_op, [x, w, b], gy)))
+    assert backward == [("linear", "none"), ("matmul", ""), ("matmul", "")]
+    for g, r in zip(grads, op_grads):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        assert _fastcomm_calls(lambda: ops.linear(x, w, b, act)) == [("linear", act)]
+    assert _fastcomm_calls(lambda: ops.linear(x.detach(), w.detach(), b.detach(), act)) == [
+        ("linear", act)
+    ]
+
+
 # ----------------------------------------------------------------- opcheck
 
 

@@ -9,7 +9,10 @@ the style of pytorch/extension-cpp:
 * autograd formulas through :func:`torch.library.register_autograd`, whose
   backward runs on the same kernels (``dX = dY' @ W``, ``dW = dY'^T @ X``,
   ``dbias = sum(dY')``, ``dY' = dY * act'(pre-activation)``);
-* typed Python wrappers :func:`matmul` and :func:`linear`.
+* typed Python wrappers :func:`matmul` and :func:`linear`; where autograd will
+  need the pre-activation (gelu, gelu_tanh, silu with an input that requires
+  grad), :func:`linear` keeps it for the backward instead of the op's
+  backward recomputing it with a fourth matmul.
 
 The C++ library declares ``torchext.ops`` as the home of its fake kernels
 (``m.set_python_module``), so torch imports this module on demand.
@@ -17,9 +20,10 @@ The C++ library declares ``torchext.ops`` as the home of its fake kernels
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from torchext import _C  # noqa: F401  (loads the library that defines torch.ops.fastcomm)
@@ -30,6 +34,14 @@ __all__ = ["ACTIVATIONS", "matmul", "linear"]
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+# The activations whose derivative needs the pre-activation (relu's is read off
+# the output), as torch's own functions of it.
+_PRE_ACTIVATION_GRAD: dict[str, Callable[[Tensor], Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+    "silu": F.silu,
+}
 
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:
@@ -63,10 +75,25 @@ def linear(
 
     Returns:
         ``[..., out_features]``, contiguous, dtype of ``x``.
+
+    Under autograd with gelu, gelu_tanh or silu (grad enabled and an input that
+    requires grad) the product with its bias runs on its own and torch's
+    activation follows, which keeps the pre-activation for the backward as
+    ``F.gelu(F.linear(...))`` does: the backward then takes two matmuls (dX,
+    dW) instead of three (the fused op's backward recomputes the
+    pre-activation), for an output-sized tensor kept alive between forward and
+    backward. Without autograd, and for relu, the activation stays fused.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    act = _PRE_ACTIVATION_GRAD.get(activation)
+    if act is not None and _needs_grad(x, weight, bias):
+        return act(torch.ops.fastcomm.linear.default(x, weight, bias, "none"))
     return torch.ops.fastcomm.linear.default(x, weight, bias, activation)
+
+
+def _needs_grad(*tensors: Optional[Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 # --------------------------------------------------------------------------
@@ -176,7 +203,8 @@ def _linear_setup_context(ctx, inputs, output) -> None:
     ctx.activation = activation
     # relu's derivative is read off the output; gelu / silu recompute the
     # pre-activation in backward (one extra matmul) rather than keep an
-    # output-sized tensor alive between forward and backward.
+    # output-sized tensor alive: the op's own formula, for callers of
+    # torch.ops.fastcomm.linear; linear() keeps the pre-activation instead.
     ctx.save_for_backward(x, weight, bias, output if activation == "relu" else None)
 
 
