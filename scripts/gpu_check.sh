@@ -30,6 +30,10 @@
 #   nvlinkparts  all_gather and reduce_scatter on the NVLink kernels beside ProcessGroupNCCL
 #                                             -> nvlink_{ag,rs}_<n>gpu.{json,md}
 #   matmulbench  bf16 matmul / linear+gelu on the main shapes vs cuBLAS     -> matmul.{log,json}
+#   matmulgrid   the small-M / mid-size grid (M = 1..2048 x four (N, K), squares 1024-8192)
+#                per dtype in MATMUL_DTYPES (default "bf16 fp16"), MATMUL_OPS (default
+#                matmul,linear; "train": forward + backward), MATMUL_VARIANTS (default auto)
+#                                             -> matmul_grid.log, matmul_grid_<dtype>_{small,mid}.json
 #   killed       a peer killed during the staged all_reduce, stacks of hung ranks -> killed.log
 #   capture      CUDA-graph capture across simulated nodes (4 GPUs as 2 x 2) -> capture.log
 #   hier         the multi-node CUDA tests on simulated nodes (test_cuda_hier.py, test_cuda_inter_host.py:
@@ -41,7 +45,8 @@
 #
 # Env: OUT (default ./out), FASTCOMM_PYTHON (default python3), CARRIED_DIR, PLOT=1 (also write
 # .png plots), PYTEST_ARGS, BENCH_ARGS, SWEEP_ARGS (e.g. "--rounds 3"), SWEEP_TIMEOUT,
-# NETBED_LINKS, NVLINK_ARGS, MATMUL_ARGS. Everything is summarised in $OUT/gpu_check.log. At most 8 files come back from
+# NETBED_LINKS, NVLINK_ARGS, MATMUL_ARGS (and the matmulgrid settings above). Everything is
+# summarised in $OUT/gpu_check.log. At most 8 files come back from
 # the lent machines: run stages that write several files in calls of their own.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -236,6 +241,32 @@ for stage in "${stages[@]}"; do
         --warmup-ms 30 --no-compile --ops matmul,linear ${MATMUL_ARGS:-} \
         --json "$OUT/matmul.json" > "$OUT/matmul.log" 2>&1 || status=1
       tail -n 40 "$OUT/matmul.log" | tee -a "$LOG"
+      ;;
+    matmulgrid)
+      # The small-M / mid-size grid: M = 1..2048 x the four (N, K) of the decode / prefill
+      # shapes and the squares 1024-8192, per dtype in two runs (M <= 128; the rest).
+      say "matmul grid vs cuBLAS / _addmm_activation (${MATMUL_DTYPES:-bf16 fp16})"
+      grid() {
+        local m nk out=""
+        for m in "$@"; do
+          for nk in 4096x4096 11008x4096 4096x11008 14336x4096; do out+="${m}x${nk},"; done
+        done
+        echo "${out%,}"
+      }
+      for dt in ${MATMUL_DTYPES:-bf16 fp16}; do
+        for part in small mid; do
+          if [[ $part == small ]]; then
+            shapes=(--sizes "" --llm "$(grid 1 8 16 32 64 128)")
+          else
+            shapes=(--sizes 1024,2048,4096,8192 --llm "$(grid 256 512 1024 2048)")
+          fi
+          "$PY" benchmarks/bench_matmul.py --dtype "$dt" "${shapes[@]}" --no-compile \
+            --reps 25 --warmup-ms 15 --rounds 3 --variants "${MATMUL_VARIANTS:-auto}" \
+            --ops "${MATMUL_OPS:-matmul,linear}" ${MATMUL_ARGS:-} \
+            --json "$OUT/matmul_grid_${dt}_${part}.json" >> "$OUT/matmul_grid.log" 2>&1 || status=1
+        done
+      done
+      grep -A60 "fastcomm variants" "$OUT/matmul_grid.log" | tail -n 60 | tee -a "$LOG" > /dev/null
       ;;
     killed)
       # The killed-peer test of the staged path. If a survivor is still alive after 60 s
