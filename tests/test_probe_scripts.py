@@ -31,7 +31,7 @@ def test_runner_documents_every_stage_it_handles():
     assert (
         expected
         | {"capture", "hier", "hooks", "ddpbench", "suite", "netbed", "netbedcpu", "nvlink"}
-        | {"nvlinkparts"}
+        | {"nvlinkparts", "matmulgrid"}
         == handled
     )
 
