@@ -50,6 +50,30 @@ double wave_cost(const GemmArgs& p, int num_sms, int bn) {
   return rounds * (bn == 256 ? 2.0 / kGain256 : bn == 192 ? 1.5 / kGain192 : 1.0);
 }
 
+// ---- the device's memory ------------------------------------------------------------
+//
+// Where operands stream from DRAM more than once or from fewer SMs, the
+// memory's bandwidth decides between choices below: peak bandwidth of at
+// least this (H200, 4.8 TB/s) or below it (H100, 3.35 TB/s).
+constexpr double kFastMemoryMinBandwidth = 4e12;  // bytes/s, peak
+
+// Whether the current device's peak memory bandwidth (clock x bus width) is
+// at least kFastMemoryMinBandwidth. Asked once per device.
+bool fast_memory() {
+  static detail::PerDeviceAnswer fast;
+  return fast.get([](int dev) {
+    int clock_khz = 0, bus_bits = 0;
+    const bool ok =
+        cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, dev) == cudaSuccess &&
+        cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, dev) == cudaSuccess;
+    cudaGetLastError();
+    if (!ok) return detail::PerDeviceAnswer::kUnknown;
+    const double peak = 2.0 * clock_khz * 1e3 * bus_bits / 8;  // double data rate
+    return peak >= kFastMemoryMinBandwidth ? detail::PerDeviceAnswer::kYes
+                                           : detail::PerDeviceAnswer::kNo;
+  });
+}
+
 // ---- stream-K ----------------------------------------------------------------------
 //
 // Where the tile the wave model picked leaves the persistent grid's last round
@@ -59,18 +83,21 @@ double wave_cost(const GemmArgs& p, int num_sms, int bn) {
 // the cost of a tile's float32 sums written by one CTA and read back by the
 // next, modelled as kStreamKFixupSlices K-slices of the tile. Taken where
 // that models at most kStreamKGain of the whole tiles' time, and only from
-// two rounds of tiles on: the CTAs that share out a tile do not walk its K in
-// step with the CTAs on the other tiles of its column, so where the B panel
-// they share does not stay in L2 it is read from DRAM more than once. With
-// every tile shared out (fewer than two rounds) stream-K measured up to 20 %
-// behind whole tiles (docs/matmul.md).
+// two rounds of tiles on (three on slower memory): the CTAs that share out a
+// tile do not walk its K in step with the CTAs on the other tiles of its
+// column, so where the B panel they share does not stay in L2 it is read
+// from DRAM more than once. With every tile shared out (fewer than two
+// rounds) stream-K measured up to 20 % behind whole tiles; at 2.6 rounds
+// (1024 x 11008 x 4096, 62 % of the tiles shared out) 2-3 % ahead on H200
+// and 10-13 % behind on H100 (docs/matmul.md).
 constexpr double kStreamKFixupSlices = 4;
 constexpr double kStreamKGain = 0.95;
 
 // Tiles of 128 x bn that stream-K takes (0: none).
 int64_t stream_k_tiles(const GemmArgs& p, int num_sms, int bn) {
   const int64_t tiles = cdiv(p.M, kTileM) * cdiv(p.N, bn);
-  if (tiles < 2 * int64_t{num_sms} || tiles % num_sms == 0) return 0;
+  const int64_t min_rounds = fast_memory() ? 2 : 3;
+  if (tiles < min_rounds * num_sms || tiles % num_sms == 0) return 0;
   const int64_t sk_tiles = num_sms + tiles % num_sms;
   const int64_t num_kb = cdiv(p.K, slice_k(p));
   // The kernel's work list counts the stream-K slices in 32 bits.
@@ -243,25 +270,6 @@ constexpr int64_t kNarrowMaxUnitK = 8192;   // nor more K than this
 // memory (H100, 3.35 TB/s) only with B N-major, to 128 rows (4-11 % ahead;
 // a K-major B, linear's weight, read 4-9 % slower unsplit).
 constexpr int64_t kNarrowMaxUnitKSmallA = 11008;
-constexpr double kFastMemoryMinBandwidth = 4e12;  // bytes/s, peak
-
-// Whether the current device's peak memory bandwidth (clock x bus width) is
-// at least kFastMemoryMinBandwidth. Asked once per device.
-bool fast_memory() {
-  static detail::PerDeviceAnswer fast;
-  return fast.get([](int dev) {
-    int clock_khz = 0, bus_bits = 0;
-    const bool ok =
-        cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, dev) == cudaSuccess &&
-        cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, dev) == cudaSuccess;
-    cudaGetLastError();
-    if (!ok) return detail::PerDeviceAnswer::kUnknown;
-    const double peak = 2.0 * clock_khz * 1e3 * bus_bits / 8;  // double data rate
-    return peak >= kFastMemoryMinBandwidth ? detail::PerDeviceAnswer::kYes
-                                           : detail::PerDeviceAnswer::kNo;
-  });
-}
-
 // Whether the 128 x 64 tile's CTAs may stream kNarrowMaxUnitKSmallA of K.
 bool narrow_small_a(const GemmArgs& p) {
   if (p.dtype == DType::kF32) return false;

@@ -11,6 +11,7 @@ computed from the same (rounded) inputs.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 
@@ -1055,13 +1056,15 @@ def _wave_tile(m: int, n: int, sms: int, half: bool = True) -> int:
     return best
 
 
-def _stream_k_tiles(m: int, n: int, k: int, bn: int, sms: int, half: bool = True) -> int:
+def _stream_k_tiles(
+    m: int, n: int, k: int, bn: int, sms: int, half: bool = True, fast_memory: bool = True
+) -> int:
     """The tiles of 128 x bn that the Hopper kernel shares out by K-slices (stream-K; 0:
-    none): at least two rounds of tiles, the last one part-full, and tiles / SMs rounds plus
-    4 K-slices of fix-up at most 0.95 of ceil(tiles / SMs) rounds; then one round plus the
-    remainder."""
+    none): at least two rounds of tiles (three where the memory's peak bandwidth is below
+    4 TB/s, not `fast_memory`), the last one part-full, and tiles / SMs rounds plus 4 K-slices
+    of fix-up at most 0.95 of ceil(tiles / SMs) rounds; then one round plus the remainder."""
     tiles = _cdiv(m, 128) * _cdiv(n, bn)
-    if tiles < 2 * sms or tiles % sms == 0:
+    if tiles < (2 if fast_memory else 3) * sms or tiles % sms == 0:
         return 0
     kb = _cdiv(k, 64 if half else 32)
     if tiles / sms * kb + 4 > 0.95 * _cdiv(tiles, sms) * kb:
@@ -1119,6 +1122,12 @@ def _peak_memory_bandwidth() -> float:
     return 2.0 * clock_khz.value * 1e3 * bus_bits.value / 8
 
 
+@functools.lru_cache(maxsize=None)
+def _fast_memory() -> bool:
+    """Whether device 0's peak memory bandwidth is at least 4 TB/s (H200; not H100)."""
+    return _peak_memory_bandwidth() >= 4e12
+
+
 # (M, N, K) -> the 128 x 64 tile's split count on 132 SMs (0: the 128 x 128 tile with split K).
 NARROW_SPLITS_132 = {
     (16, 4096, 4096): 1, (128, 4096, 4096): 1, (256, 4096, 4096): 1, (64, 4096, 8192): 1,
@@ -1143,6 +1152,9 @@ def test_cuda_default_dispatch_rule(matmul_settings):
             assert _wave_tile(m, n, sms) == bn, (m, n, bn)
         for (m, n), tiles in STREAM_K_TILES_132.items():
             assert _stream_k_tiles(m, n, 4096, _wave_tile(m, n, sms), sms) == tiles, (m, n)
+        # on slower memory (H100) from three rounds of tiles: 2048 x 11008 (5.2 rounds), not 1024
+        assert _stream_k_tiles(1024, 11008, 4096, 256, sms, fast_memory=False) == 0
+        assert _stream_k_tiles(2048, 11008, 4096, 256, sms, fast_memory=False) == 160
     shapes = [(m, n, 4096) for m in (1, 2, 8, 16, 128, 256, 512, 1024, 2048)
               for n in (4096, 11008, 14336)] + [(1024, 1024, 1024), (2048, 2048, 2048)]  # fmt: skip
     for m, n, k in shapes:
@@ -1158,7 +1170,7 @@ def test_cuda_default_dispatch_rule(matmul_settings):
                 continue
             bn = _wave_tile(m, n, sms)
             assert name.startswith(f"wgmma coop 128x{bn}"), (m, n, k, k_major, name)
-            sk = _stream_k_tiles(m, n, k, bn, sms)
+            sk = _stream_k_tiles(m, n, k, bn, sms, fast_memory=_fast_memory())
             assert (f" streamk {sk} " in name) == (sk > 0), (m, n, k, k_major, name)
             if bn == 128 and k == 4096 and _cdiv(m, 128) * _cdiv(n, 128) * 2 <= sms:
                 assert " splitk " in name, (m, n, k, name)  # at most half the SMs busy
@@ -1320,7 +1332,7 @@ def test_cuda_wgmma_split_k(matmul_settings, variant, dtype):
 
 # Shapes that stream-K takes (tiles of the forced width on 132 SMs): odd M, N (N % 8 != 0:
 # the direct epilogue) and K.
-STREAM_K_SHAPES = [(2100, 4100, 1000), (1100, 9000, 2000), (1000, 9100, 3000)]
+STREAM_K_SHAPES = [(2100, 6004, 1000), (2100, 4100, 1000), (1100, 9000, 2000), (1000, 9100, 3000)]
 STREAM_K_VARIANTS = [
     "coop256", "coop256_tma", "coop256_tma_rn", "coop256_offload", "coop192_tma",
     "coop128_tma", "coop128_offload_rn",
@@ -1339,14 +1351,16 @@ def test_cuda_wgmma_stream_k(matmul_settings, variant):
     matmul_settings(**settings)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bn = {"large": 256, "medium": 192, "small": 128}[settings["tile"]]
-    shapes = [s for s in STREAM_K_SHAPES if _stream_k_tiles(*s, bn, sms)]
+    fast = _fast_memory()
+    shapes = [s for s in STREAM_K_SHAPES if _stream_k_tiles(*s, bn, sms, fast_memory=fast)]
     if not shapes:
         pytest.skip(f"no stream-K shape on {sms} SMs")
     bf = torch.bfloat16
     for m, n, k in shapes:
         a = torch.empty(m, k, device="cuda", dtype=bf)
         name = torch.ops.fastcomm._kernel_name(a, torch.empty(k, n, device="cuda", dtype=bf))
-        assert f" streamk {_stream_k_tiles(m, n, k, bn, sms)} " in name, (m, n, k, name)
+        sk = _stream_k_tiles(m, n, k, bn, sms, fast_memory=fast)
+        assert f" streamk {sk} " in name, (m, n, k, name)
     _check_all_layouts("cuda", bf, shapes, acts=ACTS)
     m, n, k = shapes[0]
     a = _rand(m, k, dtype=bf, device="cuda")
@@ -1369,7 +1383,7 @@ def test_cuda_tf32_stream_k(matmul_settings, fp32_precision):
     matmul_settings(impl="wgmma", sched="coop", tile="large")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     m, n, k = STREAM_K_SHAPES[0]
-    tiles = _stream_k_tiles(m, n, k, 256, sms, half=False)
+    tiles = _stream_k_tiles(m, n, k, 256, sms, half=False, fast_memory=_fast_memory())
     if not tiles:
         pytest.skip(f"no stream-K shape on {sms} SMs")
     a = torch.empty(m, k, device="cuda")
@@ -1411,7 +1425,9 @@ def test_cuda_wgmma_stream_k_graph_replays(matmul_settings):
     w = _rand(11008, 4096, dtype=bf, device="cuda")
     b = _rand(11008, dtype=bf, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    if not _stream_k_tiles(2048, 11008, 4096, _wave_tile(2048, 11008, sms), sms):
+    if not _stream_k_tiles(
+        2048, 11008, 4096, _wave_tile(2048, 11008, sms), sms, fast_memory=_fast_memory()
+    ):
         pytest.skip(f"no stream-K on {sms} SMs")
     assert " streamk " in torch.ops.fastcomm._kernel_name(x, w.t(), "gelu"), "no stream-K"
     _check_graph_replays(x, w, b, lambda r: ops.matmul(x[: 300 + r], w[:520].t()))
@@ -1447,7 +1463,7 @@ def test_cuda_wgmma_split_k_dispatch(matmul_settings):
     bf = torch.bfloat16
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     matmul_settings()
-    fast = _peak_memory_bandwidth() >= 4e12
+    fast = _fast_memory()
     for (m, n, k), splits in NARROW_SPLITS_132.items():
         assert _narrow_splits(m, n, k, 132) == splits, (m, n, k)
         if sms != 132:
