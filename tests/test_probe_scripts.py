@@ -4,6 +4,7 @@ parse and name every stage they handle."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -119,3 +120,53 @@ def test_ncu_summary_opcode_table(tmp_path):
     assert lines[0] == "| opcode | 0 | 1 |"
     assert lines[3].startswith("| HGMMA |")
     assert lines[-2:] == ["0: ours", "1: cublas"]
+
+
+def test_matmul_grid_plot_ratios_and_order(tmp_path):
+    # Two halves of one dtype's grid merge; each op is timed against its own baseline; failed
+    # points and other methods stay out; squares come after the (N, K) groups.
+    def result(m, n, k, op, method, ms, ok=True):
+        return {"M": m, "N": n, "K": k, "op": op, "method": method, "ms": ms, "ok": ok}
+
+    small = tmp_path / "small.json"
+    small.write_text(
+        json.dumps(
+            {
+                "meta": {"device": "H100"},
+                "results": [
+                    result(1, 4096, 4096, "matmul", "cublas", 2.0),
+                    result(1, 4096, 4096, "matmul", "fastcomm[auto]", 1.0),
+                    result(1, 4096, 4096, "matmul", "fastcomm[whole_tiles]", 4.0),
+                    result(1, 4096, 4096, "linear_gelu", "addmm_activation", 3.0),
+                    result(1, 4096, 4096, "linear_gelu", "fastcomm[auto]", 4.0),
+                ],
+            }
+        )
+    )
+    mid = tmp_path / "mid.json"
+    mid.write_text(
+        json.dumps(
+            {
+                "results": [
+                    result(1024, 1024, 1024, "matmul", "cublas", 1.0),
+                    result(1024, 1024, 1024, "matmul", "fastcomm[auto]", 2.0),
+                    result(512, 4096, 4096, "matmul", "cublas", 1.0),
+                    result(512, 4096, 4096, "matmul", "fastcomm[auto]", 0.5, ok=False),
+                    result(8, 11008, 4096, "matmul", "cublas", 1.0),
+                    result(8, 11008, 4096, "matmul", "fastcomm[auto]", 1.0),
+                ]
+            }
+        )
+    )
+    plot = load_benchmark_module("tools/matmul_grid_plot")
+    by_op, device = plot.ratios([str(small), str(mid)], "fastcomm[auto]")
+    assert device == "H100"
+    assert by_op["matmul"] == {(1, 4096, 4096): 2.0, (1024, 1024, 1024): 0.5, (8, 11008, 4096): 1.0}
+    assert by_op["linear_gelu"] == {(1, 4096, 4096): 0.75}
+    shapes = {(1024, 1024, 1024), (8, 11008, 4096), (1, 4096, 4096), (256, 4096, 4096)}
+    assert plot.shape_order(shapes) == [
+        (1, 4096, 4096),
+        (256, 4096, 4096),
+        (8, 11008, 4096),
+        (1024, 1024, 1024),
+    ]
