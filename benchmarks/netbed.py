@@ -1,13 +1,16 @@
 r"""A shaped-link testbed: N simulated nodes on one machine, each a Linux network namespace.
 
-Every node is a namespace with loopback up and one veth interface with an IPv4 address of its
-own (10.77.0.<i+1>/24; the addresses exist only inside the namespaces). Two nodes are joined by
-one veth pair; more than two by a Linux bridge in a hub namespace, every node's veth peer one of
-its ports. Every link is shaped in both directions with tc: a tbf qdisc at the link rate on the
-egress of both ends of each veth pair; with a one-way delay, a netem root qdisc holds the tbf as
-its child (tbf under netem keeps netem's timing; netem under tbf does not). With a bridge, the
-delay sits on the node end only, so node to node the delay is the one asked for, not twice it.
-Every veth end receives with RPS over all CPUs: a veth hands each packet to the backlog of the
+Every node is a namespace with loopback up and one interface with an IPv4 address of its own
+(10.77.0.<i+1>/24; the addresses exist only inside the namespaces). Two nodes are joined by one
+veth pair; more than two by a Linux bridge in a hub namespace, every node's veth peer one of its
+ports. Every link is shaped in both directions with tc: a tbf qdisc at the link rate on the
+egress of both ends. With a one-way delay, the link is a pair of TAP interfaces joined by the
+delay line (benchmarks/netbed_delay.c, built with cc on first use) instead of a veth pair: it
+holds every frame for the delay before passing it on (the kernel's netem qdisc would, but the
+kernels of the machines this runs on lack it). With a bridge, the delay sits between each node
+and its bridge port in the node-to-hub direction only, so node to node the delay is the one
+asked for, not twice it.
+Every interface receives with RPS over all CPUs: a veth hands each packet to the backlog of the
 CPU that dequeued it from tbf, and tbf dequeues from whichever CPU sends or runs its timer, so
 without RPS one flow's packets are received on several CPUs at once and arrive out of order
 (SACK reordering, spurious retransmissions and, under many flows, retransmission timeouts that a
@@ -44,15 +47,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import hashlib
 import json
 import os
 import re
 import secrets
+import select
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import IO, Any, Iterable, Optional, Sequence
@@ -66,7 +72,8 @@ IPROUTE2_ENV = "NETBED_IPROUTE2"
 HOST_ID_VARS = ("FASTCOMM_HOST_ID", "NCCL_HOSTID")
 IFNAME_VARS = ("FASTCOMM_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 NET_ENV = {"NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket"}
-NETEM_LIMIT_PACKETS = 100000  # netem holds a delay's worth of packets; never the bottleneck
+DELAY_LINE_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "netbed_delay.c")
+TAP_TXQUEUELEN = 10000  # frames a TAP holds for the delay line to read (it drops beyond)
 MAX_GSO_BYTES = 64 << 10  # veth passes TCP segments of up to 64 KiB through the qdiscs
 MIN_QUEUE_BYTES = 4 << 20
 MIN_MTU, MAX_MTU = 576, 65535  # IPv4's smallest datagram every host takes; veth's largest
@@ -149,7 +156,7 @@ class Link:
         return max(round(self.rate_bps / 8 * self.queue_us * 1e-6), MIN_QUEUE_BYTES) + self.burst
 
     def describe(self) -> str:
-        delay = f"{self.delay_us:g} us one-way delay (netem)" if self.delay_us else "no delay"
+        delay = f"{self.delay_us:g} us one-way delay (delay line)" if self.delay_us else "no delay"
         return (
             f"{format_rate(self.rate_bps)} ({self.rate_bps / 8e9:.4g} GB/s) each way, {delay}; "
             f"tbf burst {format_bytes(self.burst)}, queue {self.queue_us / 1e3:g} ms "
@@ -223,53 +230,56 @@ class Plan:
     def hub_port(self, rank: int) -> str:
         return f"nb{self.tag[-4:]}h{rank}"
 
-    def _shape(self, netns: str, dev: str, delay_us: float) -> list[list[str]]:
+    def _shape(self, netns: str, dev: str) -> list[list[str]]:
         tbf = ["tbf", "rate", f"{self.link.rate_bps}bit", "burst", str(self.link.burst)]
         tbf += ["limit", str(self.link.limit)]
-        base = ["tc", "-n", netns, "qdisc", "add", "dev", dev]
-        if not delay_us:
-            return [base + ["root", "handle", "1:"] + tbf]
-        netem = ["netem", "delay", f"{delay_us:g}us", "limit", str(NETEM_LIMIT_PACKETS)]
-        return [
-            base + ["root", "handle", "1:"] + netem,
-            base + ["parent", "1:1", "handle", "10:"] + tbf,
-        ]
+        return [["tc", "-n", netns, "qdisc", "add", "dev", dev, "root", "handle", "1:"] + tbf]
+
+    def _join(self, ns_a: str, if_a: str, ns_b: str, if_b: str, b_to_a_us: float) -> list[str]:
+        """The command that makes the link between two interfaces: a veth pair, or with a delay
+        the delay line ['delay', ns_a, if_a, ns_b, if_b, a-to-b ns, b-to-a ns]."""
+        if not self.link.delay_us:
+            return ["ip", "link", "add", if_a, "netns", ns_a, "type", "veth"] + [
+                "peer", "name", if_b, "netns", ns_b,
+            ]  # fmt: skip
+        d = round(self.link.delay_us * 1e3)
+        return ["delay", ns_a, if_a, ns_b, if_b, str(d), str(round(b_to_a_us * 1e3))]
 
     def setup_commands(self) -> list[list[str]]:
-        """Commands in order; each starts with 'ip' or 'tc' (the tool to run)."""
+        """Commands in order; each starts with 'ip' or 'tc' (the tool to run), or 'delay' (a
+        delay line to start: its namespaces and interfaces, then the delay of each direction
+        in ns)."""
         cmds = [["ip", "netns", "add", ns] for ns in self.namespaces]
-        delay = self.link.delay_us
         if self.hub is None:
             a, b = self.nodes
-            cmds.append(
-                ["ip", "link", "add", a.ifname, "netns", a.netns, "type", "veth"]
-                + ["peer", "name", b.ifname, "netns", b.netns]
-            )
-            ends = [(a.netns, a.ifname, delay), (b.netns, b.ifname, delay)]
+            cmds.append(self._join(a.netns, a.ifname, b.netns, b.ifname, self.link.delay_us))
+            ends = [(a.netns, a.ifname), (b.netns, b.ifname)]
         else:
             cmds.append(["ip", "-n", self.hub, "link", "add", self.bridge, "type", "bridge"])
             cmds.append(["ip", "-n", self.hub, "link", "set", self.bridge, "up"])
             ends = []
             for n in self.nodes:
                 port = self.hub_port(n.rank)
-                cmds.append(
-                    ["ip", "link", "add", n.ifname, "netns", n.netns, "type", "veth"]
-                    + ["peer", "name", port, "netns", self.hub]
-                )
+                cmds.append(self._join(n.netns, n.ifname, self.hub, port, 0.0))
                 cmds.append(["ip", "-n", self.hub, "link", "set", port, "master", self.bridge])
                 cmds.append(
                     ["ip", "-n", self.hub, "link", "set", port, "mtu", str(self.link.mtu), "up"]
                 )
-                ends += [(n.netns, n.ifname, delay), (self.hub, port, 0.0)]
+                ends += [(n.netns, n.ifname), (self.hub, port)]
+        if self.link.delay_us:  # TAP interfaces: room for a burst while the delay line reads
+            cmds += [
+                ["ip", "-n", netns, "link", "set", dev, "txqueuelen", str(TAP_TXQUEUELEN)]
+                for netns, dev in ends
+            ]
         for n in self.nodes:
             cmds.append(["ip", "-n", n.netns, "link", "set", "lo", "up"])
             cmds.append(["ip", "-n", n.netns, "addr", "add", f"{n.addr}/24", "dev", n.ifname])
             cmds.append(
                 ["ip", "-n", n.netns, "link", "set", n.ifname, "mtu", str(self.link.mtu), "up"]
             )
-        cmds += [self._rps(netns, dev) for netns, dev, _ in ends]
-        for netns, dev, d in ends:
-            cmds += self._shape(netns, dev, d)
+        cmds += [self._rps(netns, dev) for netns, dev in ends]
+        for netns, dev in ends:
+            cmds += self._shape(netns, dev)
         return cmds
 
     @staticmethod
@@ -288,6 +298,15 @@ class Plan:
         env |= {k: n.ifname for k in IFNAME_VARS}
         return env | NET_ENV
 
+    @property
+    def topology(self) -> str:
+        """What joins the nodes, as a noun ('joined by a ...')."""
+        if self.hub:
+            return "bridge" + (
+                " (each node's port through a delay line)" if self.link.delay_us else ""
+            )
+        return "delay line between TAP interfaces" if self.link.delay_us else "veth pair"
+
     def describe(self) -> str:
         """The topology and the link settings, for people."""
         lines = [f"netbed {self.tag}: {len(self.nodes)} nodes, {self.link.describe()}"]
@@ -297,22 +316,26 @@ class Plan:
             lines.append(
                 f"  hub: netns {self.hub}, bridge {self.bridge}, ports "
                 + ", ".join(self.hub_port(n.rank) for n in self.nodes)
-                + " (tbf on the ports too; the delay only on the node ends)"
+                + " (tbf on the ports too; the delay node to hub only)"
             )
         else:
-            lines.append(f"  one veth pair {self.nodes[0].ifname} <-> {self.nodes[1].ifname}")
+            lines.append(f"  one {self.topology} {self.nodes[0].ifname} <-> {self.nodes[1].ifname}")
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "nodes": len(self.nodes),
-            "topology": "bridge" if self.hub else "veth pair",
+            "topology": self.topology,
             "link": self.link.as_dict(),
             "node_addrs": [n.addr for n in self.nodes],
             "node_ifnames": [n.ifname for n in self.nodes],
-            "shaping": "tbf on the egress of both ends of every veth pair"
-            + ("; netem root with tbf as its child on the node ends" if self.link.delay_us else ""),
-            "receive": "RPS over all CPUs on every veth end (a flow on one CPU, in order)",
+            "shaping": "tbf on the egress of both ends of every link"
+            + (
+                "; the one-way delay held by the delay line (benchmarks/netbed_delay.c)"
+                if self.link.delay_us
+                else ""
+            ),
+            "receive": "RPS over all CPUs on every interface (a flow on one CPU, in order)",
         }
 
 
@@ -573,6 +596,7 @@ class Netbed:
         self.log = log
         self._reaper: Optional[subprocess.Popen] = None
         self._procs: list[subprocess.Popen] = []
+        self._delay_lines: list[subprocess.Popen] = []
         self._closed = True
 
     @property
@@ -591,14 +615,10 @@ class Netbed:
         self._start_reaper()
         try:
             for cmd in self.plan.setup_commands():
-                try:
+                if cmd[0] == "delay":
+                    self._delay_lines.append(start_delay_line(cmd[1:]))
+                else:
                     self.tools.run(cmd)
-                except NetbedError as exc:
-                    if cmd[0] == "tc" and "netem" in cmd and "unknown" in str(exc).lower():
-                        raise NetbedError(
-                            f"{exc} (the kernel has no netem qdisc, sch_netem: no --delay here)"
-                        ) from None
-                    raise
         except BaseException:
             self.close()
             raise
@@ -630,6 +650,8 @@ class Netbed:
         self._closed = True
         for proc in self._procs:
             _stop(proc)
+        for line in self._delay_lines:  # its TAP interfaces go with it
+            stop_delay_line(line)
         errors = remove_namespaces(self.tools, self.plan.namespaces)
         left = set(self.plan.namespaces) & set(list_namespaces(self.tools))
         if self._reaper is not None:
@@ -684,7 +706,7 @@ class Netbed:
                     info["rx"]["bytes"],
                     info["tx"]["packets"],
                     info["rx"]["packets"],
-                    sum(q.get("drops", 0) for q in qdiscs if q.get("kind") in ("tbf", "netem")),
+                    sum(q.get("drops", 0) for q in qdiscs if q.get("kind") == "tbf"),
                     tcp["retransmits"],
                     tcp["timeouts"],
                     info["tx"].get("dropped", 0) + info["rx"].get("dropped", 0),
@@ -744,6 +766,56 @@ class Netbed:
         return min(rates)
 
 
+def delay_line_binary() -> str:
+    """The delay line built from DELAY_LINE_SOURCE with cc (once per source: the binary's name
+    carries the source's hash, in the temporary folder)."""
+    with open(DELAY_LINE_SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    binary = os.path.join(tempfile.gettempdir(), f"netbed_delay-{digest}")
+    if os.access(binary, os.X_OK):
+        return binary
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise NetbedError("a one-way delay needs a C compiler (cc, gcc or $CC) for the delay line")
+    tmp = f"{binary}.{os.getpid()}.tmp"
+    out = subprocess.run(
+        [cc, "-O2", "-pthread", "-o", tmp, DELAY_LINE_SOURCE], capture_output=True, text=True
+    )
+    if out.returncode != 0:
+        raise NetbedError(f"building the delay line failed: {out.stderr.strip()}")
+    os.replace(tmp, binary)  # atomic: a concurrent build finds a whole binary or none
+    return binary
+
+
+def start_delay_line(args: Sequence[str], timeout_s: float = 10.0) -> subprocess.Popen:
+    """Start the delay line (`args`: the 'delay' command's arguments) and wait until its
+    interfaces exist. It ends when its stdin closes, also when we die."""
+    proc = subprocess.Popen(
+        [delay_line_binary(), *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    line = proc.stdout.readline().decode() if ready else ""
+    if line.strip() != "ready":
+        stop_delay_line(proc)
+        err = proc.stderr.read().decode().strip()
+        raise NetbedError(f"the delay line did not start ({shlex.join(args)}): {err or 'no reply'}")
+    return proc
+
+
+def stop_delay_line(proc: subprocess.Popen) -> None:
+    """Close the delay line's stdin (it exits), SIGKILL it if it does not."""
+    try:
+        proc.stdin.close()
+        proc.wait(timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        proc.kill()
+        proc.wait()
+
+
 def _stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
     """SIGTERM the process group, SIGKILL it after grace_s."""
     if proc.poll() is not None:
@@ -762,14 +834,14 @@ def _stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
 
 def netbed_available(iproute2: Optional[str] = None, delay: bool = False) -> tuple[bool, str]:
     """Whether a testbed can be made here: makes (and deletes) two namespaces joined by a veth
-    pair shaped with tbf (and netem, with `delay`). (False, why) otherwise."""
+    pair shaped with tbf (with `delay`: by the delay line). (False, why) otherwise."""
     try:
         with Netbed(2, Link(10**9, 10.0 if delay else 0.0), iproute2=iproute2):
             pass
     except (NetbedError, OSError, ValueError) as exc:
         hint = "" if os.geteuid() == 0 else " (not root: needs CAP_NET_ADMIN and CAP_SYS_ADMIN)"
         return False, f"no network namespace testbed here: {exc}{hint}"
-    return True, "namespaces, veth and tbf" + (" and netem" if delay else "") + " work"
+    return True, "namespaces, tbf and " + ("the delay line" if delay else "veth") + " work"
 
 
 # ----------------------------------------------------------------------------- launching
@@ -1112,7 +1184,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         plan = make_plan(args.nodes, args.link)
         print(plan.describe())
         for cmd in plan.setup_commands():
-            print("  " + shlex.join(cmd))
+            print("  " + shlex.join(["netbed_delay", *cmd[1:]] if cmd[0] == "delay" else cmd))
         if args.command:
             for i, cmd in enumerate(node_commands(args, plan)):
                 env = " ".join(f"{k}={v}" for k, v in plan.node_env(i).items())

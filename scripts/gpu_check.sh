@@ -17,8 +17,8 @@
 #                socket settings                                             -> sweep_2x<k>.{json,md}
 #   netbed       the sweep's launches on the shaped-link testbed: 2 nodes as network namespaces
 #                joined by a veth pair shaped with tc, 256 KiB..1 GiB, one sweep per link in
-#                NETBED_LINKS (default "25gbit"; e.g. "25gbit 100gbit"; a delay such as
-#                "25gbit,20us" needs the kernel's netem, which the lent machines lack; jumbo
+#                NETBED_LINKS (default "25gbit"; e.g. "25gbit 100gbit"; a one-way delay:
+#                "25gbit,20us", through the testbed's delay line; jumbo
 #                frames: "25gbit,mtu9000"); ip and tc from the Debian debs in
 #                build/iproute2-debs (carried; unpacked with dpkg -x)
 #                                                          -> netbed_2x<k>_<link>.{json,md}

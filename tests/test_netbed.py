@@ -1,9 +1,11 @@
 """The shaped-link testbed (benchmarks/netbed.py): 2 nodes x 2 CPU ranks, each node a network
-namespace, joined by a veth pair shaped with tc, one torchrun per node.
+namespace, joined by a link shaped with tc and delayed by the delay line
+(benchmarks/netbed_delay.c), one torchrun per node.
 
 Over the link, on fastcomm: every collective x dtype x op of test_collectives.py, DDP parity with
-gloo, and a bulk all_reduce whose bytes the veth counters must show. The testbed leaves nothing
-behind: after a failing command, an exception, SIGTERM of the command line tool, or the owner
+gloo, and a bulk all_reduce whose bytes the link's counters must show. The delay line holds each
+direction for its delay (round trips of small messages against a plain veth pair) and passes bulk
+TCP at the rate. The testbed leaves nothing behind: after a failing command, an exception, SIGTERM of the command line tool, or the owner
 killed outright. The plan (names, addresses, tc commands, environment) is checked without root.
 The tests that make namespaces skip, with the reason, where that is not possible.
 """
@@ -26,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 TOOL = ROOT / "benchmarks" / "netbed.py"
 RATE = "1gbit"  # fast enough for the case matrix on a 2-core machine
-DELAY = "20us"  # where the kernel has netem
+DELAY = "20us"
 
 
 nb = load_benchmark_module("netbed")
@@ -41,10 +43,16 @@ def tools() -> object:
 
 
 @pytest.fixture(scope="module")
-def link(tools: object) -> object:
-    """The shaped link of the tests: with a one-way delay where the kernel has netem."""
-    has_netem, _ = nb.netbed_available(delay=True)
-    return nb.parse_link(f"{RATE},{DELAY}" if has_netem else RATE)
+def delay_line(tools: object) -> str:
+    """Why the delay line cannot run here ('' where it can: TUN and a C compiler)."""
+    ok, why = nb.netbed_available(delay=True)
+    return "" if ok else why
+
+
+@pytest.fixture(scope="module")
+def link(tools: object, delay_line: str) -> object:
+    """The shaped link of the tests: with a one-way delay where the delay line runs."""
+    return nb.parse_link(RATE if delay_line else f"{RATE},{DELAY}")
 
 
 def _leftovers(tools: object, tag: str) -> list[str]:
@@ -118,35 +126,39 @@ def test_plan_of_a_veth_pair() -> None:
     assert all(len(n.ifname) <= 15 for n in plan.nodes)  # IFNAMSIZ
     cmds = plan.setup_commands()
     qdiscs = [c for c in cmds if c[0] == "tc"]
-    # both directions shaped: netem root with the tbf as its child on both ends
+    # with a delay: the delay line makes the two interfaces, 20 us each way, instead of a veth
+    ns0, ns1 = (n.netns for n in plan.nodes)
+    assert [c for c in cmds if c[0] == "delay"] == [
+        ["delay", ns0, "nbbeefn0", ns1, "nbbeefn1", "20000", "20000"]
+    ]
+    assert not any("veth" in c for c in cmds)
+    assert ["ip", "-n", ns0, "link", "set", "nbbeefn0", "txqueuelen", "10000"] in cmds
+    # both directions shaped: the tbf as the root on both ends
     for n in plan.nodes:
         mine = [c for c in qdiscs if n.ifname in c]
-        assert len(mine) == 2, mine
-        assert mine[0][mine[0].index("root") :] == ["root", "handle", "1:", "netem", "delay"] + [
-            "20us",
-            "limit",
-            str(nb.NETEM_LIMIT_PACKETS),
-        ]
-        assert mine[1][mine[1].index("parent") : mine[1].index("tbf") + 3] == [
-            "parent",
-            "1:1",
+        assert len(mine) == 1, mine
+        assert mine[0][mine[0].index("root") : mine[0].index("tbf") + 3] == [
+            "root",
             "handle",
-            "10:",
+            "1:",
             "tbf",
             "rate",
             "25000000000bit",
         ]
     assert ["ip", "-n", "netbed-4242-beef-n1", "link", "set", "lo", "up"] in cmds
-    # every tc command comes after the links it shapes exist
+    # the link exists before it is configured, and before the tc commands that shape it
+    first_set = min(i for i, c in enumerate(cmds) if c[:2] == ["ip", "-n"])
+    assert next(i for i, c in enumerate(cmds) if c[0] == "delay") < first_set
     assert max(i for i, c in enumerate(cmds) if c[0] == "ip") < cmds.index(qdiscs[0])
     env = plan.node_env(1)
     assert env["FASTCOMM_HOST_ID"] == env["NCCL_HOSTID"] == "netnode1"
     for key in ("FASTCOMM_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
         assert env[key] == "nbbeefn1"
     assert env["NCCL_NET"] == "Socket" and env["NCCL_IB_DISABLE"] == "1"
-    # without a delay: the tbf alone, as the root
+    # without a delay: a veth pair, the tbf as the root on both ends
     plain = nb.make_plan(2, nb.parse_link("10gbit"), tag="1-abcd").setup_commands()
     assert [c[c.index("root") + 3] for c in plain if c[0] == "tc"] == ["tbf", "tbf"]
+    assert sum("veth" in c for c in plain) == 1 and not any(c[0] == "delay" for c in plain)
     # every veth end takes the link's MTU
     mtus = [c[c.index("mtu") + 1] for c in cmds if c[0] == "ip" and "mtu" in c]
     assert mtus == ["1500", "1500"]
@@ -179,16 +191,16 @@ def test_plan_of_a_bridge() -> None:
         assert ["ip", "-n", plan.hub, "link", "set", port, "master", plan.bridge] in cmds
         node_end = [c for c in cmds if c[0] == "tc" and n.ifname in c]
         hub_end = [c for c in cmds if c[0] == "tc" and port in c]
-        # the delay once per path (node end), the rate on both ends
-        assert [c[c.index("handle") + 2] for c in node_end] == ["netem", "tbf"]
-        assert [c[c.index("handle") + 2] for c in hub_end] == ["tbf"]
+        # the rate on both ends; the delay once per path: node to hub only
+        assert [c[c.index("handle") + 2] for c in node_end + hub_end] == ["tbf", "tbf"]
+        assert ["delay", n.netns, n.ifname, plan.hub, port, "10000", "0"] in cmds
 
 
 def test_command_line_plan_and_torchrun_commands(capsys: pytest.CaptureFixture) -> None:
     assert nb.main(["--nodes", "2", "--rate", "100gbit", "--delay", "20us", "--plan"]) == 0
     text = capsys.readouterr().out
     assert "100 Gbit/s (12.5 GB/s) each way, 20 us one-way delay" in text
-    assert "netem delay 20us" in text and "tbf rate 100000000000bit" in text
+    assert "netbed_delay netbed-" in text and "tbf rate 100000000000bit" in text
     args = nb.parse_args(
         ["--nodes", "2", "--nproc-per-node", "2", "--master-port", "29555", "--", "s.py", "-x"]
     )
@@ -275,6 +287,72 @@ def test_tcp_ceiling_and_retransmit_counters(tools: object, link: object) -> Non
         assert a.tcp_rcv_drops >= b.tcp_rcv_drops >= 0
         assert a.tcp_spurious >= b.tcp_spurious >= 0
         assert a.tx_bytes - b.tx_bytes > 0.5 * gbps * 1e9
+
+
+_PING_PONG = """
+import socket, sys, time
+me, peer, port, role = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+if role == "serve":
+    s = socket.create_server((me, port))
+    c, _ = s.accept()
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while (d := c.recv(1)):
+        c.sendall(d)
+else:
+    for _ in range(200):
+        try:
+            c = socket.create_connection((peer, port))
+            break
+        except OSError:
+            time.sleep(0.05)
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    rtts = []
+    for _ in range(60):
+        t = time.perf_counter()
+        c.sendall(b"x")
+        c.recv(1)
+        rtts.append(time.perf_counter() - t)
+    print(sorted(rtts[10:])[len(rtts[10:]) // 2] * 1e6)
+"""
+
+
+def _round_trip_us(bed: object) -> float:
+    """Median round trip of a one-byte TCP ping-pong from node 0 to node 1."""
+    a, b = bed.nodes
+    args = [a.addr, b.addr, "29123"]
+    server = bed.popen(1, [sys.executable, "-c", _PING_PONG, b.addr, a.addr, "29123", "serve"],
+                       dict(os.environ))  # fmt: skip
+    try:
+        out = subprocess.run(
+            bed.tools.exec_prefix(a.netns) + [sys.executable, "-c", _PING_PONG, *args, "ping"],
+            capture_output=True, text=True, timeout=60, check=True,
+        ).stdout  # fmt: skip
+    finally:
+        nb._stop(server)
+    return float(out.split()[-1])
+
+
+def test_delay_line_holds_each_direction(tools: object, delay_line: str) -> None:
+    """A round trip over the delayed link takes both directions' delay more than over a veth
+    pair, and bulk TCP still gets the shaped rate."""
+    if delay_line:
+        pytest.skip(delay_line)
+    delay_us = 300.0
+    with nb.Netbed(2, nb.parse_link(RATE)) as bed:
+        plain = _round_trip_us(bed)
+    with nb.Netbed(2, nb.parse_link(f"{RATE},{delay_us:g}us")) as bed:
+        tag = bed.plan.tag
+        delayed = _round_trip_us(bed)
+        gbps = bed.tcp_ceiling(streams=2, seconds=1.0)
+        assert "delay line" in bed.plan.describe()
+    assert delayed >= plain + 2 * delay_us * 0.97, (plain, delayed)
+    assert delayed < plain + 2 * delay_us + 3000, (plain, delayed)  # a busy 2-core machine
+    rate = nb.parse_link(RATE).rate_bps / 8 / 1e9
+    assert 0.5 * rate < gbps < 1.02 * rate, (gbps, rate)
+    assert _leftovers(tools, tag) == []
+    print(
+        f"\n[round trip {plain:.0f} us without delay, {delayed:.0f} us with {delay_us:g} us each way]"
+    )
 
 
 def test_teardown_after_a_failing_command_and_an_exception(tools: object, link: object) -> None:
