@@ -1,14 +1,15 @@
 """Fused tiled-matmul operators: ``torch.ops.fastcomm.matmul`` and ``torch.ops.fastcomm.linear``.
 
 The operators are defined schema-first in C++ (``csrc/ops/matmul_schema.cpp``)
-with CPU and CUDA kernels; this module adds what torch needs around them, in
-the style of pytorch/extension-cpp:
+with CPU and CUDA kernels and their autograd (``csrc/ops/matmul_autograd.cpp``:
+a formula registered from Python would cost a small-batch training step more
+host time than its kernels take); the backward runs on the same kernels
+(``dX = dY' @ W``, ``dW = dY'^T @ X``, ``dbias = sum(dY')``,
+``dY' = dY * act'(pre-activation)``). This module adds, in the style of
+pytorch/extension-cpp:
 
 * fake (meta) kernels through :func:`torch.library.register_fake`, so that the
   ops trace under ``torch.compile`` / ``torch.export`` and run on FakeTensors;
-* autograd formulas through :func:`torch.library.register_autograd`, whose
-  backward runs on the same kernels (``dX = dY' @ W``, ``dW = dY'^T @ X``,
-  ``dbias = sum(dY')``, ``dY' = dY * act'(pre-activation)``);
 * typed Python wrappers :func:`matmul` and :func:`linear`; where autograd will
   need the pre-activation (gelu, gelu_tanh, silu with an input that requires
   grad), :func:`linear` keeps it for the backward instead of the op's
@@ -154,84 +155,3 @@ def _linear_fake(
         activation in ACTIVATIONS, lambda: f"fastcomm.linear: unknown activation {activation!r}"
     )
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-# --------------------------------------------------------------------------
-# Autograd: the backward runs on the same fastcomm kernels.
-# --------------------------------------------------------------------------
-
-
-def _matmul_setup_context(ctx, inputs, output) -> None:
-    a, b = inputs
-    ctx.save_for_backward(a, b)
-
-
-def _matmul_backward(ctx, grad: Tensor):
-    a, b = ctx.saved_tensors
-    grad_a = grad_b = None
-    if ctx.needs_input_grad[0]:
-        # dA[..., M, K] = dC[..., M, N] @ B^T[N, K]
-        grad_a = torch.ops.fastcomm.matmul.default(grad, b.t())
-    if ctx.needs_input_grad[1]:
-        # dB[K, N] = A^T[K, M'] @ dC[M', N], batch folded into M'
-        k, n = a.shape[-1], grad.shape[-1]
-        grad_b = torch.ops.fastcomm.matmul.default(a.reshape(-1, k).t(), grad.reshape(-1, n))
-    return grad_a, grad_b
-
-
-def _activation_backward(
-    grad: Tensor, activation: str, pre: Optional[Tensor], out: Tensor
-) -> Tensor:
-    """dY' = dY * act'(pre), through aten's own derivative kernels."""
-    if activation == "none":
-        return grad
-    if activation == "relu":
-        # relu'(pre) = [pre > 0] = [out > 0]: no need for the pre-activation.
-        return torch.ops.aten.threshold_backward.default(grad, out, 0)
-    assert pre is not None
-    if activation == "gelu":
-        return torch.ops.aten.gelu_backward.default(grad, pre, approximate="none")
-    if activation == "gelu_tanh":
-        return torch.ops.aten.gelu_backward.default(grad, pre, approximate="tanh")
-    if activation == "silu":
-        return torch.ops.aten.silu_backward.default(grad, pre)
-    raise ValueError(f"unknown activation {activation!r}")
-
-
-def _linear_setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, activation = inputs
-    ctx.activation = activation
-    # relu's derivative is read off the output; gelu / silu recompute the
-    # pre-activation in backward (one extra matmul) rather than keep an
-    # output-sized tensor alive: the op's own formula, for callers of
-    # torch.ops.fastcomm.linear; linear() keeps the pre-activation instead.
-    ctx.save_for_backward(x, weight, bias, output if activation == "relu" else None)
-
-
-def _linear_backward(ctx, grad: Tensor):
-    x, weight, bias, out = ctx.saved_tensors
-    activation = ctx.activation
-    pre = None
-    if activation in ("gelu", "gelu_tanh", "silu"):
-        pre = torch.ops.fastcomm.linear.default(x, weight, bias, "none")
-    g = _activation_backward(grad, activation, pre, out)
-    n, k = weight.shape
-    g2 = g.reshape(-1, n)
-    grad_x = grad_w = grad_b = None
-    if ctx.needs_input_grad[0]:
-        # dX[M, K] = dY'[M, N] @ W[N, K]
-        grad_x = torch.ops.fastcomm.matmul.default(g2, weight).reshape(x.shape)
-    if ctx.needs_input_grad[1]:
-        # dW[N, K] = dY'^T[N, M] @ X[M, K]
-        grad_w = torch.ops.fastcomm.matmul.default(g2.t(), x.reshape(-1, k))
-    if bias is not None and ctx.needs_input_grad[2]:
-        grad_b = g2.sum(0)
-    return grad_x, grad_w, grad_b, None
-
-
-torch.library.register_autograd(
-    "fastcomm::matmul", _matmul_backward, setup_context=_matmul_setup_context
-)
-torch.library.register_autograd(
-    "fastcomm::linear", _linear_backward, setup_context=_linear_setup_context
-)

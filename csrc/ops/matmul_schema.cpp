@@ -2,8 +2,9 @@
 // namespace "fastcomm"). Kernels are registered per dispatch key elsewhere:
 //   CPU  -> csrc/ops/matmul_cpu.cpp
 //   CUDA -> csrc/ops/cuda/matmul_cuda.cpp (CUDA builds only)
-// The fake (meta) kernels and the autograd formulas live in Python,
-// torchext/ops.py, as in pytorch/extension-cpp.
+//   Autograd -> csrc/ops/matmul_autograd.cpp
+// The fake (meta) kernels live in Python, torchext/ops.py, as in
+// pytorch/extension-cpp.
 #include <torch/library.h>
 
 TORCH_LIBRARY(fastcomm, m) {
