@@ -800,20 +800,25 @@ def start_delay_line(args: Sequence[str], timeout_s: float = 10.0) -> subprocess
     ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
     line = proc.stdout.readline().decode() if ready else ""
     if line.strip() != "ready":
-        stop_delay_line(proc)
+        stop_delay_line(proc, keep_stderr=True)
         err = proc.stderr.read().decode().strip()
+        proc.stderr.close()
         raise NetbedError(f"the delay line did not start ({shlex.join(args)}): {err or 'no reply'}")
     return proc
 
 
-def stop_delay_line(proc: subprocess.Popen) -> None:
-    """Close the delay line's stdin (it exits), SIGKILL it if it does not."""
+def stop_delay_line(proc: subprocess.Popen, keep_stderr: bool = False) -> None:
+    """Close the delay line's stdin (it exits), SIGKILL it if it does not; then close its
+    pipes (stderr stays open with keep_stderr, for the caller to read)."""
     try:
         proc.stdin.close()
         proc.wait(timeout=5)
     except (OSError, subprocess.TimeoutExpired):
         proc.kill()
         proc.wait()
+    proc.stdout.close()
+    if not keep_stderr:
+        proc.stderr.close()
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:

@@ -5,9 +5,10 @@ namespace, joined by a link shaped with tc and delayed by the delay line
 Over the link, on fastcomm: every collective x dtype x op of test_collectives.py, DDP parity with
 gloo, and a bulk all_reduce whose bytes the link's counters must show. The delay line holds each
 direction for its delay (round trips of small messages against a plain veth pair) and passes bulk
-TCP at the rate. The testbed leaves nothing behind: after a failing command, an exception, SIGTERM of the command line tool, or the owner
-killed outright. The plan (names, addresses, tc commands, environment) is checked without root.
-The tests that make namespaces skip, with the reason, where that is not possible.
+TCP at the rate. The testbed leaves nothing behind: after a failing command, an exception, SIGTERM
+of the command line tool, or the owner killed outright. The plan (names, addresses, tc commands,
+environment) is checked without root. The tests that make namespaces skip, with the reason, where
+that is not possible.
 """
 
 from __future__ import annotations
