@@ -97,8 +97,8 @@ struct LinearFunction : public torch::autograd::Function<LinearFunction> {
     const Activation act = parse_activation(std::string_view(activation.data(), activation.size()));
     at::Tensor out = call_linear(x, weight, bias, activation);
     ctx->saved_data["activation"] = static_cast<int64_t>(act);
-    ctx->save_for_backward({x, weight, bias.value_or(at::Tensor()),
-                            act == Activation::kRelu ? out : at::Tensor()});
+    ctx->save_for_backward(
+        {x, weight, bias.value_or(at::Tensor()), act == Activation::kRelu ? out : at::Tensor()});
     return out;
   }
 
