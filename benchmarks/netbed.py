@@ -74,6 +74,7 @@ IFNAME_VARS = ("FASTCOMM_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNA
 NET_ENV = {"NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket"}
 DELAY_LINE_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "netbed_delay.c")
 TAP_TXQUEUELEN = 10000  # frames a TAP holds for the delay line to read (it drops beyond)
+MAX_DELAY_QUEUES = 4  # queues per delay line: a forwarding thread (a busy core) per queue and way
 MAX_GSO_BYTES = 64 << 10  # veth passes TCP segments of up to 64 KiB through the qdiscs
 MIN_QUEUE_BYTES = 4 << 20
 MIN_MTU, MAX_MTU = 576, 65535  # IPv4's smallest datagram every host takes; veth's largest
@@ -218,6 +219,7 @@ class Plan:
     link: Link
     hub: Optional[str] = None  # the hub namespace (more than two nodes)
     bridge: Optional[str] = None
+    delay_queues: int = 1  # queues of each delay line's TAP interfaces (delay_line_queues())
 
     @property
     def namespaces(self) -> list[str]:
@@ -237,13 +239,15 @@ class Plan:
 
     def _join(self, ns_a: str, if_a: str, ns_b: str, if_b: str, b_to_a_us: float) -> list[str]:
         """The command that makes the link between two interfaces: a veth pair, or with a delay
-        the delay line ['delay', ns_a, if_a, ns_b, if_b, a-to-b ns, b-to-a ns]."""
+        the delay line ['delay', ns_a, if_a, ns_b, if_b, a-to-b ns, b-to-a ns, queues]."""
         if not self.link.delay_us:
             return ["ip", "link", "add", if_a, "netns", ns_a, "type", "veth"] + [
                 "peer", "name", if_b, "netns", ns_b,
             ]  # fmt: skip
         d = round(self.link.delay_us * 1e3)
-        return ["delay", ns_a, if_a, ns_b, if_b, str(d), str(round(b_to_a_us * 1e3))]
+        return ["delay", ns_a, if_a, ns_b, if_b, str(d), str(round(b_to_a_us * 1e3))] + [
+            str(self.delay_queues)
+        ]
 
     def setup_commands(self) -> list[list[str]]:
         """Commands in order; each starts with 'ip' or 'tc' (the tool to run), or 'delay' (a
@@ -305,7 +309,9 @@ class Plan:
             return "bridge" + (
                 " (each node's port through a delay line)" if self.link.delay_us else ""
             )
-        return "delay line between TAP interfaces" if self.link.delay_us else "veth pair"
+        if self.link.delay_us:
+            return f"delay line between TAP interfaces of {self.delay_queues} queue(s)"
+        return "veth pair"
 
     def describe(self) -> str:
         """The topology and the link settings, for people."""
@@ -339,8 +345,11 @@ class Plan:
         }
 
 
-def make_plan(nodes: int, link: Link, tag: Optional[str] = None) -> Plan:
-    """The plan of a testbed of `nodes` nodes (2..250); `tag` defaults to <pid>-<random>."""
+def make_plan(
+    nodes: int, link: Link, tag: Optional[str] = None, delay_queues: Optional[int] = None
+) -> Plan:
+    """The plan of a testbed of `nodes` nodes (2..250); `tag` defaults to <pid>-<random>,
+    `delay_queues` (the delay lines' queues, 1..16) to delay_line_queues()."""
     if not 2 <= nodes <= 250:
         raise ValueError(f"nodes must be 2..250, not {nodes}")
     tag = tag or f"{os.getpid()}-{secrets.token_hex(2)}"
@@ -348,9 +357,22 @@ def make_plan(nodes: int, link: Link, tag: Optional[str] = None) -> Plan:
     members = tuple(
         Node(i, f"{PREFIX}-{tag}-n{i}", f"nb{short}n{i}", f"{SUBNET}.{i + 1}") for i in range(nodes)
     )
+    queues = delay_line_queues() if delay_queues is None else delay_queues
+    if not 1 <= queues <= 16:
+        raise ValueError(f"delay_queues must be 1..16, not {queues}")
     if nodes == 2:
-        return Plan(tag, members, link)
-    return Plan(tag, members, link, hub=f"{PREFIX}-{tag}-hub", bridge=f"nb{short}br")
+        return Plan(tag, members, link, delay_queues=queues)
+    return Plan(
+        tag, members, link, hub=f"{PREFIX}-{tag}-hub", bridge=f"nb{short}br", delay_queues=queues
+    )
+
+
+def delay_line_queues(cpus: Optional[int] = None) -> int:
+    """Queues per delay line: one thread copies ~3 GB/s each way, so faster links need several
+    (the kernel puts each flow on one queue); each busy queue takes a core per direction, so a
+    quarter of the CPUs at most, 1..MAX_DELAY_QUEUES."""
+    cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))
+    return max(1, min(MAX_DELAY_QUEUES, cpus // 4))
 
 
 # ----------------------------------------------------------------------------- ip and tc
@@ -590,9 +612,10 @@ class Netbed:
         iproute2: Optional[str] = None,
         tag: Optional[str] = None,
         log: Optional[IO[str]] = None,
+        delay_queues: Optional[int] = None,
     ) -> None:
         self.tools = find_tools(iproute2)
-        self.plan = make_plan(nodes, link, tag)
+        self.plan = make_plan(nodes, link, tag, delay_queues)
         self.log = log
         self._reaper: Optional[subprocess.Popen] = None
         self._procs: list[subprocess.Popen] = []

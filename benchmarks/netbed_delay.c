@@ -3,23 +3,28 @@
 // fixed one-way delay before handing it to the other side. It stands in for
 // the kernel's netem qdisc, which the kernels this project runs on lack.
 //
-//   netbed_delay NETNS_A IFNAME_A NETNS_B IFNAME_B DELAY_A_TO_B_NS DELAY_B_TO_A_NS
+//   netbed_delay NETNS_A IFNAME_A NETNS_B IFNAME_B DELAY_A_TO_B_NS DELAY_B_TO_A_NS [QUEUES]
 //
 // Creates IFNAME_A inside NETNS_A and IFNAME_B inside NETNS_B (named
-// namespaces under /var/run/netns), prints "ready" and forwards frames until
+// namespaces under /var/run/netns), each with QUEUES queues (default 1),
+// prints "ready" and forwards frames until
 // its standard input closes (its owner exited or died) or a signal ends it;
 // the interfaces go with it. The caller configures them (address, MTU, tbf
 // for the rate) like any other interface.
 //
 // The TAP interfaces take TCP segmentation and checksum offload (virtio-net
 // headers, as a VM's vhost does), so a TCP flow crosses in segments of up to
-// 64 KiB and one thread per direction keeps up with tens of Gbit/s. A frame
+// 64 KiB; one thread copies ~3 GB/s. For more, the interfaces take several
+// queues (IFF_MULTI_QUEUE): the kernel puts each flow on one queue by its
+// hash, and one thread per queue and direction forwards queue i of one side
+// to queue i of the other, so a flow's frames keep their order and several
+// flows (the sockets of a collective) cross in parallel. A frame
 // is stamped when it is read and written out once its delay has passed, in
 // the order frames came. A thread that is waking from sleep would add its
 // wake-up time (tens of us on a loaded machine) to the delay, so it polls
 // without sleeping while frames are due within kSpinNs and, after the last
 // frame, for kIdleSpinNs plus two round trips of delay (so a request and its
-// answer find both directions awake; one core per busy direction, yielding it
+// answer find both directions awake; one core per busy queue, yielding it
 // to anything else runnable); otherwise it sleeps in ppoll with a timer slack
 // of 1 ns.
 #define _GNU_SOURCE
@@ -42,7 +47,8 @@
 
 enum {
   kMaxFrame = 65536 + 64,  // a 64 KiB segment, its Ethernet and virtio-net headers
-  kSlots = 512,            // frames in flight per direction
+  kSlots = 512,            // frames in flight per queue and direction
+  kMaxQueues = 16,         // queues of a TAP interface, each a thread per direction
   kSpinNs = 30000,         // closer than this to a frame's time, poll without sleeping
   kIdleSpinNs = 200000,    // after the last frame, poll this long (+ 2 round trips) before sleeping
 };
@@ -72,28 +78,31 @@ static uint64_t now_ns(void) {
   return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
 }
 
-// A TAP interface `ifname` inside the named namespace `netns`, with offloads,
-// non-blocking. The calling thread is back in its own namespace afterwards.
-static int open_tap(const char* netns, const char* ifname) {
+// The `queues` queues of a TAP interface `ifname` inside the named namespace
+// `netns` (one descriptor each, in fds), with offloads, non-blocking. The
+// calling thread is back in its own namespace afterwards.
+static void open_tap(const char* netns, const char* ifname, int queues, int* fds) {
   char path[512];
   snprintf(path, sizeof path, "/var/run/netns/%s", netns);
   const int self = open("/proc/self/ns/net", O_RDONLY | O_CLOEXEC);
   const int target = open(path, O_RDONLY | O_CLOEXEC);
   if (self < 0 || target < 0) die("cannot open the namespace", path);
   if (setns(target, CLONE_NEWNET) != 0) die("cannot enter", path);
-  const int fd = open("/dev/net/tun", O_RDWR | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) die("cannot open", "/dev/net/tun");
-  struct ifreq ifr;
-  memset(&ifr, 0, sizeof ifr);
-  ifr.ifr_flags = IFF_TAP | IFF_NO_PI | IFF_VNET_HDR;
-  snprintf(ifr.ifr_name, IFNAMSIZ, "%s", ifname);
-  if (ioctl(fd, TUNSETIFF, &ifr) != 0) die("cannot create the TAP interface", ifname);
-  if (ioctl(fd, TUNSETOFFLOAD, TUN_F_CSUM | TUN_F_TSO4 | TUN_F_TSO6) != 0)
-    die("cannot set the offloads of", ifname);
+  for (int q = 0; q < queues; ++q) {
+    const int fd = open("/dev/net/tun", O_RDWR | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) die("cannot open", "/dev/net/tun");
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof ifr);
+    ifr.ifr_flags = IFF_TAP | IFF_NO_PI | IFF_VNET_HDR | (queues > 1 ? IFF_MULTI_QUEUE : 0);
+    snprintf(ifr.ifr_name, IFNAMSIZ, "%s", ifname);
+    if (ioctl(fd, TUNSETIFF, &ifr) != 0) die("cannot create the TAP interface", ifname);
+    if (ioctl(fd, TUNSETOFFLOAD, TUN_F_CSUM | TUN_F_TSO4 | TUN_F_TSO6) != 0)
+      die("cannot set the offloads of", ifname);
+    fds[q] = fd;
+  }
   if (setns(self, CLONE_NEWNET) != 0) die("cannot go back to", "/proc/self/ns/net");
   close(self);
   close(target);
-  return fd;
 }
 
 static void* forward(void* arg) {
@@ -150,32 +159,54 @@ static void* forward(void* arg) {
   return NULL;
 }
 
-static uint64_t parse_ns(const char* text) {
+static uint64_t parse_u64(const char* text, const char* what) {
   char* end = NULL;
   const unsigned long long v = strtoull(text, &end, 10);
   if (!*text || *end) {
-    fprintf(stderr, "netbed_delay: not a delay in ns: %s\n", text);
+    fprintf(stderr, "netbed_delay: not %s: %s\n", what, text);
     exit(2);
   }
   return v;
 }
 
 int main(int argc, char** argv) {
-  if (argc != 7) {
+  if (argc != 7 && argc != 8) {
     fprintf(stderr,
             "usage: netbed_delay NETNS_A IFNAME_A NETNS_B IFNAME_B DELAY_A_TO_B_NS "
-            "DELAY_B_TO_A_NS\n");
+            "DELAY_B_TO_A_NS [QUEUES]\n");
     return 2;
   }
-  static struct Direction ab, ba;
-  const int a = open_tap(argv[1], argv[2]), b = open_tap(argv[3], argv[4]);
-  ab = (struct Direction){.name = argv[2], .src = a, .dst = b, .delay_ns = parse_ns(argv[5])};
-  ba = (struct Direction){.name = argv[4], .src = b, .dst = a, .delay_ns = parse_ns(argv[6])};
-  ab.idle_spin_ns = ba.idle_spin_ns = kIdleSpinNs + 2 * (ab.delay_ns + ba.delay_ns);
-  pthread_t t[2];
-  if (pthread_create(&t[0], NULL, forward, &ab) != 0 ||
-      pthread_create(&t[1], NULL, forward, &ba) != 0)
-    die("cannot start", "the forwarding threads");
+  const uint64_t queues = argc == 8 ? parse_u64(argv[7], "a queue count") : 1;
+  if (queues < 1 || queues > kMaxQueues) {
+    fprintf(stderr, "netbed_delay: QUEUES must be 1..%d, not %s\n", kMaxQueues, argv[7]);
+    return 2;
+  }
+  const int nq = (int)queues;
+  int a[kMaxQueues], b[kMaxQueues];
+  open_tap(argv[1], argv[2], nq, a);
+  open_tap(argv[3], argv[4], nq, b);
+  const uint64_t delay_ab = parse_u64(argv[5], "a delay in ns"),
+                 delay_ba = parse_u64(argv[6], "a delay in ns");
+  const uint64_t idle_spin_ns = kIdleSpinNs + 2 * (delay_ab + delay_ba);
+  // Direction structs are large (their slot tables): static, one per queue and direction.
+  static struct Direction dirs[2 * kMaxQueues];
+  pthread_t t[2 * kMaxQueues];
+  for (int q = 0; q < nq; ++q) {
+    dirs[2 * q] = (struct Direction){.name = argv[2],
+                                     .src = a[q],
+                                     .dst = b[q],
+                                     .delay_ns = delay_ab,
+                                     .idle_spin_ns = idle_spin_ns};
+    dirs[2 * q + 1] = (struct Direction){.name = argv[4],
+                                         .src = b[q],
+                                         .dst = a[q],
+                                         .delay_ns = delay_ba,
+                                         .idle_spin_ns = idle_spin_ns};
+  }
+  for (int i = 0; i < 2 * nq; ++i) {
+    if (pthread_create(&t[i], NULL, forward, &dirs[i]) != 0)
+      die("cannot start", "the forwarding threads");
+  }
   printf("ready\n");
   fflush(stdout);
   // Until the owner closes our standard input (or dies): then the interfaces go.

@@ -129,8 +129,10 @@ def test_plan_of_a_veth_pair() -> None:
     qdiscs = [c for c in cmds if c[0] == "tc"]
     # with a delay: the delay line makes the two interfaces, 20 us each way, instead of a veth
     ns0, ns1 = (n.netns for n in plan.nodes)
+    # (and as many queues as delay_line_queues() gives this machine)
+    q = str(nb.delay_line_queues())
     assert [c for c in cmds if c[0] == "delay"] == [
-        ["delay", ns0, "nbbeefn0", ns1, "nbbeefn1", "20000", "20000"]
+        ["delay", ns0, "nbbeefn0", ns1, "nbbeefn1", "20000", "20000", q]
     ]
     assert not any("veth" in c for c in cmds)
     assert ["ip", "-n", ns0, "link", "set", "nbbeefn0", "txqueuelen", "10000"] in cmds
@@ -173,6 +175,12 @@ def test_plan_of_a_veth_pair() -> None:
                for n, c in zip(plan.nodes, rps))  # fmt: skip
 
 
+def test_delay_line_queues() -> None:
+    """A queue per four CPUs, 1 to MAX_DELAY_QUEUES; the plan takes this machine's count."""
+    assert [nb.delay_line_queues(c) for c in (1, 2, 4, 7, 8, 16, 64)] == [1, 1, 1, 1, 2, 4, 4]
+    assert nb.make_plan(2, nb.parse_link("1gbit,5us")).delay_queues == nb.delay_line_queues()
+
+
 def test_rps_mask() -> None:
     assert nb.rps_mask([0]) == "00000001"
     assert nb.rps_mask([0, 1]) == "00000003"
@@ -184,6 +192,7 @@ def test_rps_mask() -> None:
 
 def test_plan_of_a_bridge() -> None:
     plan = nb.make_plan(3, nb.parse_link("10gbit,10us"), tag="77-0a0b")
+    q = str(plan.delay_queues)
     assert plan.hub == "netbed-77-0a0b-hub" and plan.bridge == "nb0a0bbr"
     assert plan.namespaces[-1] == plan.hub
     cmds = plan.setup_commands()
@@ -194,7 +203,7 @@ def test_plan_of_a_bridge() -> None:
         hub_end = [c for c in cmds if c[0] == "tc" and port in c]
         # the rate on both ends; the delay once per path: node to hub only
         assert [c[c.index("handle") + 2] for c in node_end + hub_end] == ["tbf", "tbf"]
-        assert ["delay", n.netns, n.ifname, plan.hub, port, "10000", "0"] in cmds
+        assert ["delay", n.netns, n.ifname, plan.hub, port, "10000", "0", q] in cmds
 
 
 def test_command_line_plan_and_torchrun_commands(capsys: pytest.CaptureFixture) -> None:
@@ -333,15 +342,17 @@ def _round_trip_us(bed: object) -> float:
     return float(out.split()[-1])
 
 
-def test_delay_line_holds_each_direction(tools: object, delay_line: str) -> None:
+@pytest.mark.parametrize("queues", [1, 2])
+def test_delay_line_holds_each_direction(tools: object, delay_line: str, queues: int) -> None:
     """A round trip over the delayed link takes both directions' delay more than over a veth
-    pair, and bulk TCP still gets the shaped rate."""
+    pair, and bulk TCP still gets the shaped rate, with TAP interfaces of one queue and of
+    several (flows spread over the queues by the kernel, a forwarding thread each)."""
     if delay_line:
         pytest.skip(delay_line)
     delay_us = 300.0
     with nb.Netbed(2, nb.parse_link(RATE)) as bed:
         plain = _round_trip_us(bed)
-    with nb.Netbed(2, nb.parse_link(f"{RATE},{delay_us:g}us")) as bed:
+    with nb.Netbed(2, nb.parse_link(f"{RATE},{delay_us:g}us"), delay_queues=queues) as bed:
         tag = bed.plan.tag
         delayed = _round_trip_us(bed)
         gbps = bed.tcp_ceiling(streams=2, seconds=1.0)
