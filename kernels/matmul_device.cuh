@@ -173,17 +173,21 @@ __device__ __forceinline__ float activate(float v) {
 // ---- lean activations (the TMA epilogues of the Hopper kernel) ---------------
 //
 // The same functions as activate<ACT, true> in fewer instructions, for 16-bit
-// outputs only: the ftz forms of the hardware ex2 / rcp (one MUFU op each, no
-// denormal fix-ups), constants folded, and for gelu_tanh / silu a software
-// reciprocal on every other element. The epilogue math of a 128 x 256 tile
-// runs on the special-function unit (16 results per clock per SM on sm_90,
-// 2 per element: ex2 and rcp) while the tensor cores wait, so moving one
-// reciprocal in two to the FMA pipe (8 issue slots) takes the MUFU time per
-// element pair from 4 to 3 ops. Largest error against float64 over 4M points
-// of [-20, 20] (scripts/check_lean_act.py: float32 emulation, ex2 / rcp exact
-// and off by their PTX error bounds): error / max(|y|, 1) gelu 2.7e-7,
-// gelu_tanh 3.0e-7, silu 3.2e-7 (absolute 4.2e-7, 1.9e-6, 3.2e-6: the last
-// two at |x| near 20, one float32 ulp of x), against the 2^-9 (bf16) and
+// outputs only. The epilogue math of a 128 x 256 tile runs on the
+// special-function unit (MUFU: 16 results per clock per SM on sm_90) while the
+// tensor cores wait, so what counts is MUFU ops per element:
+//  * gelu_tanh: one hardware tanh (tanh.approx.f32, as CUTLASS's GELU_taylor
+//    uses), 0.5 v (1 + tanh(u)) as one FMA: error / max(|y|, 1) 5.5e-6 over
+//    [-20, 20] (benchmarks/tools/gelu_math_probe.cu, H100), absolute in the
+//    negative tail where 1 + tanh cancels (an output near -1e-3 is off by
+//    ~4e-6); the ex2 + rcp form that silu keeps takes 1.6x its time per
+//    element (same probe).
+//  * silu: ex2 and rcp (ftz forms, no denormal fix-ups), with a software
+//    reciprocal on the FMA pipe for every other element (3 MUFU ops per pair
+//    instead of 4): accurate in the tail, where silu decays slowly.
+//  * gelu (erf): Abramowitz & Stegun through one ex2 and one rcp.
+// Error against float64 over [-20, 20] for silu / gelu: error / max(|y|, 1)
+// ~3e-7 (one float32 ulp of x at |x| near 20), against the 2^-9 (bf16) and
 // 2^-12 (fp16) relative rounding of the output.
 
 __device__ __forceinline__ float ex2_ftz(float x) {
@@ -195,6 +199,12 @@ __device__ __forceinline__ float ex2_ftz(float x) {
 __device__ __forceinline__ float rcp_ftz(float x) {
   float y;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
 
@@ -211,9 +221,9 @@ __device__ __forceinline__ float rcp_soft(float d) {
   return r;
 }
 
-// x * sigmoid(x * (a + b x^2)) with a, b the folded constants of gelu_tanh
-// (b != 0) or silu (b == 0): ex2 of the negated, log2e-scaled argument, then
-// x / (1 + e) with the hardware (SOFT = false) or the software reciprocal.
+// x * sigmoid(x * a) (silu: a = -log2(e)): ex2 of the negated, log2e-scaled
+// argument, then x / (1 + e) with the hardware (SOFT = false) or the software
+// reciprocal.
 template <bool SOFT>
 __device__ __forceinline__ float mul_sigmoid_lean(float x, float arg_log2) {
   const float d = 1.0f + ex2_ftz(arg_log2);  // +inf for very negative x: x * 0 = -0
@@ -244,7 +254,7 @@ __host__ __device__ constexpr bool act_has_math(Act act) {
 
 // Activation of a float32 accumulator whose result is rounded to a 16-bit
 // type next. ODD: the second element of a pair (takes the software
-// reciprocal for gelu_tanh / silu).
+// reciprocal for silu).
 template <Act ACT, bool ODD>
 __device__ __forceinline__ float activate_lean(float v) {
   if constexpr (ACT == Act::kRelu) {
@@ -252,9 +262,10 @@ __device__ __forceinline__ float activate_lean(float v) {
   } else if constexpr (ACT == Act::kGelu) {
     return gelu_erf_lean(v);
   } else if constexpr (ACT == Act::kGeluTanh) {
-    // -2 log2(e) sqrt(2 / pi) v (1 + 0.044715 v^2)
-    constexpr float a = -2.3022081983f, b = a * 0.044715f;
-    return mul_sigmoid_lean<ODD>(v, v * fmaf(b, v * v, a));
+    // 0.5 v (1 + tanh(u)), u = sqrt(2 / pi) (v + 0.044715 v^3)
+    constexpr float k = 0.79788456080286536f, k3 = k * 0.044715f;
+    const float h = 0.5f * v;
+    return fmaf(h, tanh_approx(v * fmaf(k3, v * v, k)), h);
   } else if constexpr (ACT == Act::kSilu) {
     return mul_sigmoid_lean<ODD>(v, v * -1.4426950408889634f);
   } else {

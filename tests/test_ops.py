@@ -133,14 +133,50 @@ def test_activation_negative_tail_elementwise(device, dtype, act):
     y = ops.linear(x_in, w, None, act).double().cpu().reshape(-1)
     v = x_in.double().cpu().reshape(-1)
     # Tail-accurate float64 references (F.gelu's 1 + erf cancels in float64 as well).
-    if act == "gelu":
-        ref = 0.5 * v * torch.special.erfc(-v / math.sqrt(2.0))
-    elif act == "gelu_tanh":
-        ref = v * torch.sigmoid(2.0 * math.sqrt(2.0 / math.pi) * (v + 0.044715 * v**3))
-    else:
-        ref = v * torch.sigmoid(v)
+    ref = _tail_accurate_ref(v, act)
     rel = ((y - ref).abs() / ref.abs()).max().item()
     assert rel < RTOL[dtype], (act, rel)
+
+
+def _tail_accurate_ref(v: torch.Tensor, act: str) -> torch.Tensor:
+    """float64 references without the 1 + erf / 1 + tanh cancellation of the negative tail."""
+    if act == "gelu":
+        return 0.5 * v * torch.special.erfc(-v / math.sqrt(2.0))
+    if act == "gelu_tanh":
+        return v * torch.sigmoid(2.0 * math.sqrt(2.0 / math.pi) * (v + 0.044715 * v**3))
+    return v * torch.sigmoid(v)
+
+
+# The 16-bit epilogues' activation error beyond the output's rounding, relative to
+# max(|y|, 1): gelu_tanh takes the hardware tanh, whose absolute error the 1 + tanh
+# cancellation keeps in the negative tail (5.5e-6 measured; kernels/matmul_device.cuh).
+ACT_ERR_16BIT = 1e-4
+
+
+@pytest.mark.cuda(1)
+@_skip_no_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("m, n", [(8192, 256), (40, 4096), (3, 4096)])
+def test_activation_16bit_elementwise(dtype, act, m, n):
+    """Every output of the smooth activations of a 16-bit linear within the output's rounding
+    plus ACT_ERR_16BIT of max(|y|, 1) of float64, element by element, on the epilogues these
+    shapes take (full tiles; row blocks partly past M; few rows): the pre-activation is exact
+    (one non-zero product per output, scaled by powers of two)."""
+    k = 64
+    lo, hi = (-8.0, 8.0) if m > 64 else (-6.0, -1.0)  # few rows: the tail, where errors peak
+    rows = torch.linspace(lo, hi, m, dtype=torch.float64).to(dtype)
+    x = torch.zeros(m, k, dtype=dtype)
+    x[:, 0] = rows
+    w = torch.zeros(n, k, dtype=dtype)
+    w[:, 0] = 2.0 ** (torch.arange(n) % 4 - 2).to(dtype)  # x 1/4, 1/2, 1, 2
+    y = ops.linear(x.cuda(), w.cuda(), None, act).double().cpu()
+    v = rows.double()[:, None] * w[:, 0].double()[None, :]
+    ref = _tail_accurate_ref(v, act)
+    half_ulp = 2.0**-9 if dtype == torch.bfloat16 else 2.0**-12  # relative rounding of y
+    err = (y - ref).abs() / ref.abs().clamp(min=1.0)
+    bound = 2 * half_ulp + ACT_ERR_16BIT
+    assert err.max().item() <= bound, (act, err.max().item(), v.flatten()[err.argmax()].item())
 
 
 @pytest.mark.parametrize("device", DEVICES)
