@@ -75,6 +75,7 @@ NET_ENV = {"NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket"}
 DELAY_LINE_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "netbed_delay.c")
 TAP_TXQUEUELEN = 10000  # frames a TAP holds for the delay line to read (it drops beyond)
 MAX_DELAY_QUEUES = 4  # queues per delay line: a forwarding thread (a busy core) per queue and way
+DELAY_QUEUES_LIMIT = 16  # the most queues the delay line takes (netbed_delay.c's kMaxQueues)
 MAX_GSO_BYTES = 64 << 10  # veth passes TCP segments of up to 64 KiB through the qdiscs
 MIN_QUEUE_BYTES = 4 << 20
 MIN_MTU, MAX_MTU = 576, 65535  # IPv4's smallest datagram every host takes; veth's largest
@@ -349,7 +350,7 @@ def make_plan(
     nodes: int, link: Link, tag: Optional[str] = None, delay_queues: Optional[int] = None
 ) -> Plan:
     """The plan of a testbed of `nodes` nodes (2..250); `tag` defaults to <pid>-<random>,
-    `delay_queues` (the delay lines' queues, 1..16) to delay_line_queues()."""
+    `delay_queues` (the delay lines' queues, 1..DELAY_QUEUES_LIMIT) to delay_line_queues()."""
     if not 2 <= nodes <= 250:
         raise ValueError(f"nodes must be 2..250, not {nodes}")
     tag = tag or f"{os.getpid()}-{secrets.token_hex(2)}"
@@ -358,8 +359,8 @@ def make_plan(
         Node(i, f"{PREFIX}-{tag}-n{i}", f"nb{short}n{i}", f"{SUBNET}.{i + 1}") for i in range(nodes)
     )
     queues = delay_line_queues() if delay_queues is None else delay_queues
-    if not 1 <= queues <= 16:
-        raise ValueError(f"delay_queues must be 1..16, not {queues}")
+    if not 1 <= queues <= DELAY_QUEUES_LIMIT:
+        raise ValueError(f"delay_queues must be 1..{DELAY_QUEUES_LIMIT}, not {queues}")
     if nodes == 2:
         return Plan(tag, members, link, delay_queues=queues)
     return Plan(
