@@ -87,16 +87,21 @@ __device__ __forceinline__ float tanh_arg(float v) {
   return v * fmaf(0.79788456080286536f * 0.044715f, v * v, 0.79788456080286536f);
 }
 
+// A form computed on pairs, applied to four elements as two pairs.
+template <typename Form>
+struct Pairwise {
+  __device__ static void quad(float& a, float& b, float& c, float& d) {
+    Form::pair(a, b);
+    Form::pair(c, d);
+  }
+};
+
 // x / (1 + 2^arg), the hardware reciprocal on the first of a pair, the software one on the second.
-struct FormEx2Rcp {
+struct FormEx2Rcp : Pairwise<FormEx2Rcp> {
   static constexpr const char* kName = "ex2 + rcp (3 MUFU/pair)";
   __device__ static void pair(float& v0, float& v1) {
     v0 = v0 * lean::rcp_ftz(1.0f + lean::ex2_ftz(ex2_arg(v0)));
     v1 = v1 * lean::rcp_soft(1.0f + lean::ex2_ftz(ex2_arg(v1)));
-  }
-  __device__ static void quad(float& a, float& b, float& c, float& d) {
-    pair(a, b);
-    pair(c, d);
   }
 };
 
@@ -112,7 +117,7 @@ struct FormTanh {
 };
 
 // tanh.approx.f16x2 on the pair's arguments rounded to half precision.
-struct FormTanhF16x2 {
+struct FormTanhF16x2 : Pairwise<FormTanhF16x2> {
   static constexpr const char* kName = "tanh.f16x2";
   __device__ static void pair(float& v0, float& v1) {
     uint32_t h;
@@ -122,10 +127,6 @@ struct FormTanhF16x2 {
     const float h0 = 0.5f * v0, h1 = 0.5f * v1;
     v0 = fmaf(h0, f.x, h0);
     v1 = fmaf(h1, f.y, h1);
-  }
-  __device__ static void quad(float& a, float& b, float& c, float& d) {
-    pair(a, b);
-    pair(c, d);
   }
 };
 
