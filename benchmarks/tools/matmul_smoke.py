@@ -36,6 +36,10 @@ TOL = {torch.float16: 2e-3, torch.bfloat16: 1.2e-2, torch.float32: 1e-5}
 # the bias may cancel most of the product.
 TOL_TF32 = 1e-2
 ACTS = ("none", "relu", "gelu", "gelu_tanh", "silu")
+# The 16-bit epilogues' gelu_tanh through the hardware tanh is off by up to ~5.5e-6 absolute
+# where 1 + tanh cancels (the negative tail, docs/matmul.md): a single tail output is off by
+# more than the type's relative rounding, as cuBLASLt's fused GELU is.
+ACT_ATOL = {"gelu_tanh": 1e-5}
 SMALL = [(1, 1, 1), (7, 13, 5), (33, 65, 17), (129, 200, 72), (130, 264, 136)]
 # Edges with TMA stores (N % 8 == 0), several tiles per CTA (ping-pong turns,
 # stage phases wrapping), long K.
@@ -57,15 +61,16 @@ EXTRAS = {
 }
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """Relative error, with the output type's smallest normal number per element added to the
-    reference's norm: an output in float16's subnormal range (a lone 1x1x1 linear + GELU of a
-    negative input) is rounded by an absolute step, not a relative one."""
-    tiny = torch.finfo(out.dtype).tiny * math.sqrt(max(out.numel(), 1))
+def error_ratio(out: torch.Tensor, ref: torch.Tensor, tol: float, atol: float = 0.0) -> float:
+    """Relative error over `tol`, with an absolute floor per element added to the allowed
+    error: the output type's smallest normal number times `tol` (an output in float16's
+    subnormal range, a lone 1x1x1 linear + GELU of a negative input, is rounded by an absolute
+    step, not a relative one) and `atol` (an activation whose error is absolute, see ACT_ATOL)."""
+    floor = (torch.finfo(out.dtype).tiny * tol + atol) * math.sqrt(max(out.numel(), 1))
     out = out.double()
     if not torch.isfinite(out).all():
         return float("inf")
-    return ((out - ref).norm() / (ref.norm() + tiny)).item()
+    return ((out - ref).norm() / (tol * ref.norm() + floor)).item()
 
 
 def poison() -> None:
@@ -105,7 +110,7 @@ def check(
                 aa, bb = operands[name_a], operands[name_b]
                 poison()
                 out = torch.ops.fastcomm.matmul(aa, bb)
-                ratio = rel_err(out, aa.double() @ bb.double()) / tol[dt]
+                ratio = error_ratio(out, aa.double() @ bb.double(), tol[dt])
                 record(ratio, f"{dt} {m}x{n}x{k} matmul {name_a} @ {name_b}", aa, bb, "none")
             if not linear:
                 continue
@@ -121,7 +126,8 @@ def check(
                     "silu": F.silu(pre),
                     "gelu_tanh": F.gelu(pre, approximate="tanh"),
                 }[act]
-                ratio = rel_err(y, ref) / tol[dt]
+                atol = ACT_ATOL.get(act, 0.0) if dt != torch.float32 else 0.0
+                ratio = error_ratio(y, ref, tol[dt], atol)
                 record(ratio, f"{dt} {m}x{n}x{k} linear {act}", a, w.t(), act)
     torch.cuda.synchronize()
     return worst, failures
