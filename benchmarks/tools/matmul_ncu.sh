@@ -37,6 +37,8 @@ wanted=(
   lts__t_sectors_op_write.sum
   dram__bytes_read.sum
   dram__bytes_write.sum
+  lts__throughput.avg.pct_of_peak_sustained_elapsed
+  dram__throughput.avg.pct_of_peak_sustained_elapsed
   smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio
   smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio
   smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio
